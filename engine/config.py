@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 Family = Literal["gemma3", "gemma4"]
 
 
@@ -248,7 +250,7 @@ def _gemma4_from_hf(k: _Keys) -> ModelConfig:
 
 
 def _per_layer(value: Any, num_layers: int, key: str, source: str) -> list[Any]:
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, np.ndarray)):
         if len(value) != num_layers:
             raise ConfigError(f"{source}: {key} has {len(value)} entries for {num_layers} layers")
         return list(value)

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from .config import ConfigError, ModelConfig
+from .gguf import GGUFError, GGUFFile, read_gguf
 from .model import GemmaModel
 from .quant import PackedTensor, UnsupportedTensorType, from_numpy
 
@@ -32,7 +34,7 @@ class Checkpoint:
     format: Literal["gguf", "hf"]
     config: ModelConfig
     tensors: dict[str, torch.Tensor | PackedTensor]  # our parameter names -> source tensors (not yet converted)
-    gguf: GGUFReader | None = None
+    gguf: GGUFFile | None = None
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -106,46 +108,39 @@ def _gguf_name(name: str) -> str | None:
     return None
 
 
-def read_gguf(path: Path) -> GGUFReader:
-    try:
-        # Copy-on-write keeps the map zero-copy while giving torch the writable arrays it wants.
-        return GGUFReader(path, "c")
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path} not found") from None
-    except Exception as exc:
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-
-
 def _open_gguf(path: Path) -> Checkpoint:
-    reader = read_gguf(path)
-    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-    by_name = {t.name: t for t in reader.tensors}
+    try:
+        gguf = read_gguf(path)
+    except GGUFError as exc:
+        raise ModelLoadError(str(exc)) from None
+    fields = dict(gguf.fields)
     arch = fields.get("general.architecture")
-    if "token_embd.weight" in by_name:
-        fields.setdefault(f"{arch}.vocab_size", int(by_name["token_embd.weight"].shape[-1]))
-    rope_freqs = by_name.get("rope_freqs.weight")
+    if "token_embd.weight" in gguf.tensors:
+        fields.setdefault(f"{arch}.vocab_size", gguf.tensors["token_embd.weight"].shape[0])
+    rope_freqs = gguf.tensors.get("rope_freqs.weight")
     try:
         config = ModelConfig.from_gguf_fields(
             fields,
-            set(by_name),
-            rope_freqs=[float(f) for f in rope_freqs.data] if rope_freqs is not None else None,
+            set(gguf.tensors),
+            rope_freqs=rope_freqs.data.view(np.float32).tolist() if rope_freqs is not None else None,
             source=str(path),
         )
     except ConfigError as exc:
         raise ModelLoadError(str(exc)) from None
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
-    for t in reader.tensors:
+    for t in gguf.tensors.values():
         ours = _gguf_name(t.name)
         if ours is None:
             if t.name == "rope_freqs.weight":
                 continue  # folded into the config
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for architecture {arch}")
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        if not isinstance(t.qtype, GGMLQuantizationType):
+            raise ModelLoadError(f"{path}: tensor {t.name} has unknown GGUF tensor type id {t.qtype}")
         try:
-            tensors[ours] = PackedTensor(from_numpy(t.data), GGMLQuantizationType(t.tensor_type), shape)
+            tensors[ours] = PackedTensor(from_numpy(t.data), t.qtype, t.shape)
         except UnsupportedTensorType as exc:
             raise ModelLoadError(f"{path}: tensor {t.name}: {exc}") from None
-    return Checkpoint(path, "gguf", config, tensors, reader)
+    return Checkpoint(path, "gguf", config, tensors, gguf)
 
 
 # --- HF safetensors ----------------------------------------------------------------------------------------------

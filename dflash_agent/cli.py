@@ -1,0 +1,125 @@
+"""The `dflash-agent` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from functools import wraps
+
+import click
+
+from .engine.config import ConfigError
+from .engine.engine import Engine, FinalEvent, GenerateRequest
+from .engine.model import ContextOverflowError
+from .engine.quant import UnsupportedTensorType
+from .engine.sampling import SamplingParams, StopCriteria
+from .engine.tokenizer import TokenizerError
+from .engine.weights import ModelLoadError
+
+log = logging.getLogger("dflash_agent")
+
+# Errors a user can cause and fix; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ModelLoadError, ConfigError, ContextOverflowError, UnsupportedTensorType, TokenizerError, ValueError,
+               OSError)
+
+
+def model_options(f):
+    """Options shared by every command that loads a model."""
+    f = click.option("--model", "-m", default="embedded", show_default=True,
+                     help="'embedded', a .gguf file, a Hugging Face model directory, or a hub id.")(f)
+    f = click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)(f)
+    f = click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+                     show_default=True, help="auto: float32 on CPU, bfloat16 on CUDA.")(f)
+    f = click.option("--ctx-size", type=click.IntRange(min=16), default=None,
+                     help="Context length in tokens (default: 8192, capped by the model).")(f)
+    return f
+
+
+def user_errors(f):
+    """One line on stderr and exit 1 for a user's mistake; the traceback only with --verbose."""
+
+    @wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except USER_ERRORS as exc:
+            if logging.getLogger().isEnabledFor(logging.DEBUG):
+                raise
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group()
+@click.option("--verbose", "-v", is_flag=True, help="Debug logs and full tracebacks.")
+def main(verbose: bool) -> None:
+    """dflash-agent: a local Gemma backend for coding agents."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@main.command()
+@click.argument("prompt")
+@model_options
+@click.option("--max-tokens", "-n", type=click.IntRange(min=0), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@user_errors
+def generate(prompt, model, device, dtype, ctx_size, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+             as_json):
+    """Raw completion of PROMPT (no chat template), streamed to stdout."""
+    started = time.perf_counter()
+    engine = Engine.load(model=model, device=device, dtype=dtype, ctx_size=ctx_size, progress=not as_json)
+    load_ms = (time.perf_counter() - started) * 1e3
+    request = GenerateRequest(
+        prompt_ids=engine.tokenizer.encode(prompt, add_bos=True),
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+        stop=StopCriteria(strings=tuple(stop)),
+        max_tokens=max_tokens,
+    )
+    text, ids, final = asyncio.run(_collect(engine, request, stream=not as_json))
+    engine.close()
+    if as_json:
+        stats = {
+            "model": engine.model_name,
+            "device": str(engine.model.device),
+            "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "n_ctx": engine.n_ctx,
+            "load_ms": round(load_ms, 1),
+        }
+        click.echo(json.dumps({
+            "text": text,
+            "token_ids": ids,
+            "finish_reason": final.finish_reason,
+            "timings": asdict(final.timings),
+            "stats": stats,
+        }, ensure_ascii=False))
+    else:
+        click.echo()
+
+
+async def _collect(engine: Engine, request: GenerateRequest, stream: bool) -> tuple[str, list[int], FinalEvent]:
+    parts: list[str] = []
+    ids: list[int] = []
+    async for event in engine.generate(request):
+        if isinstance(event, FinalEvent):
+            return "".join(parts), ids, event
+        parts.append(event.text_delta)
+        ids.extend(event.ids)
+        if stream:
+            sys.stdout.write(event.text_delta)
+            sys.stdout.flush()
+    raise RuntimeError("the engine ended a stream without a final event")

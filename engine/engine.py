@@ -1,0 +1,267 @@
+"""The engine: one worker thread owns the model and serves queued requests; callers read an async event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .model import ContextOverflowError, GemmaModel
+from .sampling import Sampler, SamplingParams, StopCriteria, StopStringFilter
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CTX = 8192
+PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopCriteria = field(default_factory=StopCriteria)
+    max_tokens: int | None = None  # None: until a stop or the context is full
+    grammar: Any = None  # a token mask provider from the chat layer; not applied by the plain decode loop yet
+    request_id: str = ""
+
+
+@dataclass
+class Timings:
+    """llama.cpp's names, so clients that read its `timings` object read ours."""
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    prompt_per_second: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_second: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class TokenEvent:
+    ids: list[int]
+    text_delta: str
+
+
+@dataclass
+class FinalEvent:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: Usage
+    timings: Timings
+    stop: int | str | None = None  # the stop token id or stop string that ended generation
+
+
+@dataclass
+class ErrorEvent:
+    error: Exception
+
+
+Event = TokenEvent | FinalEvent
+
+
+@dataclass
+class _Job:
+    request: GenerateRequest
+    emit: Callable[[TokenEvent | FinalEvent | ErrorEvent], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Engine:
+    def __init__(self, model: GemmaModel, tokenizer: Tokenizer, n_ctx: int, model_name: str = "") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self.model_name = model_name
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._cache = model.new_cache(n_ctx)
+        self._worker = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def load(
+        cls,
+        model: str = EMBEDDED,
+        draft: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        ctx_size: int | None = None,
+        progress: bool = True,
+    ) -> Engine:
+        if draft is not None:
+            raise ValueError("speculative drafting is not available yet; run without --draft")
+        torch_device = pick_device(device)
+        torch_dtype = pick_dtype(dtype, torch_device)
+        path = resolve_model_path(model)
+        log.info("loading %s on %s as %s", path, torch_device, torch_dtype)
+        started = time.perf_counter()
+        ckpt = open_checkpoint(path)
+        tokenizer = Tokenizer.from_gguf(path, reader=ckpt.gguf) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
+        net = build_model(ckpt, torch_device, torch_dtype, progress=progress)
+        n_ctx = min(ctx_size or DEFAULT_CTX, ckpt.config.max_position_embeddings)
+        log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)
+        return cls(net, tokenizer, n_ctx, model_name=Path(path).name if model == EMBEDDED else model)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Queue the request and yield its events; raises ContextOverflowError / ValueError for bad requests."""
+        self._validate(request)
+        if not request.request_id:
+            request.request_id = f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = _Job(request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        with self._lock:
+            if request.request_id in self._jobs:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            self._jobs[request.request_id] = job
+        self._queue.put(job)
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                yield event
+                if isinstance(event, FinalEvent):
+                    return
+        finally:
+            # A consumer that stops reading (client disconnect) cancels its generation.
+            job.cancelled.set()
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        job.cancelled.set()
+        return True
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=10)
+
+    def _validate(self, request: GenerateRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range (vocabulary of {vocab})")
+        if len(request.prompt_ids) >= self.n_ctx:
+            raise ContextOverflowError(len(request.prompt_ids) + 1, self.n_ctx)
+        if request.max_tokens is not None and request.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {request.max_tokens}")
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                if not job.cancelled.is_set():
+                    self._decode(job)
+                else:
+                    job.emit(FinalEvent("cancelled", Usage(len(job.request.prompt_ids), 0), Timings()))
+            except Exception as exc:  # surfaced to the caller; the worker keeps serving
+                log.exception("request %s failed", job.request.request_id)
+                job.emit(ErrorEvent(exc))
+            finally:
+                with self._lock:
+                    self._jobs.pop(job.request.request_id, None)
+
+    def _decode(self, job: _Job) -> None:
+        """Plain autoregressive decoding of one request."""
+        req, model, cache = job.request, self.model, self._cache
+        device = model.device
+        sampler = Sampler(req.sampling, device)
+        stop_ids = self.tokenizer.stop_ids | req.stop.token_ids
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringFilter(req.stop.strings)
+        budget = self.n_ctx - len(req.prompt_ids)
+        max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
+        timings = Timings(prompt_n=len(req.prompt_ids))
+
+        started = time.perf_counter()
+        cache.reset()
+        prompt = torch.tensor(req.prompt_ids, device=device)
+        for chunk in prompt.split(PREFILL_CHUNK):
+            logits = model(chunk, cache).logits
+        timings.prompt_ms = (time.perf_counter() - started) * 1e3
+
+        decode_started = time.perf_counter()
+        generated: list[int] = []
+        finish, matched = "length", None
+        while len(generated) < max_tokens:
+            if job.cancelled.is_set():
+                finish = "cancelled"
+                break
+            token = sampler(logits[0])
+            if token in stop_ids:
+                finish, matched = "stop", token
+                break
+            generated.append(token)
+            text, matched = stops.push(detok.push([token]))
+            job.emit(TokenEvent([token], text))
+            if matched is not None:
+                finish = "stop"
+                break
+            if len(generated) < max_tokens:
+                logits = model(torch.tensor([token], device=device), cache).logits
+        if not isinstance(matched, str):
+            # Bytes the detokenizer held back, then whatever the stop filter held back.
+            text, hit = stops.push(detok.flush())
+            tail = text if hit else text + stops.flush()
+            if hit:
+                finish, matched = "stop", hit
+            if tail:
+                job.emit(TokenEvent([], tail))
+        timings.predicted_n = len(generated)
+        timings.predicted_ms = (time.perf_counter() - decode_started) * 1e3
+        timings.prompt_per_second = _rate(timings.prompt_n, timings.prompt_ms)
+        timings.predicted_per_second = _rate(timings.predicted_n, timings.predicted_ms)
+        job.emit(FinalEvent(finish, Usage(len(req.prompt_ids), len(generated)), timings, matched))
+
+
+def _rate(n: int, ms: float) -> float:
+    return n / ms * 1e3 if ms > 0 else 0.0
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r} (auto, cpu, cuda)")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPUs without native bf16 run float32 faster; GPUs want bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
+    return _DTYPES[dtype]

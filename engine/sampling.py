@@ -1,0 +1,105 @@
+"""Token selection (greedy, temperature, top-k, top-p, min-p, seed) and stop conditions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws tokens for one request; its own generator makes a seeded request reproducible."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution actually sampled from, after temperature and truncation; logits [..., V] float32."""
+        p = self.params
+        logits = logits.float() / p.temperature
+        if p.top_k and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """One token from logits [V]."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = self.probs(logits)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    token_ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+
+
+@dataclass
+class StopStringFilter:
+    """Streams text while holding back any tail that could still become a stop string."""
+
+    strings: tuple[str, ...]
+    _pending: str = field(default="", init=False)
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string if one completed). Text after a stop string is dropped."""
+        self._pending += text
+        hits = [(at, stop) for stop in self.strings if (at := self._pending.find(stop)) >= 0]
+        if hits:
+            at, stop = min(hits)
+            emitted, self._pending = self._pending[:at], ""
+            return emitted, stop
+        hold = max((_overlap(self._pending, s) for s in self.strings), default=0)
+        emitted = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(emitted):]
+        return emitted, None
+
+    def flush(self) -> str:
+        rest, self._pending = self._pending, ""
+        return rest
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of stop."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
