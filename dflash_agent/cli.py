@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 from functools import wraps
+from pathlib import Path
 
 import click
 
@@ -123,3 +124,19 @@ async def _collect(engine: Engine, request: GenerateRequest, stream: bool) -> tu
             sys.stdout.write(event.text_delta)
             sys.stdout.flush()
     raise RuntimeError("the engine ended a stream without a final event")
+
+
+@main.command()
+@click.option("--model", "-m", default="embedded", show_default=True, help="The model both engines run.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--decode-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cpu.json"),
+              show_default=True, help="Where to write the JSON result.")
+@user_errors
+def bench(model, prompt_tokens, decode_tokens, repeats, out):
+    """CPU benchmark: prefill and decode tok/s of this engine and of transformers, measured in one run."""
+    from .bench.cpu import report, run_cpu_bench
+
+    logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats), out)

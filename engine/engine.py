@@ -119,7 +119,7 @@ class Engine:
         log.info("loading %s on %s as %s", path, torch_device, torch_dtype)
         started = time.perf_counter()
         ckpt = open_checkpoint(path)
-        tokenizer = Tokenizer.from_gguf(path) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
+        tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress)
         n_ctx = min(ctx_size or DEFAULT_CTX, ckpt.config.max_position_embeddings)
         log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)

@@ -8,7 +8,7 @@ source of the type constants and block sizes, and the reference in tests.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ class GGUFFile:
     path: Path
     fields: dict[str, Any]  # numeric arrays as numpy arrays, string arrays as lists
     tensors: dict[str, GGUFTensor]
+    # Byte range of each metadata entry in the file, from its key's length prefix to the end of its value:
+    # what a cache keyed by the raw metadata (the tokenizer's) hashes.
+    field_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class _Cursor:
@@ -97,10 +100,13 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"{path}: GGUF version {version} is not supported (2, 3)")
     n_tensors, n_fields = cur.unpack("<Q"), cur.unpack("<Q")
     fields: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}
     try:
         for _ in range(n_fields):
+            start = cur.pos
             key = cur.string()
             fields[key] = cur.value(cur.unpack("<I"))
+            spans[key] = (start, cur.pos)
     except ValueError as exc:  # an unknown value type
         raise GGUFError(f"{path}: corrupt GGUF metadata ({exc})") from None
     infos = []
@@ -122,4 +128,4 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if begin + nbytes > data.shape[0]:
             raise GGUFError(f"{path}: tensor {name} lies past the end of the file (truncated download?)")
         tensors[name] = GGUFTensor(name, qtype, shape, data[begin : begin + nbytes])
-    return GGUFFile(path, fields, tensors)
+    return GGUFFile(path, fields, tensors, spans)

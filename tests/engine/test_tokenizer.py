@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_agent.engine import tokenizer as tokenizer_module
+from dflash_agent.engine.gguf import read_gguf
 from dflash_agent.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [
@@ -171,7 +172,7 @@ def test_second_start_uses_cache(
         assert again.encode(text) == gemma.encode(text)
 
 
-def test_toy_gguf_cache_key_reader_and_default_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_toy_gguf_cache_key_parsed_gguf_and_default_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_toy_gguf(tmp_path / "toy.gguf")
     calls: list[Path] = []
     convert = tokenizer_module._convert_gguf_tokenizer
@@ -187,8 +188,15 @@ def test_toy_gguf_cache_key_reader_and_default_root(tmp_path: Path, monkeypatch:
     assert first.stop_ids == frozenset({1, 6, 5})  # eos, eot_token_id, <end_of_turn> by name
     assert (first.bos_id, first.eos_id, first.pad_id, first.unk_id) == (2, 1, 0, 3)
 
-    # A weight loader's GGUFReader yields the same cache key without walking the file again.
-    second = Tokenizer.from_gguf(path, reader=gguf.GGUFReader(str(path)))
+    # The weight loader's parsed GGUFFile yields the same cache key without parsing the file again.
+    parsed = read_gguf(path)
+
+    def no_reparse(p):
+        raise AssertionError("parsed the GGUF again despite being handed one")
+
+    with monkeypatch.context() as m:
+        m.setattr(tokenizer_module, "read_gguf", no_reparse)
+        second = Tokenizer.from_gguf(path, gguf=parsed)
     assert len(calls) == 1
     assert second.encode("abc a\nb") == first.encode("abc a\nb")
 
@@ -210,12 +218,25 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path: Path) -> None:
     assert json.loads((entry / "tokenizer.json").read_text())["model"]["type"] == "BPE"
 
 
-def test_tensor_data_is_never_read(tmp_path: Path) -> None:
+def test_cache_key_hashes_the_raw_tokenizer_entries(tmp_path: Path) -> None:
     path = write_toy_gguf(tmp_path / "toy.gguf")
+    parsed = read_gguf(path)
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) - 200])  # cut into the tensor data, not the metadata
-    ab = len(TOY_SPECIALS) + 256 + TOY_NORMAL.index("ab")
-    assert Tokenizer.from_gguf(path, cache_dir=tmp_path / "cache").encode("ab") == [2, ab]
+    # The recorded spans tile the metadata section and each begins with its own key.
+    spans = list(parsed.field_spans.values())
+    assert spans[0][0] == 24 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for key, (start, _) in parsed.field_spans.items():
+        assert data[start + 8 : start + 8 + len(key)] == key.encode()
+    key = tokenizer_module._gguf_cache_key(parsed)
+
+    def key_after_flipping(offset: int) -> str:
+        changed = bytearray(data)
+        changed[offset] ^= 0x01
+        (tmp_path / "changed.gguf").write_bytes(changed)
+        return tokenizer_module._gguf_cache_key(read_gguf(tmp_path / "changed.gguf"))
+
+    assert key_after_flipping(len(data) - 1) == key  # other weights, same tokenizer
+    assert key_after_flipping(parsed.field_spans["tokenizer.ggml.scores"][1] - 1) != key  # the last score
 
 
 # --- from_dir -----------------------------------------------------------------------------
@@ -361,7 +382,7 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match=r"weights-only\.gguf.*no tokenizer metadata.*tokenizer\.ggml"):
         Tokenizer.from_gguf(no_tokenizer, cache_dir=tmp_path / "cache")
     with pytest.raises(TokenizerError, match=r"weights-only\.gguf.*no tokenizer metadata"):
-        Tokenizer.from_gguf(no_tokenizer, reader=gguf.GGUFReader(str(no_tokenizer)), cache_dir=tmp_path / "cache")
+        Tokenizer.from_gguf(no_tokenizer, gguf=read_gguf(no_tokenizer), cache_dir=tmp_path / "cache")
 
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("plain text")
@@ -371,8 +392,13 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
     toy = write_toy_gguf(tmp_path / "toy.gguf")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(toy.read_bytes()[:600])  # ends inside the token list
-    with pytest.raises(TokenizerError, match=r"truncated\.gguf"):
+    with pytest.raises(TokenizerError, match=r"truncated\.gguf.*truncated"):
         Tokenizer.from_gguf(truncated, cache_dir=tmp_path / "cache")
+    # A file cut inside the tensor data is reported too rather than silently half-used.
+    cut_weights = tmp_path / "cut-weights.gguf"
+    cut_weights.write_bytes(toy.read_bytes()[:-200])
+    with pytest.raises(TokenizerError, match=r"cut-weights\.gguf.*past the end"):
+        Tokenizer.from_gguf(cut_weights, cache_dir=tmp_path / "cache")
 
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
