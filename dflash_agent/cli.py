@@ -131,12 +131,14 @@ async def _collect(engine: Engine, request: GenerateRequest, stream: bool) -> tu
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and activations of both engines.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cpu.json"),
               show_default=True, help="Where to write the JSON result.")
 @user_errors
-def bench(model, prompt_tokens, decode_tokens, repeats, out):
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, out):
     """CPU benchmark: prefill and decode tok/s of this engine and of transformers, measured in one run."""
     from .bench.cpu import report, run_cpu_bench
 
     logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
-    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats), out)
+    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype), out)

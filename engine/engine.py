@@ -32,7 +32,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopCriteria = field(default_factory=StopCriteria)
     max_tokens: int | None = None  # None: until a stop or the context is full
-    grammar: Any = None  # a token mask provider from the chat layer; not applied by the plain decode loop yet
+    grammar: Any = None  # a token-mask provider from the chat layer (constrained decoding)
     request_id: str = ""
 
 
@@ -171,6 +171,8 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is out of range (vocabulary of {vocab})")
         if len(request.prompt_ids) >= self.n_ctx:
             raise ContextOverflowError(len(request.prompt_ids) + 1, self.n_ctx)
+        if request.grammar is not None:
+            raise ValueError("grammar-constrained decoding is not supported by this engine yet")
         if request.max_tokens is not None and request.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {request.max_tokens}")
 

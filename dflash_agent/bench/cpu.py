@@ -1,4 +1,4 @@
-"""Prefill and decode speed of this engine against transformers on the same GGUF, measured in one run."""
+"""Prefill and decode speed of this engine against transformers on the same checkpoint and dtype, in one run."""
 
 from __future__ import annotations
 
@@ -67,30 +67,32 @@ def _ours(engine: Engine, prompt: list[int], decode_tokens: int) -> tuple[float,
 
 
 def _theirs(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode tok/s) of transformers' generate: one token vs decode_tokens tokens."""
     ids = torch.tensor([prompt])
+
+    def generate(n: int) -> float:
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, top_k=None, top_p=None)
+        return time.perf_counter() - started
+
     with torch.no_grad():
-        started = time.perf_counter()
-        model(ids, use_cache=True)
-        prefill = time.perf_counter() - started
-        started = time.perf_counter()
-        model.generate(ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
-                       top_k=None, top_p=None)
-        total = time.perf_counter() - started
-    # generate() prefills too; what is left is decode of all but the first token.
-    return prefill, (decode_tokens - 1) / max(total - prefill, 1e-9)
+        first = generate(1)  # prefill and the first token
+        total = generate(decode_tokens)
+    return first, (decode_tokens - 1) / max(total - first, 1e-9)
 
 
 def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens: int = 64,
-                  repeats: int = 3) -> BenchResult:
+                  repeats: int = 3, dtype: str = "float32") -> BenchResult:
     from transformers import AutoModelForCausalLM
 
-    engine = Engine.load(model, device="cpu", dtype="float32", ctx_size=prompt_tokens + decode_tokens + 8)
+    engine = Engine.load(model, device="cpu", dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 8)
+    torch_dtype = engine.model.dtype
     path = resolve_model_path(model)
     log.info("loading the transformers reference from %s", path)
     if path.is_dir():
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
     else:
-        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
     prompt = code_prompt(engine, prompt_tokens)
     ours, theirs = [], []
     for i in range(repeats + 1):  # the first round warms both up and is not counted
@@ -105,7 +107,7 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
         return Speed(len(prompt) / statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
 
     return BenchResult(
-        model=str(path.name), device="cpu", dtype="float32", threads=torch.get_num_threads(),
+        model=str(path.name), device="cpu", dtype=str(torch_dtype).removeprefix("torch."), threads=torch.get_num_threads(),
         prompt_tokens=len(prompt), decode_tokens=decode_tokens, repeats=repeats,
         ours=speed(ours), transformers=speed(theirs),
     )
