@@ -24,7 +24,7 @@ _SCALARS: dict[GGUFValueType, str] = {
 
 
 class GGUFError(ValueError):
-    pass
+    """A file that is not a readable GGUF; the message names the file."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ K_SCALE_SIZE = 12
 
 
 class UnsupportedTensorType(ValueError):
-    pass
+    """A GGUF tensor type this engine cannot dequantize; the message names it and the supported ones."""
 
 
 def _f16(field: torch.Tensor) -> torch.Tensor:
