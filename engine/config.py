@@ -165,6 +165,20 @@ def _rope_from_hf(k: _Keys, layer_type: str, head_dim: int, default_theta: float
     raise ConfigError(f"{k.source}: unsupported rope_type {rope_type!r} for {layer_type}")
 
 
+def _hf_shared(k: _Keys) -> dict[str, Any]:
+    """The config.json keys Gemma 3 and Gemma 4 spell the same way."""
+    return dict(
+        vocab_size=int(k.req("vocab_size")),
+        hidden_size=int(k.req("hidden_size")),
+        intermediate_size=int(k.req("intermediate_size")),
+        num_heads=int(k.req("num_attention_heads")),
+        sliding_window=int(k.req("sliding_window")),
+        rms_norm_eps=float(k.req("rms_norm_eps")),
+        tie_embeddings=bool(k.opt("tie_word_embeddings", True)),
+        max_position_embeddings=int(k.opt("max_position_embeddings", 131_072)),
+    )
+
+
 def _gemma3_from_hf(k: _Keys) -> ModelConfig:
     if k.opt("attn_logit_softcapping") is not None:
         raise ConfigError(f"{k.source}: attn_logit_softcapping is not supported (no Gemma 3 checkpoint uses it)")
@@ -178,20 +192,13 @@ def _gemma3_from_hf(k: _Keys) -> ModelConfig:
         specs.append(LayerSpec(sliding, head_dim, num_kv, theta, angles, factor))
     return ModelConfig(
         family="gemma3",
-        vocab_size=int(k.req("vocab_size")),
-        hidden_size=int(k.req("hidden_size")),
-        intermediate_size=int(k.req("intermediate_size")),
-        num_heads=int(k.req("num_attention_heads")),
         layers=tuple(specs),
-        sliding_window=int(k.req("sliding_window")),
-        rms_norm_eps=float(k.req("rms_norm_eps")),
         norm_offset=1.0,
         attn_scale=float(k.opt("query_pre_attn_scalar", head_dim)) ** -0.5,
         final_softcap=k.opt("final_logit_softcapping"),
         v_norm=False,
         layer_scalar=False,
-        tie_embeddings=bool(k.opt("tie_word_embeddings", True)),
-        max_position_embeddings=int(k.opt("max_position_embeddings", 131_072)),
+        **_hf_shared(k),
     )
 
 
@@ -232,20 +239,13 @@ def _gemma4_from_hf(k: _Keys) -> ModelConfig:
         specs.append(LayerSpec(sliding, dim, kv, theta, angles, factor, k_eq_v and not sliding))
     return ModelConfig(
         family="gemma4",
-        vocab_size=int(k.req("vocab_size")),
-        hidden_size=int(k.req("hidden_size")),
-        intermediate_size=int(k.req("intermediate_size")),
-        num_heads=int(k.req("num_attention_heads")),
         layers=tuple(specs),
-        sliding_window=int(k.req("sliding_window")),
-        rms_norm_eps=float(k.req("rms_norm_eps")),
         norm_offset=0.0,
         attn_scale=1.0,
         final_softcap=k.opt("final_logit_softcapping"),
         v_norm=True,
         layer_scalar=True,
-        tie_embeddings=bool(k.opt("tie_word_embeddings", True)),
-        max_position_embeddings=int(k.opt("max_position_embeddings", 131_072)),
+        **_hf_shared(k),
     )
 
 

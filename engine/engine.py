@@ -77,7 +77,6 @@ class ErrorEvent:
     error: Exception
 
 
-Event = TokenEvent | FinalEvent
 
 
 @dataclass
@@ -125,7 +124,7 @@ class Engine:
         log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)
         return cls(net, tokenizer, n_ctx, model_name=Path(path).name if model == EMBEDDED else model)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Queue the request and yield its events; raises ContextOverflowError / ValueError for bad requests."""
         self._validate(request)
         if not request.request_id:

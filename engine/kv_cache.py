@@ -60,7 +60,3 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
         self.ring_pos.fill_(-1)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.k, layer.v))
