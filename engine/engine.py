@@ -15,15 +15,16 @@ from typing import Any
 
 import torch
 
+from .drafter import Drafter, load_drafter
 from .model import ContextOverflowError, GemmaModel
 from .sampling import Sampler, SamplingParams, StopCriteria, StopStringFilter
+from .speculative import LengthController, RequestDecoder, SpecConfig, SpecStats
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 8192
-PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
 
 
 @dataclass
@@ -32,7 +33,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopCriteria = field(default_factory=StopCriteria)
     max_tokens: int | None = None  # None: until a stop or the context is full
-    grammar: Any = None  # a token-mask provider from the chat layer (constrained decoding)
+    grammar: Any = None  # an engine.grammar.TokenGrammar (constrained decoding); .matcher() per request
     request_id: str = ""
 
 
@@ -70,6 +71,7 @@ class FinalEvent:
     usage: Usage
     timings: Timings
     stop: int | str | None = None  # the stop token id or stop string that ended generation
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 @dataclass
@@ -87,11 +89,24 @@ class _Job:
 
 
 class Engine:
-    def __init__(self, model: GemmaModel, tokenizer: Tokenizer, n_ctx: int, model_name: str = "") -> None:
+    def __init__(
+        self,
+        model: GemmaModel,
+        tokenizer: Tokenizer,
+        n_ctx: int,
+        model_name: str = "",
+        drafter: Drafter | None = None,
+        spec: SpecConfig | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.model_name = model_name
+        self.drafter = drafter
+        self.spec = spec or SpecConfig()
+        self._drafter_cache = drafter.new_cache(n_ctx) if drafter is not None else None
+        # Shared across requests, so what it learns about draft lengths carries over.
+        self._controller: LengthController | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -109,9 +124,9 @@ class Engine:
         dtype: str = "auto",
         ctx_size: int | None = None,
         progress: bool = True,
+        spec: SpecConfig | None = None,
+        draft_quant: str | None = None,
     ) -> Engine:
-        if draft is not None:
-            raise ValueError("speculative drafting is not available yet; run without --draft")
         torch_device = pick_device(device)
         torch_dtype = pick_dtype(dtype, torch_device)
         path = resolve_model_path(model)
@@ -121,8 +136,16 @@ class Engine:
         tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress)
         n_ctx = min(ctx_size or DEFAULT_CTX, ckpt.config.max_position_embeddings)
+        drafter = None
+        if draft is not None:
+            cfg = ckpt.config
+            drafter = load_drafter(
+                resolve_model_path(draft), cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
+                torch_device, torch_dtype, quantize=draft_quant,
+            )
         log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)
-        return cls(net, tokenizer, n_ctx, model_name=Path(path).name if model == EMBEDDED else model)
+        name = Path(path).name if model == EMBEDDED else model
+        return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Queue the request and yield its events; raises ContextOverflowError / ValueError for bad requests."""
@@ -170,8 +193,6 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is out of range (vocabulary of {vocab})")
         if len(request.prompt_ids) >= self.n_ctx:
             raise ContextOverflowError(len(request.prompt_ids) + 1, self.n_ctx)
-        if request.grammar is not None:
-            raise ValueError("grammar-constrained decoding is not supported by this engine yet")
         if request.max_tokens is not None and request.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {request.max_tokens}")
 
@@ -191,10 +212,14 @@ class Engine:
                     self._jobs.pop(job.request.request_id, None)
 
     def _decode(self, job: _Job) -> None:
-        """Plain autoregressive decoding of one request."""
-        req, model, cache = job.request, self.model, self._cache
-        device = model.device
-        sampler = Sampler(req.sampling, device)
+        req, model = job.request, self.model
+        decoder = RequestDecoder(
+            model, self._cache, Sampler(req.sampling, model.device),
+            drafter=self.drafter, drafter_cache=self._drafter_cache,
+            matcher=req.grammar.matcher() if req.grammar is not None else None,
+            spec=self.spec, controller=self._controller,
+        )
+        self._controller = decoder.controller
         stop_ids = self.tokenizer.stop_ids | req.stop.token_ids
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringFilter(req.stop.strings)
@@ -203,20 +228,16 @@ class Engine:
         timings = Timings(prompt_n=len(req.prompt_ids))
 
         started = time.perf_counter()
-        cache.reset()
-        prompt = torch.tensor(req.prompt_ids, device=device)
-        for chunk in prompt.split(PREFILL_CHUNK):
-            logits = model(chunk, cache).logits
+        decoder.prefill(req.prompt_ids)
         timings.prompt_ms = (time.perf_counter() - started) * 1e3
 
         decode_started = time.perf_counter()
         generated: list[int] = []
         finish, matched = "length", None
-        while len(generated) < max_tokens:
+        for token in decoder.tokens(max_tokens):
             if job.cancelled.is_set():
                 finish = "cancelled"
                 break
-            token = sampler(logits[0])
             if token in stop_ids:
                 finish, matched = "stop", token
                 break
@@ -226,8 +247,6 @@ class Engine:
             if matched is not None:
                 finish = "stop"
                 break
-            if len(generated) < max_tokens:
-                logits = model(torch.tensor([token], device=device), cache).logits
         if not isinstance(matched, str):
             # Bytes the detokenizer held back, then whatever the stop filter held back.
             text, hit = stops.push(detok.flush())
@@ -240,7 +259,9 @@ class Engine:
         timings.predicted_ms = (time.perf_counter() - decode_started) * 1e3
         timings.prompt_per_second = _rate(timings.prompt_n, timings.prompt_ms)
         timings.predicted_per_second = _rate(timings.predicted_n, timings.predicted_ms)
-        job.emit(FinalEvent(finish, Usage(len(req.prompt_ids), len(generated)), timings, matched))
+        timings.draft_n, timings.draft_n_accepted = decoder.stats.drafted, decoder.stats.accepted
+        usage = Usage(len(req.prompt_ids), len(generated))
+        job.emit(FinalEvent(finish, usage, timings, matched, decoder.stats))
 
 
 def _rate(n: int, ms: float) -> float:

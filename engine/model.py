@@ -215,9 +215,13 @@ class GemmaModel(nn.Module):
             return ForwardOutput(None, captured)
         return ForwardOutput(self.logits(x[logits_at]), captured)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The LM head [vocab, hidden] (the embedding when tied); the DFlash drafter reads it too."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.norm(hidden), head).float()
+        logits = F.linear(self.norm(hidden), self.output_weight).float()
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -62,8 +62,15 @@ class Sampler:
         """One token from logits [V]."""
         if self.params.greedy:
             return int(torch.argmax(logits))
-        probs = self.probs(logits)
+        return self.draw(self.probs(logits))
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from a distribution [V]."""
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1) on this request's generator (speculative acceptance tests)."""
+        return float(torch.rand((), generator=self.generator, device=self.generator.device))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,352 @@
+"""The DFlash block-diffusion drafter (z-lab's checkpoint format) over the target's features.
+
+The drafter has no embedding or LM head of its own: it reads the target's. Each committed token's
+target features (the outputs of `target_layer_ids`) are projected once into per-layer context K/V
+and kept in a `DrafterCache`; a draft then runs only the block tokens ([anchor, mask, mask, ...])
+as queries over that cache. Sliding layers are causal inside the block, full layers bidirectional,
+as z-lab's reference (`dflash.model`) does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from .model import RMSNorm, rotate
+from .quant_linear import quantize_linear_weights
+
+log = logging.getLogger(__name__)
+
+
+class DrafterError(ValueError):
+    """A drafter checkpoint we cannot load or that does not fit the target."""
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    causal: tuple[bool, ...]  # per layer: causal inside the block
+    window: tuple[int | None, ...]  # per layer: sliding window, None for full attention
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    # The reference loop multiplies the target's raw embedding by `dflash_config.input_embedding_scale`
+    # (default 1.0). z-lab's Gemma 4 drafter config has no such key, so the reference feeds it unscaled
+    # embeddings while vLLM/SGLang multiply by sqrt(hidden); we follow the reference with the config.
+    input_embedding_scale: float
+    output_multiplier: float
+    final_softcap: float | None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+        dflash = raw.get("dflash_config") or {}
+
+        def value(name: str, default: Any = None) -> Any:
+            return dflash.get(name, raw.get(name, default))
+
+        def required(name: str) -> Any:
+            got = value(name)
+            if got is None:
+                raise DrafterError(f"{source}: the DFlash config has no {name!r}")
+            return got
+
+        if "dflash_config" not in raw and "block_size" not in raw:
+            raise DrafterError(f"{source} is not a DFlash drafter config (no dflash_config)")
+        if value("conv_kernel_size") is not None or value("selector_rank") is not None:
+            raise DrafterError(f"{source}: DFlash2 drafters (convolutions, candidate selector) are not supported")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise DrafterError(f"{source}: hidden_act {act!r} is not supported (DFlash drafters use silu)")
+        if raw.get("attention_bias"):
+            raise DrafterError(f"{source}: attention_bias is not supported")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise DrafterError(f"{source}: RoPE type {rope.get('rope_type')!r} is not supported")
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0)))
+
+        num_layers = int(required("num_hidden_layers"))
+        hidden = int(required("hidden_size"))
+        heads = int(required("num_attention_heads"))
+        layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+        if len(layer_types) != num_layers:
+            raise DrafterError(f"{source}: {len(layer_types)} layer_types for {num_layers} layers")
+        forced_causal = raw.get("is_causal", dflash.get("causal"))
+        sliding = [t == "sliding_attention" for t in layer_types]
+        window = raw.get("sliding_window")
+        if any(sliding) and not window:
+            raise DrafterError(f"{source}: sliding layers but no sliding_window")
+        target_ids = value("target_layer_ids")
+        if target_ids is None:
+            target_ids = build_target_layer_ids(int(required("num_target_layers")), num_layers)
+        softcap = value("final_logit_softcapping")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(required("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(value("num_key_value_heads", heads)),
+            head_dim=int(value("head_dim") or hidden // heads),
+            rms_norm_eps=float(value("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            causal=tuple(s if forced_causal is None else bool(forced_causal) for s in sliding),
+            window=tuple(int(window) if s else None for s in sliding),
+            block_size=int(value("block_size", 16)),
+            mask_token_id=int(required("mask_token_id")),
+            target_layer_ids=tuple(int(i) for i in target_ids),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_softcap=float(softcap) if softcap else None,
+        )
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default: evenly spaced from layer 1 to layer N-3 (used when the config names none)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class DrafterCache:
+    """Context K/V of the committed tokens, per drafter layer: [max_len, kv_heads, head_dim]."""
+
+    def __init__(self, config: DrafterConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (max_len, config.num_kv_heads, config.head_dim)
+        self.max_len = max_len
+        self.length = 0
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a drafter cache of {self.length} tokens to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.head_dim = config.num_heads, d
+        self.q_proj = _linear(h, config.num_heads * d)
+        self.k_proj = _linear(h, config.num_kv_heads * d)
+        self.v_proj = _linear(h, config.num_kv_heads * d)
+        self.o_proj = _linear(config.num_heads * d, h)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, offset=0.0)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, offset=0.0)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = ctx.shape[0]
+        k = rotate(self.k_norm(self.k_proj(ctx).view(T, -1, self.head_dim)), cos, sin)
+        return k, self.v_proj(ctx).view(T, -1, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        T, d = x.shape[0], self.head_dim
+        q = rotate(self.q_norm(self.q_proj(x).view(T, self.num_heads, d)), cos, sin)
+        k, v = self.context_kv(x, cos, sin)
+        keys, values = torch.cat((ctx_k, k)), torch.cat((ctx_v, v))
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=d**-0.5,
+            enable_gqa=keys.shape[1] != self.num_heads,
+        )
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * d))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, intermediate)
+        self.up_proj = _linear(hidden, intermediate)
+        self.down_proj = _linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset=0.0)
+        self.self_attn = DrafterAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset=0.0)
+        self.mlp = DrafterMLP(config.hidden_size, config.intermediate_size)
+
+
+class Drafter(nn.Module):
+    """DFlash drafter weights plus the two operations the decode loop needs:
+    `append_context` (features of newly committed tokens -> cached K/V) and `draft` (one block)."""
+
+    def __init__(self, config: DrafterConfig, target_hidden: int) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.fc = _linear(len(config.target_layer_ids) * target_hidden, config.hidden_size)
+            self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0)
+            self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=0.0)
+        d = config.head_dim
+        self.register_buffer(
+            "inv_freq", 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d), persistent=False
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def new_cache(self, max_len: int) -> DrafterCache:
+        return DrafterCache(self.config, max_len, self.device, self.dtype)
+
+    def _cos_sin(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + length, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def append_context(self, features: torch.Tensor, cache: DrafterCache) -> None:
+        """Project the target features of C newly committed tokens ([C, n_target_layers * H]) into
+        every layer's context K/V at positions cache.length.."""
+        C, start = features.shape[0], cache.length
+        if start + C > cache.max_len:
+            raise ValueError(f"the drafter cache holds {cache.max_len} tokens, {start + C} asked for")
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self._cos_sin(start, C)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(ctx, cos, sin)
+            cache.k[i][start : start + C] = k
+            cache.v[i][start : start + C] = v
+        cache.length = start + C
+
+    @torch.inference_mode()
+    def draft(self, block_embeds: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+        """Hidden states [T, H] for a block at positions cache.length..; the cache is read, not written."""
+        T, start = block_embeds.shape[0], cache.length
+        cos, sin = self._cos_sin(start, T)
+        q_pos = torch.arange(start, start + T, device=self.device)[:, None]
+        k_pos = torch.arange(start + T, device=self.device)[None, :]
+        x = block_embeds.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            mask = self._mask(i, q_pos, k_pos)
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, cos, sin, cache.k[i][:start], cache.v[i][:start], mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def _mask(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        causal, window = self.config.causal[layer], self.config.window[layer]
+        if not causal and window is None:
+            return None
+        visible = torch.ones(q_pos.shape[0], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
+        if causal:
+            visible &= k_pos <= q_pos
+        if window is not None:
+            visible &= q_pos - k_pos < window
+            if not causal:
+                visible &= k_pos - q_pos < window
+        return visible
+
+    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the target's LM head (float32), as the reference's compute_logits."""
+        logits = F.linear(hidden.to(head_weight.dtype), head_weight).float() * self.config.output_multiplier
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def load_drafter(
+    path: str | Path,
+    target_hidden: int,
+    target_layers: int,
+    target_vocab: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: str | None = None,
+) -> Drafter:
+    """Load a z-lab DFlash checkpoint directory (config.json + model.safetensors) for a target with
+    `target_hidden` width, `target_layers` decoder layers and `target_vocab` tokens."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise DrafterError(f"{path} has no config.json (expected a z-lab DFlash drafter directory)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterError(f"{config_path}: invalid JSON ({exc})") from None
+    config = DrafterConfig.from_dict(raw, str(config_path))
+    bad_layers = [i for i in config.target_layer_ids if not 0 <= i < target_layers]
+    if bad_layers:
+        raise DrafterError(f"the drafter reads target layer {bad_layers[0]} but the target has {target_layers} layers")
+    if config.hidden_size != target_hidden:
+        # The block enters as the target's embeddings and leaves through its LM head.
+        raise DrafterError(f"the drafter's hidden size is {config.hidden_size} but the target's is {target_hidden}")
+    if not 0 <= config.mask_token_id < target_vocab:
+        raise DrafterError(f"mask_token_id {config.mask_token_id} is outside the target vocabulary ({target_vocab})")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"{path} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    state = {name.removeprefix("model."): t for name, t in state.items()}
+    drafter = Drafter(config, target_hidden)
+    expected = {name: p.shape for name, p in drafter.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise DrafterError(f"{path}: the checkpoint lacks {missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1
+                           else f"{path}: the checkpoint lacks {missing[0]}")
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise DrafterError(f"{path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+    unused = sorted(set(state) - set(expected) - {"embed_tokens.weight", "lm_head.weight"})
+    if unused:
+        log.warning("drafter %s: ignoring %d unknown tensors (%s...)", path, len(unused), unused[0])
+    weights = {name: state[name].to(device=device, dtype=dtype) for name in expected}
+    drafter.load_state_dict(weights, assign=True)
+    drafter.inv_freq = drafter.inv_freq.to(device)
+    if quantize is not None:
+        quantize_linear_weights(drafter, quantize)
+    n_params = sum(t.numel() for t in weights.values())
+    log.info(
+        "drafter %s: %d layers, block %d, %.1fM parameters%s",
+        path.name, config.num_layers, config.block_size, n_params / 1e6, f", {quantize}" if quantize else "",
+    )
+    return drafter.eval()
+

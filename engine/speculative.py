@@ -1,0 +1,341 @@
+"""Decoding one request: prefill, then steps that verify a drafted block in one target forward.
+
+A step runs [anchor, d1..dk] through the target, where the anchor is the last committed token (not
+yet in the KV cache) and d1..dk come from the DFlash drafter or from a prompt-lookup n-gram match.
+The longest prefix of drafts the target agrees with is kept, plus one token sampled from the target
+at the first disagreement (the "bonus"), so each step commits 1..k+1 tokens. k = 0 is a plain
+autoregressive step. Verification is lossless: greedy keeps exactly the target's argmax path, and
+sampling uses rejection sampling against the draft distribution, so outputs follow the target's
+distribution whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .drafter import Drafter, DrafterCache
+from .kv_cache import KVCache
+from .model import GemmaModel
+from .sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
+
+
+class Matcher(Protocol):
+    """Grammar state for constrained decoding (engine/grammar.py's GrammarMatcher)."""
+
+    def mask(self, logits: torch.Tensor) -> None: ...
+    def accept(self, token: int) -> bool: ...
+    def rollback(self, n: int) -> None: ...
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # of those, kept
+    steps: int = 0  # verify forwards that carried at least one draft token
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, drafted, accepted]
+    accept_lengths: list[int] = field(default_factory=list)  # accepted drafts per speculative step
+
+    def record(self, source: str, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accept_lengths.append(accepted)
+        row = self.by_source.setdefault(source, [0, 0, 0])
+        row[0] += 1
+        row[1] += drafted
+        row[2] += accepted
+
+    @property
+    def acceptance_length_mean(self) -> float:
+        """Tokens committed per speculative verify step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class SpecConfig:
+    enabled: bool = True
+    block: int | None = None  # fixed block size (anchor + drafts) for benchmarks; None = adaptive
+    ngram: bool = True  # prompt-lookup proposals
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+
+class NgramIndex:
+    """The most recent earlier occurrence of each short n-gram in the sequence, kept incrementally,
+    so proposing the continuation of the longest suffix match costs O(ngram_max) per step."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.ids: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end index (exclusive) of its latest occurrence
+        self._pending: dict[tuple[int, ...], int] = {}
+
+    def extend(self, ids: list[int]) -> None:
+        for token in ids:
+            # An n-gram ending at the newest token must not match itself, so each is published one
+            # token late: the suffix lookup then finds only strictly earlier occurrences.
+            self._last.update(self._pending)
+            self._pending = {}
+            self.ids.append(token)
+            end = len(self.ids)
+            for n in range(self.min_n, self.max_n + 1):
+                if end >= n:
+                    self._pending[tuple(self.ids[end - n : end])] = end
+
+    def propose(self, k: int) -> list[int]:
+        end = len(self.ids)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if end < n:
+                continue
+            at = self._last.get(tuple(self.ids[end - n :]))
+            if at is not None:
+                return self.ids[at : min(at + k, end)]
+        return []
+
+
+class LengthController:
+    """Picks each step's proposal source and draft length by measured throughput.
+
+    Arms are ("ar", 0), ("dflash", k) for a few k, and ("ngram", k). Each keeps an EWMA of committed
+    tokens per second of step time; the best arm is played, arms with few samples are tried first,
+    and every `explore_every` steps another arm is re-measured, so speculation turns itself off when
+    drafting does not pay and back on when it starts to (as beellama's profit controller does).
+    """
+
+    ALPHA = 0.15
+    MIN_SAMPLES = 3
+
+    def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None, seed: int = 0) -> None:
+        self.fixed = fixed
+        self.drafter = drafter
+        self.max_draft = max_draft
+        lengths = sorted({k for k in (2, 4, 8, max_draft) if 0 < k <= max_draft})
+        self.arms: list[tuple[str, int]] = [("ar", 0)]
+        if drafter:
+            self.arms += [("dflash", k) for k in lengths]
+        if ngram:
+            self.arms.append(("ngram", min(8, max_draft)))
+        self.rate: dict[tuple[str, int], float] = {}
+        self.samples: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
+        self.steps = 0
+        self.explore_every = 16
+        self._rng = random.Random(seed)
+
+    def choose(self, ngram_available: bool) -> tuple[str, int]:
+        if self.fixed is not None:
+            if self.drafter:
+                return ("dflash", self.fixed)
+            return ("ngram", self.fixed) if ngram_available else ("ar", 0)
+        arms = [a for a in self.arms if a[0] != "ngram" or ngram_available]
+        self.steps += 1
+        fresh = [a for a in arms if self.samples[a] < self.MIN_SAMPLES]
+        if fresh:
+            return fresh[0]
+        if self.steps % self.explore_every == 0:
+            return self._rng.choice(arms)
+        return max(arms, key=lambda a: self.rate[a])
+
+    def record(self, arm: tuple[str, int], committed: int, seconds: float) -> None:
+        if arm not in self.samples or seconds <= 0:
+            return
+        rate = committed / seconds
+        old = self.rate.get(arm)
+        self.rate[arm] = rate if old is None else (1 - self.ALPHA) * old + self.ALPHA * rate
+        self.samples[arm] += 1
+
+
+@dataclass
+class _Proposal:
+    source: str
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [k, V] draft distributions when sampling; None = one-hot drafts
+
+
+class RequestDecoder:
+    """The state of one request on the target (and drafter) caches; `tokens()` yields its output."""
+
+    def __init__(
+        self,
+        target: GemmaModel,
+        cache: KVCache,
+        sampler: Sampler,
+        drafter: Drafter | None = None,
+        drafter_cache: DrafterCache | None = None,
+        matcher: Matcher | None = None,
+        spec: SpecConfig | None = None,
+        controller: LengthController | None = None,
+    ) -> None:
+        self.target, self.cache, self.sampler = target, cache, sampler
+        self.drafter, self.drafter_cache = drafter, drafter_cache
+        self.matcher = matcher
+        self.spec = spec or SpecConfig()
+        self.stats = SpecStats()
+        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        max_draft = (drafter.config.block_size - 1) if drafter is not None else 15
+        if self.spec.block is not None:
+            max_draft = self.spec.block - 1
+        max_draft = min(max_draft, cache.slack)  # the sliding rings can roll back `slack` tokens
+        use_ngram = self.spec.enabled and self.spec.ngram
+        self.controller = controller or LengthController(
+            max_draft,
+            drafter=self.spec.enabled and drafter is not None,
+            ngram=use_ngram,
+            fixed=None if self.spec.block is None else max_draft,
+        )
+        self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max) if use_ngram else None
+        self._logits: torch.Tensor | None = None
+
+    # --- prefill ----------------------------------------------------------------------------------
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Run the prompt through the target (and its features into the drafter's cache)."""
+        self.cache.reset()
+        if self.drafter_cache is not None:
+            self.drafter_cache.reset()
+        prompt = torch.tensor(prompt_ids, device=self.target.device)
+        for chunk in prompt.split(PREFILL_CHUNK):
+            out = self.target(chunk, self.cache, capture=self.capture)
+            self._append_features(out.captured, chunk.shape[0])
+            self._logits = out.logits
+        if self.ngram is not None:
+            self.ngram.extend(prompt_ids)
+
+    # --- decoding ---------------------------------------------------------------------------------
+
+    def tokens(self, max_new: int) -> Iterator[int]:
+        """Yield up to max_new tokens; the caller stops iterating at a stop condition."""
+        if max_new <= 0:
+            return
+        assert self._logits is not None, "prefill first"
+        anchor = self._pick(self._logits[0])
+        produced = 1
+        yield anchor
+        while produced < max_new:
+            new = self.step(anchor, max_new - produced)
+            for token in new:
+                produced += 1
+                yield token
+            anchor = new[-1]
+
+    def step(self, anchor: int, budget: int) -> list[int]:
+        """Commit the anchor and verify a drafted block after it; returns 1..k+1 new tokens."""
+        started = time.perf_counter()
+        start = self.cache.length
+        room = min(budget - 1, self.cache.max_len - start - 1)
+        if self.ngram is not None:
+            self.ngram.extend([anchor])
+        arm = self.controller.choose(ngram_available=self._ngram_ready(room))
+        k = min(arm[1], room)
+        proposal = self._propose(arm[0], anchor, k) if k > 0 else _Proposal("ar", [])
+        block = torch.tensor([anchor, *proposal.tokens], device=self.target.device)
+        out = self.target(block, self.cache, logits_at=torch.arange(block.shape[0], device=block.device),
+                          capture=self.capture)
+        accepted, bonus = self._verify(proposal, out.logits)
+        keep = 1 + accepted
+        self.cache.rollback(start + keep)
+        self._append_features({i: h[:keep] for i, h in out.captured.items()}, keep)
+        new = [*proposal.tokens[:accepted], bonus]
+        if self.ngram is not None:
+            self.ngram.extend(new[:-1])
+        self.stats.record(proposal.source, len(proposal.tokens), accepted)
+        self.controller.record(arm, len(new), time.perf_counter() - started)
+        return new
+
+    def _ngram_ready(self, room: int) -> bool:
+        return self.ngram is not None and room > 0 and bool(self.ngram.propose(1))
+
+    def _append_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
+        if self.drafter is None or self.drafter_cache is None or n == 0:
+            return
+        features = torch.cat([captured[i] for i in self.capture], dim=-1)
+        self.drafter.append_context(features, self.drafter_cache)
+
+    # --- proposals --------------------------------------------------------------------------------
+
+    def _propose(self, source: str, anchor: int, k: int) -> _Proposal:
+        if source == "ngram":
+            assert self.ngram is not None
+            return _Proposal("ngram", self.ngram.propose(k))
+        assert self.drafter is not None and self.drafter_cache is not None
+        config = self.drafter.config
+        ids = torch.tensor([anchor] + [config.mask_token_id] * k, device=self.target.device)
+        embeds = self.target.embed_tokens.weight[ids] * config.input_embedding_scale
+        hidden = self.drafter.draft(embeds, self.drafter_cache)
+        logits = self.drafter.logits(hidden[1:], self.target.output_weight)
+        tokens: list[int] = []
+        probs = [] if not self.sampler.params.greedy else None
+        for row in logits:
+            if self.matcher is not None:
+                # Constrain drafts too, so a grammar-forced block is not rejected for shape alone.
+                self.matcher.mask(row)
+                if torch.isinf(row).all():
+                    break
+            if probs is None:
+                token = int(torch.argmax(row))
+            else:
+                p = self.sampler.probs(row)
+                token = self.sampler.draw(p)
+                probs.append(p)
+            if self.matcher is not None and not self.matcher.accept(token):
+                break
+            tokens.append(token)
+        if self.matcher is not None and tokens:
+            self.matcher.rollback(len(tokens))
+        return _Proposal("dflash", tokens, torch.stack(probs[: len(tokens)]) if probs else None)
+
+    # --- verification -----------------------------------------------------------------------------
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        """Sample one token from the target, under the grammar, and advance the grammar."""
+        if self.matcher is not None:
+            self.matcher.mask(logits)
+        token = self.sampler(logits)
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        return token
+
+    def _verify(self, proposal: _Proposal, logits: torch.Tensor) -> tuple[int, int]:
+        """(accepted drafts, bonus token). logits[i] is the target's distribution after the anchor and
+        drafts 0..i-1. The grammar advances over exactly the committed tokens."""
+        for i, draft in enumerate(proposal.tokens):
+            row = logits[i]
+            if self.matcher is not None:
+                self.matcher.mask(row)
+            if self.sampler.params.greedy:
+                target = int(torch.argmax(row))
+                if target != draft:
+                    self._advance(target)
+                    return i, target
+            else:
+                p = self.sampler.probs(row)
+                q_draft = 1.0 if proposal.probs is None else float(proposal.probs[i, draft])
+                if self.sampler.uniform() * q_draft >= float(p[draft]):
+                    # Rejected: draw from the residual max(p - q, 0), renormalized.
+                    if proposal.probs is None:
+                        residual = p.clone()
+                        residual[draft] = 0.0
+                    else:
+                        residual = (p - proposal.probs[i]).clamp_min(0.0)
+                    total = float(residual.sum())
+                    token = self.sampler.draw(residual / total if total > 0 else p)
+                    self._advance(token)
+                    return i, token
+            self._advance(draft)
+        return len(proposal.tokens), self._pick(logits[len(proposal.tokens)])
+
+    def _advance(self, token: int) -> None:
+        if self.matcher is not None and not self.matcher.accept(token):
+            raise RuntimeError(f"token {token} was chosen under the grammar mask but the grammar rejects it")

@@ -1,0 +1,223 @@
+"""DFlash drafting and speculative verification against z-lab's reference (`dflash` on PyPI) and
+against plain decoding of the same target."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from dflash_agent.engine.drafter import DrafterError, load_drafter
+from dflash_agent.engine.engine import Engine, GenerateRequest
+from dflash_agent.engine.sampling import Sampler, SamplingParams
+from dflash_agent.engine.speculative import NgramIndex, RequestDecoder, SpecConfig
+from dflash_agent.engine.tokenizer import SpecialTokens, Tokenizer
+from dflash_agent.engine.weights import build_model, open_checkpoint
+
+from .dflash_pair import BLOCK, MASK_ID, TARGET_LAYER_IDS, save_drafter, save_pair
+from .test_model_vs_transformers import VOCAB
+
+dflash_model = pytest.importorskip("dflash.model")
+
+N_CTX = 256
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash")
+    ref_target, ref_drafter, target_dir, drafter_dir = save_pair(root)
+    target = build_model(open_checkpoint(target_dir), "cpu", torch.float32, progress=False)
+    drafter = load_drafter(drafter_dir, 64, 4, VOCAB, torch.device("cpu"), torch.float32)
+    return ref_target, ref_drafter, target, drafter, drafter_dir
+
+
+def _decode(target, drafter, prompt, max_new, spec, sampling=SamplingParams()):
+    decoder = RequestDecoder(
+        target, target.new_cache(N_CTX), Sampler(sampling),
+        drafter=drafter, drafter_cache=drafter.new_cache(N_CTX) if drafter is not None else None, spec=spec,
+    )
+    decoder.prefill(prompt)
+    return list(decoder.tokens(max_new)), decoder.stats
+
+
+def _prompts(n):
+    gen = torch.Generator().manual_seed(7)
+    # Lengths from 3 to 40: several are longer than the target's (8) and the drafter's (12) windows.
+    return [torch.randint(5, VOCAB, (3 + (i * 37) % 38,), generator=gen).tolist() for i in range(n)]
+
+
+def test_greedy_matches_reference_and_plain_decoding(pair, monkeypatch):
+    ref_target, ref_drafter, target, drafter, _ = pair
+    # The reference times itself with torch.cuda.synchronize; its statistics are all we read.
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
+    max_new = 40
+    drafted = 0
+    for prompt in _prompts(20):
+        ref = dflash_model.dflash_generate(
+            ref_drafter, ref_target, torch.tensor([prompt]), max_new, None, temperature=0.0, return_stats=True
+        )
+        expected = ref.output_ids[0, len(prompt):].tolist()
+        ours, stats = _decode(target, drafter, prompt, max_new, SpecConfig(block=BLOCK, ngram=False))
+        plain, _ = _decode(target, None, prompt, max_new, SpecConfig(enabled=False))
+        assert ours == expected
+        assert plain == expected
+        # Same drafts, same verdicts: the per-step committed counts agree with the reference's
+        # (its last step may draft past max_new, so it is left out).
+        assert [a + 1 for a in stats.accept_lengths][:-1] == ref.acceptance_lengths[: len(stats.accept_lengths) - 1]
+        drafted += stats.drafted
+    assert drafted > 0
+
+
+def test_random_drafter_is_sometimes_right(pair):
+    """The parity test above only means something if drafts are accepted now and then."""
+    _, _, target, drafter, _ = pair
+    accepted = sum(_decode(target, drafter, p, 40, SpecConfig(block=BLOCK, ngram=False))[1].accepted
+                   for p in _prompts(20))
+    assert accepted > 0
+
+
+def test_incremental_context_equals_one_shot(pair):
+    _, _, target, drafter, _ = pair
+    ids = torch.tensor(_prompts(20)[5] + _prompts(20)[9])
+    out = target(ids, target.new_cache(N_CTX), capture=tuple(TARGET_LAYER_IDS))
+    features = torch.cat([out.captured[i] for i in TARGET_LAYER_IDS], -1)
+    one_shot, pieces = drafter.new_cache(N_CTX), drafter.new_cache(N_CTX)
+    drafter.append_context(features, one_shot)
+    for chunk in features.split([1, 5, 2, 13, 1, features.shape[0] - 22]):
+        drafter.append_context(chunk, pieces)
+    n = features.shape[0]
+    assert pieces.length == one_shot.length == n
+    for k1, k2, v1, v2 in zip(one_shot.k, pieces.k, one_shot.v, pieces.v):
+        torch.testing.assert_close(k1[:n], k2[:n])
+        torch.testing.assert_close(v1[:n], v2[:n])
+    block = target.embed_tokens.weight[torch.tensor([7] + [MASK_ID] * (BLOCK - 1))]
+    torch.testing.assert_close(drafter.draft(block, one_shot), drafter.draft(block, pieces))
+
+
+def test_drafter_matches_reference_forward(pair):
+    ref_target, ref_drafter, target, drafter, _ = pair
+    ids = torch.tensor(_prompts(20)[3])
+    n = ids.shape[0]
+    out = target(ids, target.new_cache(N_CTX), capture=tuple(TARGET_LAYER_IDS))
+    features = torch.cat([out.captured[i] for i in TARGET_LAYER_IDS], -1)
+    cache = drafter.new_cache(N_CTX)
+    drafter.append_context(features, cache)
+    block = torch.tensor([11] + [MASK_ID] * (BLOCK - 1))
+    ours = drafter.draft(target.embed_tokens.weight[block], cache)
+    with torch.no_grad():
+        ref = ref_drafter(
+            target_hidden=features[None], noise_embedding=ref_target.get_input_embeddings().weight[block][None],
+            position_ids=torch.arange(n + BLOCK)[None],
+        )[0]
+        ref_logits = ref_drafter.compute_logits(ref[1:], ref_target.lm_head)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.logits(ours[1:], target.output_weight), ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def _chi_square_p(a: Counter, b: Counter) -> float:
+    """p-value of a two-sample chi-square test that two samples come from one distribution."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for k in keys:
+        total = a[k] + b[k]
+        for count, n in ((a[k], na), (b[k], nb)):
+            expected = total * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    dof = len(keys) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize("source", ["dflash", "ngram"])
+def test_sampling_distribution_is_unchanged(pair, source):
+    """Rejection sampling is lossless: the joint distribution of the tokens after the first, with
+    speculation, matches plain sampling (two-sample chi-square over many seeds)."""
+    _, _, target, drafter, _ = pair
+    params = dict(temperature=1.0, top_k=3)
+    if source == "ngram":
+        # Every token occurs in the prompt, so a one-token lookup always has something to propose.
+        prompt, spec = list(range(5, VOCAB)), SpecConfig(block=4, ngram_min=1, ngram_max=2)
+    else:
+        prompt, spec = _prompts(20)[4], SpecConfig(block=4, ngram=False)
+    use_drafter = drafter if source == "dflash" else None
+    runs = 500
+    with_spec, plain = Counter(), Counter()
+    drafted = 0
+    for seed in range(runs):
+        out, stats = _decode(target, use_drafter, prompt, 4, spec, SamplingParams(seed=seed, **params))
+        with_spec[tuple(out[1:3])] += 1
+        drafted += stats.drafted
+        out, _ = _decode(target, None, prompt, 4, SpecConfig(enabled=False), SamplingParams(seed=runs + seed, **params))
+        plain[tuple(out[1:3])] += 1
+    assert drafted > 0
+    assert _chi_square_p(with_spec, plain) > 1e-3
+
+
+def test_ngram_index_proposes_latest_earlier_continuation():
+    index = NgramIndex(2, 3)
+    index.extend([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
+    # Suffix [1, 2] last occurred before position 6, followed by 3, 5, 1, 2.
+    assert index.propose(3) == [3, 5, 1]
+    index.extend([9])
+    assert index.propose(3) == []
+
+
+def _word_tokenizer() -> Tokenizer:
+    import tokenizers
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    backend = tokenizers.Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return Tokenizer(backend, SpecialTokens(bos_id=2, eos_id=1, pad_id=0, unk_id=3, stop_ids=(1,)), "test")
+
+
+def test_engine_reports_drafting(pair):
+    _, _, target, drafter, _ = pair
+    engine = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=SpecConfig(block=BLOCK))
+
+    async def run():
+        events = [e async for e in engine.generate(GenerateRequest(_prompts(20)[6], max_tokens=30))]
+        return events[-1]
+
+    try:
+        final = asyncio.run(run())
+    finally:
+        engine.close()
+    assert final.timings.draft_n > 0
+    assert final.timings.draft_n_accepted == final.spec.accepted
+    assert final.spec.acceptance_length_mean >= 1.0
+
+
+def test_bad_drafter_checkpoints(tmp_path):
+    with pytest.raises(DrafterError, match="no config.json"):
+        load_drafter(tmp_path, 64, 4, VOCAB, torch.device("cpu"), torch.float32)
+    save_drafter(tmp_path / "d", dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": [0, 9]})
+    with pytest.raises(DrafterError, match="target layer 9"):
+        load_drafter(tmp_path / "d", 64, 4, VOCAB, torch.device("cpu"), torch.float32)
+    with pytest.raises(DrafterError, match="hidden size"):
+        load_drafter(tmp_path / "d", 32, 12, VOCAB, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_quantized_drafter_stays_close(pair, mode):
+    _, _, target, _, drafter_dir = pair
+    full = load_drafter(drafter_dir, 64, 4, VOCAB, torch.device("cpu"), torch.float32)
+    quant = load_drafter(drafter_dir, 64, 4, VOCAB, torch.device("cpu"), torch.float32, quantize=mode)
+    ids = torch.tensor(_prompts(20)[2])
+    out = target(ids, target.new_cache(N_CTX), capture=tuple(TARGET_LAYER_IDS))
+    features = torch.cat([out.captured[i] for i in TARGET_LAYER_IDS], -1)
+    block = target.embed_tokens.weight[torch.tensor([5] + [MASK_ID] * (BLOCK - 1))]
+    results = []
+    for d in (full, quant):
+        cache = d.new_cache(N_CTX)
+        d.append_context(features, cache)
+        results.append(d.draft(block, cache))
+    rel = (results[0] - results[1]).norm() / results[0].norm()
+    assert rel < (0.05 if mode == "q8" else 0.3)
+    weight_bytes = sum(b.numel() * b.element_size() for n, b in quant.named_buffers() if n.endswith("qweight"))
+    full_bytes = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "proj" in n or "fc" in n)
+    assert weight_bytes <= full_bytes / (4 if mode == "q8" else 6)  # q4 pads rows to groups of 32
