@@ -14,17 +14,19 @@ from pathlib import Path
 import click
 
 from .engine.config import ConfigError
+from .engine.drafter import DrafterError
 from .engine.engine import Engine, FinalEvent, GenerateRequest
 from .engine.model import ContextOverflowError
 from .engine.quant import UnsupportedTensorType
 from .engine.sampling import SamplingParams, StopCriteria
+from .engine.speculative import SpecConfig
 from .engine.tokenizer import TokenizerError
 from .engine.weights import ModelLoadError
 
 log = logging.getLogger("dflash_agent")
 
 # Errors a user can cause and fix; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ModelLoadError, ConfigError, ContextOverflowError, UnsupportedTensorType, TokenizerError, ValueError,
+USER_ERRORS = (ModelLoadError, ConfigError, DrafterError, ContextOverflowError, UnsupportedTensorType, TokenizerError, ValueError,
                OSError)
 
 
@@ -37,7 +39,23 @@ def model_options(f):
                      show_default=True, help="auto: float32 on CPU, bfloat16 on CUDA.")(f)
     f = click.option("--ctx-size", type=click.IntRange(min=16), default=None,
                      help="Context length in tokens (default: 8192, capped by the model).")(f)
+    f = click.option("--draft", default=None,
+                     help="DFlash drafter: a z-lab checkpoint directory or hub id (speculative decoding).")(f)
+    f = click.option("--draft-quant", type=click.Choice(["q8", "q4"]), default=None,
+                     help="Quantize the drafter's weights at load (saves memory beside a large target).")(f)
+    f = click.option("--spec-block", type=click.IntRange(2, 17), default=None,
+                     help="Fixed speculative block size (anchor + drafts), e.g. for benchmarks; default adaptive.")(f)
+    f = click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding: no drafter, no prompt lookup.")(f)
     return f
+
+
+def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, progress=True) -> Engine:
+    """The engine a command's model options describe."""
+    if no_spec and (draft or spec_block):
+        raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
+    spec = SpecConfig(enabled=not no_spec, block=spec_block)
+    return Engine.load(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
+                       spec=spec, draft_quant=draft_quant)
 
 
 def user_errors(f):
@@ -79,11 +97,12 @@ def main(verbose: bool) -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
-def generate(prompt, model, device, dtype, ctx_size, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-             as_json):
+def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, max_tokens, temperature,
+             top_p, top_k, min_p, seed, stop, as_json):
     """Raw completion of PROMPT (no chat template), streamed to stdout."""
     started = time.perf_counter()
-    engine = Engine.load(model=model, device=device, dtype=dtype, ctx_size=ctx_size, progress=not as_json)
+    engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec,
+                         progress=not as_json)
     load_ms = (time.perf_counter() - started) * 1e3
     request = GenerateRequest(
         prompt_ids=engine.tokenizer.encode(prompt, add_bos=True),
@@ -100,6 +119,11 @@ def generate(prompt, model, device, dtype, ctx_size, max_tokens, temperature, to
             "dtype": str(engine.model.dtype).removeprefix("torch."),
             "n_ctx": engine.n_ctx,
             "load_ms": round(load_ms, 1),
+            "draft_model": engine.drafter is not None,
+            "acceptance_length_mean": round(final.spec.acceptance_length_mean, 3),
+            "spec_steps": final.spec.steps,
+            "spec_by_source": {k: dict(zip(("steps", "drafted", "accepted"), v))
+                               for k, v in final.spec.by_source.items()},
         }
         click.echo(json.dumps({
             "text": text,
@@ -142,3 +166,25 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, out):
 
     logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
     report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype), out)
+
+
+@main.command()
+@click.option("--messages", "messages_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="OpenAI-style messages: a JSON list, or an object with 'messages' (and 'tools').")
+@click.option("--tools", "tools_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="OpenAI-style tools: a JSON list, or an object with 'tools'.")
+@click.option("--template", default=None, help="gemma4, gemma3 or a .jinja file (default: the model's own).")
+@click.option("--model", "-m", default="embedded", show_default=True,
+              help="Whose tokenizer and template to use; its weights are not loaded.")
+@click.option("--enable-thinking", is_flag=True, help="Render with thinking on (Gemma 4).")
+@click.option("--no-generation-prompt", is_flag=True, help="Do not open the model's turn at the end.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"prompt": ..., "token_ids": [...]}.')
+@user_errors
+def prompt(messages_file, tools_file, template, model, enable_thinking, no_generation_prompt, as_json):
+    """Print the prompt a chat request renders to, exactly as the model would read it."""
+    from .chat.prompt import prompt_command
+
+    out = prompt_command(messages_file, tools_file, template, model, enable_thinking, not no_generation_prompt,
+                         as_json)
+    # The prompt is printed byte for byte; only the JSON form gets a newline.
+    click.echo(out, nl=as_json)
