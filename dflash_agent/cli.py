@@ -151,21 +151,37 @@ async def _collect(engine: Engine, request: GenerateRequest, stream: bool) -> tu
 
 
 @main.command()
-@click.option("--model", "-m", default="embedded", show_default=True, help="The model both engines run.")
+@click.option("--model", "-m", default="embedded", show_default=True, help="The model every engine runs.")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Weights and activations of both engines.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-results/cpu.json"),
-              show_default=True, help="Where to write the JSON result.")
+@click.option("--spec", is_flag=True,
+              help="Speculative decoding instead: plain vs prompt lookup vs DFlash vs hybrid, tok/s and acceptance.")
+@click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one.")
+@click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the JSON result [default: bench-results/cpu.json, or spec.json with --spec].")
 @user_errors
-def bench(model, prompt_tokens, decode_tokens, repeats, dtype, out):
-    """CPU benchmark: prefill and decode tok/s of this engine and of transformers, measured in one run."""
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, out):
+    """Speed benchmarks, each measured against its baseline in the same run.
+
+    By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
+    logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    if spec:
+        from .bench.spec import report as spec_report
+        from .bench.spec import run_spec_bench
+
+        results = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype)
+        title = f"speculative decoding, {model}, draft={draft or 'none'}, block={spec_block or 'adaptive'}"
+        spec_report(results, out or Path("bench-results/spec.json"), title)
+        return
+    if draft or spec_block:
+        raise click.UsageError("--draft and --spec-block need --spec")
     from .bench.cpu import report, run_cpu_bench
 
-    logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
-    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype), out)
+    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype), out or Path("bench-results/cpu.json"))
 
 
 @main.command()

@@ -90,6 +90,9 @@ class DrafterConfig:
         window = raw.get("sliding_window")
         if any(sliding) and not window:
             raise DrafterError(f"{source}: sliding layers but no sliding_window")
+        kv_heads = int(value("num_key_value_heads", heads))
+        if heads % kv_heads:
+            raise DrafterError(f"{source}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
         target_ids = value("target_layer_ids")
         if target_ids is None:
             target_ids = build_target_layer_ids(int(required("num_target_layers")), num_layers)
@@ -99,7 +102,7 @@ class DrafterConfig:
             intermediate_size=int(required("intermediate_size")),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(value("num_key_value_heads", heads)),
+            num_kv_heads=kv_heads,
             head_dim=int(value("head_dim") or hidden // heads),
             rms_norm_eps=float(value("rms_norm_eps", 1e-6)),
             rope_theta=theta,
@@ -350,3 +353,59 @@ def load_drafter(
     )
     return drafter.eval()
 
+
+
+def init_drafter_checkpoint(
+    path: str | Path,
+    target_hidden: int,
+    target_layers: int,
+    mask_token_id: int,
+    num_layers: int = 3,
+    block_size: int = 16,
+    sliding_window: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialized drafter for a target in z-lab's format (config.json +
+    model.safetensors): the starting point for training, and a stand-in for benchmarks."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    heads = max(1, target_hidden // 128)
+    head_dim = target_hidden // heads
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": target_hidden,
+        "intermediate_size": 2 * target_hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2 if heads % 2 == 0 else 1,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+        "sliding_window": sliding_window,
+        "use_sliding_window": True,
+        "block_size": block_size,
+        "num_target_layers": target_layers,
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": build_target_layer_ids(target_layers, num_layers),
+        },
+    }
+    config = DrafterConfig.from_dict(raw)
+    drafter = Drafter(config, target_hidden)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, p in drafter.state_dict().items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(p.shape)
+        else:
+            weights[name] = torch.randn(p.shape, generator=generator) * 0.02
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return path

@@ -1,0 +1,138 @@
+"""Speculative decoding benchmark: tok/s and acceptance with and without speculation, in one run.
+
+Every mode runs the same greedy requests on the same loaded target, so the ratios against plain
+autoregressive decoding are measured under the same machine load. Two workloads: continuing a
+Python file (what a drafter is for) and rewriting a file with a small change (what prompt lookup
+is for: the output copies the context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..engine.drafter import init_drafter_checkpoint, load_drafter
+from ..engine.engine import Engine, FinalEvent, GenerateRequest
+from ..engine.speculative import SpecConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    workload: str
+    decode_tok_s: float
+    acceptance_length_mean: float
+    drafted: int
+    accepted: int
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+    speedup: float = 0.0  # decode tok/s over the "ar" mode on the same workload
+
+
+def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
+    import json.decoder
+    import textwrap
+
+    source = inspect.getsource(json.decoder)
+    code = engine.tokenizer.encode(source)[:prompt_tokens]
+    # An edit: the file, then the instruction to repeat it with a rename. The answer copies the file.
+    snippet = textwrap.dedent(inspect.getsource(json.decoder.py_scanstring))
+    edit_text = (
+        f"# Original:\n{snippet}\n# The same function with `chunks` renamed to `parts`; "
+        f"everything else unchanged:\n{snippet.splitlines()[0]}\n"
+    )
+    edit = engine.tokenizer.encode(edit_text)[-prompt_tokens:]
+    return {"code": code, "edit": edit}
+
+
+def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:
+    async def once() -> FinalEvent:
+        async for event in engine.generate(GenerateRequest(prompt, max_tokens=decode_tokens)):
+            if isinstance(event, FinalEvent):
+                return event
+        raise RuntimeError("no final event")
+
+    return asyncio.run(once())
+
+
+def run_spec_bench(
+    model: str,
+    draft: str | None,
+    prompt_tokens: int = 384,
+    decode_tokens: int = 96,
+    repeats: int = 2,
+    spec_block: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> list[ModeResult]:
+    """draft: a drafter checkpoint, "random" for a randomly initialized one (until a trained drafter
+    exists), or None to measure prompt lookup alone."""
+    base = Engine.load(model, device=device, dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 32,
+                       spec=SpecConfig(enabled=False))
+    drafter = None
+    if draft is not None:
+        cfg = base.model.config
+        tmp = None
+        if draft == "random":
+            tmp = tempfile.TemporaryDirectory()
+            mask = base.tokenizer.token_id("<mask>")
+            draft = str(init_drafter_checkpoint(Path(tmp.name), cfg.hidden_size, cfg.num_layers,
+                                                mask if mask is not None else 0))
+        drafter = load_drafter(draft, cfg.hidden_size, cfg.num_layers, cfg.vocab_size, base.model.device,
+                               base.model.dtype)
+        if tmp is not None:
+            tmp.cleanup()
+    base.close()
+    modes = {"ar": (None, SpecConfig(enabled=False)), "ngram": (None, SpecConfig(block=spec_block))}
+    if drafter is not None:
+        modes["dflash"] = (drafter, SpecConfig(block=spec_block, ngram=False))
+        modes["hybrid"] = (drafter, SpecConfig(block=spec_block))
+    prompts = workloads(base, prompt_tokens)
+    results: list[ModeResult] = []
+    for workload, prompt in prompts.items():
+        for mode, (mode_drafter, spec) in modes.items():
+            engine = Engine(base.model, base.tokenizer, base.n_ctx, base.model_name, drafter=mode_drafter, spec=spec)
+            runs = []
+            for i in range(repeats + 1):  # the first run warms up (and trains the adaptive controller)
+                final = _run(engine, prompt, decode_tokens)
+                if i:
+                    runs.append(final)
+            engine.close()
+            stats = runs[-1].spec
+            result = ModeResult(
+                mode=mode, workload=workload,
+                decode_tok_s=statistics.median(r.timings.predicted_per_second for r in runs),
+                acceptance_length_mean=statistics.mean(r.spec.acceptance_length_mean for r in runs),
+                drafted=stats.drafted, accepted=stats.accepted, by_source=stats.by_source,
+            )
+            log.info("%s / %s: %.2f tok/s, acceptance %.2f", workload, mode, result.decode_tok_s,
+                     result.acceptance_length_mean)
+            results.append(result)
+    for r in results:
+        ar = next(x for x in results if x.workload == r.workload and x.mode == "ar")
+        r.speedup = r.decode_tok_s / ar.decode_tok_s if ar.decode_tok_s else 0.0
+    return results
+
+
+def report(results: list[ModeResult], out: Path | None, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("workload", "mode", "decode tok/s", "x ar", "acceptance length", "drafted", "accepted"):
+        table.add_column(column, justify="right" if column not in ("workload", "mode") else "left")
+    for r in results:
+        table.add_row(r.workload, r.mode, f"{r.decode_tok_s:.2f}", f"{r.speedup:.2f}",
+                      f"{r.acceptance_length_mean:.2f}", str(r.drafted), str(r.accepted))
+    Console(stderr=True).print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results]}, indent=2) + "\n")
+        log.warning("wrote %s", out)
