@@ -147,10 +147,10 @@ def test_sampling_distribution_is_unchanged(pair, source):
     with_spec, plain = Counter(), Counter()
     drafted = 0
     for seed in range(runs):
-        out, stats = _decode(target, use_drafter, prompt, 4, spec, SamplingParams(seed=seed, **params))
+        out, stats = _decode(target, use_drafter, prompt, 3, spec, SamplingParams(seed=seed, **params))
         with_spec[tuple(out[1:3])] += 1
         drafted += stats.drafted
-        out, _ = _decode(target, None, prompt, 4, SpecConfig(enabled=False), SamplingParams(seed=runs + seed, **params))
+        out, _ = _decode(target, None, prompt, 3, SpecConfig(enabled=False), SamplingParams(seed=runs + seed, **params))
         plain[tuple(out[1:3])] += 1
     assert drafted > 0
     assert _chi_square_p(with_spec, plain) > 1e-3
@@ -221,3 +221,35 @@ def test_quantized_drafter_stays_close(pair, mode):
     weight_bytes = sum(b.numel() * b.element_size() for n, b in quant.named_buffers() if n.endswith("qweight"))
     full_bytes = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "proj" in n or "fc" in n)
     assert weight_bytes <= full_bytes / (4 if mode == "q8" else 6)  # q4 pads rows to groups of 32
+
+
+def test_stop_token_and_string_inside_a_block(pair):
+    """A stop met in the middle of an accepted block ends the output exactly where plain decoding ends it."""
+    from dflash_agent.engine.sampling import StopCriteria
+
+    _, _, target, drafter, _ = pair
+    prompt = _prompts(20)[8]
+    plain, _ = _decode(target, None, prompt, 30, SpecConfig(enabled=False))
+    stop_token = plain[12]
+    tokenizer = _word_tokenizer()
+    stop_string = tokenizer.decode(plain[7:9])
+
+    def run(spec, stop):
+        engine = Engine(target, tokenizer, N_CTX, drafter=drafter if spec.enabled else None, spec=spec)
+
+        async def go():
+            return [e async for e in engine.generate(GenerateRequest(prompt, stop=stop, max_tokens=30))]
+
+        try:
+            return asyncio.run(go())
+        finally:
+            engine.close()
+
+    for stop in (StopCriteria(token_ids=frozenset({stop_token})), StopCriteria(strings=(stop_string,))):
+        with_spec = run(SpecConfig(block=BLOCK), stop)
+        without = run(SpecConfig(enabled=False), stop)
+        text = lambda events: "".join(e.text_delta for e in events[:-1])  # noqa: E731
+        assert text(with_spec) == text(without)
+        assert with_spec[-1].finish_reason == without[-1].finish_reason == "stop"
+        assert with_spec[-1].stop == without[-1].stop
+        assert with_spec[-1].usage.completion_tokens == without[-1].usage.completion_tokens
