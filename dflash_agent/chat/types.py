@@ -51,10 +51,15 @@ class Message(msgspec.Struct, frozen=True):
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
+def no_parameters() -> dict[str, Any]:
+    """The JSON schema of a tool that takes no arguments."""
+    return {"type": "object", "properties": {}}
+
+
 class Tool(msgspec.Struct, frozen=True):
     name: str
     description: str = ""
-    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: dict[str, Any] = msgspec.field(default_factory=no_parameters)
 
 
 class Conversation(msgspec.Struct, frozen=True):

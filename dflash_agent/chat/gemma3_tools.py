@@ -1,0 +1,87 @@
+"""Tool calling for Gemma 3, which has no tool syntax of its own: the conversation is rewritten into
+plain text turns before its template renders it.
+
+- The tools are described in the system turn, with the instruction to call one by answering with a
+  fenced block holding `{"name": ..., "arguments": {...}}` (info string `TOOL_CALL_FENCE`).
+- Earlier assistant tool calls are written back as those blocks, so the model sees its own format.
+- Tool results become a user turn of ```tool_result blocks (`{"name": ..., "content": ...}`).
+
+`chat/parser.py` reads the model's blocks back and the tool-call grammar forces them; both rely on the
+exact fence written here."""
+
+from __future__ import annotations
+
+import json
+
+from .types import Conversation, Message, TextPart, Tool, ToolCall
+
+TOOL_CALL_FENCE = "tool_call"
+TOOL_RESULT_FENCE = "tool_result"
+
+
+def format_tool_call(call: ToolCall) -> str:
+    """One call as the model is asked to write it."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"```{TOOL_CALL_FENCE}\n{body}\n```"
+
+
+def format_tool_result(name: str, content: str) -> str:
+    # JSON keeps the block well-formed whatever the result holds, fences and newlines included.
+    body = json.dumps({"name": name, "content": content}, ensure_ascii=False)
+    return f"```{TOOL_RESULT_FENCE}\n{body}\n```"
+
+
+def tools_prompt(tools: list[Tool]) -> str:
+    """The system-turn text that declares the tools and how to call them."""
+    lines = ["# Tools", "", "You can call these tools:"]
+    for tool in tools:
+        lines += ["", f"## {tool.name}"]
+        if tool.description:
+            lines.append(tool.description.strip())
+        lines.append(f"Parameters (JSON schema): {json.dumps(tool.parameters, ensure_ascii=False)}")
+    lines += [
+        "",
+        ("To call a tool, answer with a fenced block like this one, holding a JSON object with the tool's name "
+         "and its arguments:"),
+        f"```{TOOL_CALL_FENCE}",
+        '{"name": "NAME", "arguments": {"ARGUMENT": "VALUE"}}',
+        "```",
+        ("Write one block per call; to make several calls, write several blocks one after another. "
+         f"Each result comes back in a ```{TOOL_RESULT_FENCE} block."),
+    ]
+    return "\n".join(lines)
+
+
+def inline_tools(conversation: Conversation) -> Conversation:
+    """The conversation as plain system/user/assistant turns, tools and calls written as text.
+    A conversation without tools, calls or results is returned unchanged."""
+    messages = conversation.messages
+    if not conversation.tools and not any(m.tool_calls or m.role == "tool" for m in messages):
+        return conversation
+    out: list[Message] = []
+    if conversation.tools:
+        declared = tools_prompt(conversation.tools)
+        if messages and messages[0].role in ("system", "developer"):
+            declared = f"{_text(messages[0])}\n\n{declared}"
+            messages = messages[1:]
+        out.append(Message(role="system", content=[TextPart(declared)]))
+    for message in messages:
+        if message.role == "tool":
+            turn = Message(role="user", content=[TextPart(format_tool_result(message.name or "", message.text))])
+        elif message.role == "assistant":
+            # Gemma 3 does not think, so earlier reasoning has nowhere to go.
+            blocks = [_text(message), *(format_tool_call(c) for c in message.tool_calls)]
+            turn = Message(role="assistant", content=[TextPart("\n\n".join(b for b in blocks if b))])
+        else:
+            turn = message
+        # Results of parallel calls, and the user text that may follow them, form one user turn:
+        # Gemma 3's turns must alternate.
+        if turn.role == "user" and out and out[-1].role == "user":
+            turn = Message(role="user", content=[TextPart(f"{_text(out[-1])}\n\n{_text(turn)}")])
+            out.pop()
+        out.append(turn)
+    return Conversation(messages=out)
+
+
+def _text(message: Message) -> str:
+    return "\n\n".join(p.text.strip() for p in message.content if isinstance(p, TextPart) and p.text.strip())
