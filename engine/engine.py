@@ -97,8 +97,10 @@ class Engine:
         model_name: str = "",
         drafter: Drafter | None = None,
         spec: SpecConfig | None = None,
+        model_path: Path | None = None,
     ) -> None:
         self.model = model
+        self.model_path = model_path  # where the checkpoint's own chat template is read from
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.model_name = model_name
@@ -145,7 +147,7 @@ class Engine:
             )
         log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)
         name = Path(path).name if model == EMBEDDED else model
-        return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec)
+        return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec, model_path=path)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Queue the request and yield its events; raises ContextOverflowError / ValueError for bad requests."""
