@@ -201,10 +201,6 @@ class GrammarCompiler:
     def stop_ids(self) -> frozenset[int]:
         return self._stop_ids
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def token_id(self, piece: str) -> int:
         """The id of the vocabulary entry spelled `piece` (`<|tool_call>`), for `Token(id)`."""
         token_id = self._tokenizer.token_id(piece)
@@ -277,7 +273,8 @@ class GrammarCompiler:
                 vocab[token_id] = self._tokenizer.id_to_piece(token_id)
             info = xgr.TokenizerInfo(vocab, self._vocab_type, vocab_size=self._vocab_size,
                                      stop_token_ids=sorted(self._stop_ids), add_prefix_space=False)
-            compiler = self._compilers[named] = xgr.GrammarCompiler(info)
+            # Our LRU above is the cache; xgrammar's own would grow without bound.
+            compiler = self._compilers[named] = xgr.GrammarCompiler(info, cache_enabled=False)
             logger.debug("grammar tokenizer view with %d named special tokens", len(named))
         return compiler
 
