@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from dflash_agent.engine.drafter import DrafterError, load_drafter
 from dflash_agent.engine.engine import Engine, GenerateRequest
 from dflash_agent.engine.sampling import Sampler, SamplingParams
@@ -34,9 +33,9 @@ def pair(tmp_path_factory):
     return ref_target, ref_drafter, target, drafter, drafter_dir
 
 
-def _decode(target, drafter, prompt, max_new, spec, sampling=SamplingParams()):
+def _decode(target, drafter, prompt, max_new, spec, sampling=None):
     decoder = RequestDecoder(
-        target, target.new_cache(N_CTX), Sampler(sampling),
+        target, target.new_cache(N_CTX), Sampler(sampling or SamplingParams()),
         drafter=drafter, drafter_cache=drafter.new_cache(N_CTX) if drafter is not None else None, spec=spec,
     )
     decoder.prefill(prompt)
@@ -136,7 +135,7 @@ def test_sampling_distribution_is_unchanged(pair, source):
     """Rejection sampling is lossless: the joint distribution of the tokens after the first, with
     speculation, matches plain sampling (two-sample chi-square over many seeds)."""
     _, _, target, drafter, _ = pair
-    params = dict(temperature=1.0, top_k=3)
+    params = {"temperature": 1.0, "top_k": 3}
     if source == "ngram":
         # Every token occurs in the prompt, so a one-token lookup always has something to propose.
         prompt, spec = list(range(5, VOCAB)), SpecConfig(block=4, ngram_min=1, ngram_max=2)
@@ -248,7 +247,7 @@ def test_stop_token_and_string_inside_a_block(pair):
     for stop in (StopCriteria(token_ids=frozenset({stop_token})), StopCriteria(strings=(stop_string,))):
         with_spec = run(SpecConfig(block=BLOCK), stop)
         without = run(SpecConfig(enabled=False), stop)
-        text = lambda events: "".join(e.text_delta for e in events[:-1])  # noqa: E731
+        text = lambda events: "".join(e.text_delta for e in events[:-1])
         assert text(with_spec) == text(without)
         assert with_spec[-1].finish_reason == without[-1].finish_reason == "stop"
         assert with_spec[-1].stop == without[-1].stop
