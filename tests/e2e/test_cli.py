@@ -148,3 +148,24 @@ def test_hub_id_offline_is_a_clear_error():
 def test_verbose_shows_traceback(tmp_path):
     proc = cli("--verbose", "generate", "x", "--model", str(tmp_path / "nope.gguf"))
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_generate_with_a_drafter_speculates_and_matches_plain(tmp_path):
+    from dflash_agent.engine.drafter import init_drafter_checkpoint
+
+    # The embedded Gemma 3 270M: 640 wide, 18 layers; <mask> is id 4 in Gemma vocabularies.
+    draft = init_drafter_checkpoint(tmp_path / "draft", 640, 18, 4, num_layers=1, block_size=4)
+    args = ("generate", "def add(a, b):", "--max-tokens", "24", "--json")
+    spec = cli(*args, "--draft", str(draft), "--spec-block", "4")
+    plain = cli(*args, "--no-spec")
+    assert spec.returncode == 0, spec.stderr
+    assert plain.returncode == 0, plain.stderr
+    spec_out, plain_out = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert spec_out["token_ids"] == plain_out["token_ids"]
+    assert spec_out["timings"]["draft_n"] > 0 and plain_out["timings"]["draft_n"] == 0
+    assert spec_out["stats"]["draft_model"] is True
+    assert spec_out["stats"]["acceptance_length_mean"] >= 1.0
+
+
+def test_bad_drafter(tmp_path):
+    assert_one_line_error(cli("generate", "x", "--draft", str(tmp_path)), "config.json")
