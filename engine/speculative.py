@@ -179,19 +179,21 @@ class RequestDecoder:
         controller: LengthController | None = None,
     ) -> None:
         self.target, self.cache, self.sampler = target, cache, sampler
-        self.drafter, self.drafter_cache = drafter, drafter_cache
         self.matcher = matcher
         self.spec = spec or SpecConfig()
+        # With speculation off a loaded drafter is not fed either: no features are captured.
+        self.drafter = drafter if self.spec.enabled else None
+        self.drafter_cache = drafter_cache if self.drafter is not None else None
         self.stats = SpecStats()
-        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-        max_draft = (drafter.config.block_size - 1) if drafter is not None else 15
+        self.capture = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
+        max_draft = (self.drafter.config.block_size - 1) if self.drafter is not None else 15
         if self.spec.block is not None:
             max_draft = self.spec.block - 1
         max_draft = min(max_draft, cache.slack)  # the sliding rings can roll back `slack` tokens
         use_ngram = self.spec.enabled and self.spec.ngram
         self.controller = controller or LengthController(
             max_draft,
-            drafter=self.spec.enabled and drafter is not None,
+            drafter=self.drafter is not None,
             ngram=use_ngram,
             fixed=None if self.spec.block is None else max_draft,
         )
@@ -239,6 +241,8 @@ class RequestDecoder:
             self.ngram.extend([anchor])
         arm = self.controller.choose(ngram_available=self._ngram_ready(room))
         k = min(arm[1], room)
+        if k == 0:
+            arm = ("ar", 0)  # no room left to draft: this step measures plain decoding
         proposal = self._propose(arm[0], anchor, k) if k > 0 else _Proposal("ar", [])
         block = torch.tensor([anchor, *proposal.tokens], device=self.target.device)
         out = self.target(block, self.cache, logits_at=torch.arange(block.shape[0], device=block.device),
