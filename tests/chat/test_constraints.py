@@ -26,7 +26,7 @@ from dflash_agent.chat.parser import make_parser
 from dflash_agent.chat.types import ChatError, Tool, ToolCall
 
 VOCAB = 262144
-TEMPLATE = Path("/work/shared/reference/gemma4_chat_template.jinja")
+TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "google_gemma4_chat_template.jinja"
 # Gemma 4 renamed some of Gemma 3's unused tokens (gemma4.md section 5).
 GEMMA4_SPECIALS = {
     46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>",

@@ -47,8 +47,8 @@ def arguments_json(deltas: list, index: int) -> str:
 
 # --- serializer -------------------------------------------------------------------------------
 
-# (name, arguments, rendering) from shared/fixtures/gemma4_chat.json: the spans that Google's
-# template (shared/reference/gemma4_chat_template.jinja) rendered for these calls.
+# (name, arguments, rendering) from tests/fixtures/gemma4_chat.json: the spans that Google's
+# template (tests/fixtures/google_gemma4_chat_template.jinja) rendered for these calls.
 TEMPLATE_RENDERINGS = [
     ("read_file", {"path": "README.md", "limit": 20}, '<|tool_call>call:read_file{limit:20,path:<|"|>README.md<|"|>}<tool_call|>'),
     ("read_file", {"path": "a.py"}, '<|tool_call>call:read_file{path:<|"|>a.py<|"|>}<tool_call|>'),

@@ -40,24 +40,15 @@ from dflash_agent.chat.types import (
     ToolCall,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-# shared/ sits beside the checkout on a workstation and inside it on a CI or device copy.
-SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if (p / "fixtures").is_dir()), None)
-needs_shared = pytest.mark.skipif(SHARED is None, reason="shared/ (fixtures and reference) is not available")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-def _fixture_cases() -> list[dict]:
-    if SHARED is None:
-        return []
-    return json.loads((SHARED / "fixtures" / "gemma4_chat.json").read_text())["cases"]
-
-
-CASES = _fixture_cases()
+CASES = json.loads((FIXTURES / "gemma4_chat.json").read_text())["cases"]
 
 
 @pytest.fixture(scope="module")
 def google_gemma4() -> ChatTemplate:
-    return ChatTemplate((SHARED / "reference" / "gemma4_chat_template.jinja").read_text(), source="Google's gemma4")
+    return ChatTemplate((FIXTURES / "google_gemma4_chat_template.jinja").read_text(), source="Google's gemma4")
 
 
 def _options(case: dict) -> RenderOptions:
@@ -76,7 +67,6 @@ def _render_raw(template: ChatTemplate, case: dict) -> str:
 # --- Gemma 4 ---------------------------------------------------------------------------------------------------
 
 
-@needs_shared
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_gemma4_fixture_with_our_template(case):
     ours = builtin_template("gemma4")
@@ -86,7 +76,6 @@ def test_gemma4_fixture_with_our_template(case):
     assert ours.render(conversation, _options(case)) == case["expected"]
 
 
-@needs_shared
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_gemma4_fixture_with_googles_template(case, google_gemma4):
     assert _render_raw(google_gemma4, case) == case["expected"]
