@@ -20,6 +20,7 @@ from pathlib import Path
 from ..engine.drafter import init_drafter_checkpoint, load_drafter
 from ..engine.engine import Engine, FinalEvent, GenerateRequest
 from ..engine.speculative import SpecConfig
+from .cpu import code_prompt
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
     import json.decoder
     import textwrap
 
-    source = inspect.getsource(json.decoder)
-    code = engine.tokenizer.encode(source)[:prompt_tokens]
+    code = code_prompt(engine, prompt_tokens)
     # An edit: the file, then the instruction to repeat it with a rename. The answer copies the file.
     snippet = textwrap.dedent(inspect.getsource(json.decoder.py_scanstring))
     edit_text = (
