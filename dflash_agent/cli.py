@@ -24,7 +24,7 @@ from .engine.quant import UnsupportedTensorType
 from .engine.sampling import SamplingParams, StopCriteria
 from .engine.speculative import SpecConfig
 from .engine.tokenizer import TokenizerError
-from .engine.weights import ModelLoadError
+from .engine.weights import ModelLoadError, default_drafter
 
 log = logging.getLogger("dflash_agent")
 
@@ -190,7 +190,8 @@ async def _collect(engine: Engine, request: GenerateRequest, stream: bool) -> tu
               help="Weights and activations of both engines.")
 @click.option("--spec", is_flag=True,
               help="Speculative decoding instead: plain vs prompt lookup vs DFlash vs hybrid, tok/s and acceptance.")
-@click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one.")
+@click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one "
+              "[default: the model's bundled drafter].")
 @click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
 @click.option("--http", is_flag=True, help="Server overhead instead: streamed tok/s through HTTP vs the bare engine.")
 @click.option("--synthetic", type=click.Choice(SYNTHETIC_MODELS), default=None,
@@ -243,6 +244,8 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         from .bench.spec import report as spec_report
         from .bench.spec import run_spec_bench
 
+        if draft is None and (bundled := default_drafter(model)) is not None:
+            draft = str(bundled)
         results = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype)
         title = f"speculative decoding, {model}, draft={draft or 'none'}, block={spec_block or 'adaptive'}"
         spec_report(results, out or Path("bench-results/spec.json"), title)

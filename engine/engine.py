@@ -24,7 +24,7 @@ from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reus
 from .sampling import Sampler, SamplingParams, StopCriteria, StopStringFilter
 from .speculative import LengthController, RequestDecoder, SpecConfig, SpecStats
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
+from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +142,16 @@ class Engine:
         prefix_cache: bool = True,
         kv_dtype: str = "auto",
     ) -> Engine:
-        """prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
+        """draft: a DFlash drafter checkpoint; None takes the model's bundled one, if it has one
+        and speculation is on (spec.enabled).
+        prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
         kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
+        if draft is None and (spec is None or spec.enabled):
+            bundled = default_drafter(model)
+            draft = str(bundled) if bundled is not None else None
         torch_device = pick_device(device)
         torch_dtype = pick_dtype(dtype, torch_device)
         path = resolve_model_path(model)

@@ -192,6 +192,12 @@ class RequestDecoder:
             max_draft = self.spec.block - 1
         max_draft = min(max_draft, cache.slack)  # the sliding rings can roll back `slack` tokens
         use_ngram = self.spec.enabled and self.spec.ngram
+        if sampler.params.seed is not None and not sampler.params.greedy and self.spec.block is None:
+            # A seeded sample must depend on the seed and the prompt alone, but which drafts get verified
+            # (each verification draws from the generator) depends on the adaptive controller's timings;
+            # so such a request decodes plainly (a fixed block is deterministic and keeps drafting).
+            # The drafter is still fed, for the requests after it.
+            controller = LengthController(0, drafter=False, ngram=False, fixed=None)
         self.controller = controller or LengthController(
             max_draft,
             drafter=self.drafter is not None,

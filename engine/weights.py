@@ -23,6 +23,8 @@ from .quant import PackedTensor, UnsupportedTensorType, from_numpy
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
+# The DFlash drafter trained for the embedded model (`dflash-agent train-drafter`), shipped in the package.
+EMBEDDED_DRAFTER = Path(__file__).parent / "drafters" / "gemma3-270m"
 
 
 class ModelLoadError(ValueError):
@@ -52,6 +54,13 @@ def resolve_model_path(spec: str) -> Path:
     if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
         raise ModelLoadError(f"model not found: {spec}")
     return _download(spec)
+
+
+def default_drafter(model: str) -> Path | None:
+    """The drafter a model speculates with when none is named: the bundled one for the embedded model."""
+    if model == EMBEDDED and (EMBEDDED_DRAFTER / "model.safetensors").is_file():
+        return EMBEDDED_DRAFTER
+    return None
 
 
 def _download(repo_id: str) -> Path:

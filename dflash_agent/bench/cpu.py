@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..engine.engine import Engine, FinalEvent, GenerateRequest
+from ..engine.speculative import SpecConfig
 from ..engine.weights import EMBEDDED, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,10 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
                   repeats: int = 3, dtype: str = "float32") -> BenchResult:
     from transformers import AutoModelForCausalLM
 
-    # Every round prefills the same prompt: without the prefix cache, so each one is measured in full.
+    # Every round prefills the same prompt: without the prefix cache, so each one is measured in full;
+    # and decodes plainly, as transformers does (bench --spec measures speculation).
     engine = Engine.load(model, device="cpu", dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 8,
-                         prefix_cache=False)
+                         prefix_cache=False, spec=SpecConfig(enabled=False))
     torch_dtype = engine.model.dtype
     path = resolve_model_path(model)
     log.info("loading the transformers reference from %s", path)

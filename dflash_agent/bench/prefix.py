@@ -24,6 +24,7 @@ from ..chat.chat_format import ChatFormat
 from ..chat.types import Conversation, Message, TextPart, Tool, ToolCall
 from ..engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
 from ..engine.prefix_cache import PrefixCacheConfig
+from ..engine.speculative import SpecConfig
 from ..engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,8 @@ def run_prefix_bench(
 ) -> PrefixBenchResult:
     if ctx_size is not None and ctx_size <= target_tokens:
         raise ValueError(f"--ctx-size {ctx_size} cannot hold a session growing to {target_tokens} tokens")
-    base = Engine.load(model, device=device, dtype=dtype, ctx_size=16, prefix_cache=False)
+    base = Engine.load(model, device=device, dtype=dtype, ctx_size=16, prefix_cache=False,
+                       spec=SpecConfig(enabled=False))  # only its model and tokenizer are used
     base.close()
     prompts = build_session(ChatFormat.for_engine(base), turns, target_tokens)
     needed = len(prompts[-1]) + DECODE_TOKENS + 1

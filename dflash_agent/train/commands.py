@@ -128,8 +128,6 @@ def train_drafter(target_spec, out, data_dir, corpus, corpus_glob, sequences, ev
             log.info("step %d: held-out mean acceptance length %.3f (%d sequences, %d steps, block %d)",
                      trainer.step, result.mean_length, result.sequences, result.steps, block_size)
 
-    if trainer.step == 0 and len(eval_set):
-        evaluate()  # the untrained drafter: the floor every later figure is read against
     last_log = [time.monotonic()]
     with _Bar("training") as bar:
         def on_step(stats) -> None:

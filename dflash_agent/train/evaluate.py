@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.drafter import Drafter
+from ..engine.drafter import Drafter, DrafterCache
 from .data import SequenceSet
 
 
@@ -31,6 +31,14 @@ class Acceptance:
         return self.committed / self.steps if self.steps else 0.0
 
 
+@dataclass
+class _Replay:
+    tokens: list[int]
+    features: torch.Tensor
+    cache: DrafterCache
+    pos: int  # the anchor: the last committed token
+
+
 @torch.inference_mode()
 def replay_acceptance(
     drafter: Drafter,
@@ -39,33 +47,44 @@ def replay_acceptance(
     data: SequenceSet,
     limit: int | None = None,
     block_size: int | None = None,
+    lockstep: int = 16,
 ) -> Acceptance:
-    """Replay greedy DFlash decoding with a fixed block over the first `limit` sequences of data."""
+    """Replay greedy DFlash decoding with a fixed block over the first `limit` sequences of data.
+
+    Up to `lockstep` sequences advance together, so each round reads the 262k-row LM head once for
+    all their draft rows instead of once per sequence (the replay is bound by that read on a CPU)."""
     config = drafter.config
     block = block_size or config.block_size
     scale = config.input_embedding_scale
     steps = committed = 0
     n = len(data) if limit is None else min(limit, len(data))
-    for i in range(n):
-        seq = data[i]
-        tokens, P = seq.tokens.tolist(), seq.prompt_len
-        features = seq.features.to(device=drafter.device, dtype=drafter.dtype)
-        cache = drafter.new_cache(len(tokens))
-        drafter.append_context(features[:P], cache)
-        pos = P  # the anchor: the first generated token, committed by the prefill
-        # As the engine does with a budget of len(tokens) - P new tokens: a step drafts only as
-        # many tokens as leave room for its bonus token, and a step with no room is plain decoding.
-        while (k := min(block - 1, len(tokens) - 2 - pos)) > 0:
-            ids = torch.tensor([tokens[pos]] + [config.mask_token_id] * k, device=drafter.device)
-            hidden = drafter.draft(embed_weight[ids] * scale, cache)
-            accepted = 0
-            # Greedy acceptance stops at the first wrong draft, so later rows need no logits.
-            for row in range(1, k + 1):
-                if int(drafter.logits(hidden[row : row + 1], head_weight).argmax()) != tokens[pos + row]:
-                    break
-                accepted += 1
-            steps += 1
-            committed += accepted + 1
-            drafter.append_context(features[pos : pos + accepted + 1], cache)
-            pos += accepted + 1
+    for first in range(0, n, lockstep):
+        active = []
+        for i in range(first, min(first + lockstep, n)):
+            seq = data[i]
+            replay = _Replay(seq.tokens.tolist(), seq.features.to(device=drafter.device, dtype=drafter.dtype),
+                             drafter.new_cache(len(seq.tokens)), seq.prompt_len)
+            # The first anchor is the first generated token, committed by the prefill.
+            drafter.append_context(replay.features[: replay.pos], replay.cache)
+            active.append(replay)
+        while active:
+            # As the engine does with a budget of len(tokens) - P new tokens: a step drafts only as
+            # many tokens as leave room for its bonus token, and a step with no room is plain decoding.
+            active = [r for r in active if min(block - 1, len(r.tokens) - 2 - r.pos) > 0]
+            if not active:
+                break
+            lengths = [min(block - 1, len(r.tokens) - 2 - r.pos) for r in active]
+            hidden = []
+            for r, k in zip(active, lengths):
+                ids = torch.tensor([r.tokens[r.pos]] + [config.mask_token_id] * k, device=drafter.device)
+                hidden.append(drafter.draft(embed_weight[ids] * scale, r.cache)[1:])
+            drafts = drafter.logits(torch.cat(hidden), head_weight).argmax(-1).split(lengths)
+            for r, k, draft in zip(active, lengths, drafts):
+                truth = torch.tensor(r.tokens[r.pos + 1 : r.pos + 1 + k], device=draft.device)
+                # Greedy acceptance keeps the drafts up to the first one the target disagrees with.
+                accepted = int((draft == truth).long().cumprod(0).sum())
+                steps += 1
+                committed += accepted + 1
+                drafter.append_context(r.features[r.pos : r.pos + accepted + 1], r.cache)
+                r.pos += accepted + 1
     return Acceptance(steps, committed, n)
