@@ -38,6 +38,11 @@ class _Replay:
     cache: DrafterCache
     pos: int  # the anchor: the last committed token
 
+    def room(self, block: int) -> int:
+        """Drafts the next step may make. As the engine does with a budget of len(tokens) - P new
+        tokens: only as many as leave room for the bonus token (0: the step is plain decoding)."""
+        return min(block - 1, len(self.tokens) - 2 - self.pos)
+
 
 @torch.inference_mode()
 def replay_acceptance(
@@ -68,12 +73,10 @@ def replay_acceptance(
             drafter.append_context(replay.features[: replay.pos], replay.cache)
             active.append(replay)
         while active:
-            # As the engine does with a budget of len(tokens) - P new tokens: a step drafts only as
-            # many tokens as leave room for its bonus token, and a step with no room is plain decoding.
-            active = [r for r in active if min(block - 1, len(r.tokens) - 2 - r.pos) > 0]
+            active = [r for r in active if r.room(block) > 0]
             if not active:
                 break
-            lengths = [min(block - 1, len(r.tokens) - 2 - r.pos) for r in active]
+            lengths = [r.room(block) for r in active]
             hidden = []
             for r, k in zip(active, lengths):
                 ids = torch.tensor([r.tokens[r.pos]] + [config.mask_token_id] * k, device=drafter.device)
