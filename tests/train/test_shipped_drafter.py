@@ -22,10 +22,8 @@ from dflash_agent.engine.weights import EMBEDDED_DRAFTER, default_drafter
 from dflash_agent.train.data import CorpusFile
 
 # The goal is a mean acceptance of 3 over the training's 32 held-out sequences (not reached yet:
-# the bundled drafter is an interim one, see README). On these three prompts it commits 1.34 tokens per
-# step; an untrained drafter commits 1.0.
+# the bundled drafter is an interim one at 1.53, see README); an untrained drafter commits 1.0 per step.
 FLOOR = 1.2
-BLOCK = 16
 NEW_TOKENS = 96
 
 pytestmark = pytest.mark.skipif(default_drafter("embedded") is None, reason="no drafter bundled")
@@ -48,8 +46,10 @@ def held_out_prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines():
+    # A fixed draft length (the drafter's block): the adaptive controller's choices depend on timing.
+    block = json.loads((EMBEDDED_DRAFTER / "config.json").read_text())["block_size"]
     spec = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=1024, progress=False,
-                       spec=SpecConfig(block=BLOCK, ngram=False))
+                       spec=SpecConfig(block=block, ngram=False))
     plain = Engine(spec.model, spec.tokenizer, spec.n_ctx, spec.model_name, spec=SpecConfig(enabled=False))
     yield spec, plain
     spec.close()
@@ -71,8 +71,6 @@ def _final(engine: Engine, prompt: list[int]) -> tuple[list[int], FinalEvent]:
 def test_bundled_drafter_is_small_and_the_embedded_default():
     size = sum(p.stat().st_size for p in EMBEDDED_DRAFTER.iterdir())
     assert size <= 50 * 2**20
-    config = json.loads((EMBEDDED_DRAFTER / "config.json").read_text())
-    assert config["block_size"] == BLOCK
     assert default_drafter("embedded") == EMBEDDED_DRAFTER
     assert default_drafter("some/other-model") is None
 
