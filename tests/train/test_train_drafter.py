@@ -25,7 +25,7 @@ from dflash_agent.train.blocks import forward_blocks, sample_anchors
 from dflash_agent.train.data import DataDir, DataError, DataSpec, checkpoint_bytes, corpus_files, prepare, prompts
 from dflash_agent.train.evaluate import replay_acceptance
 from dflash_agent.train.target import BatchGenerator
-from dflash_agent.train.trainer import TargetParts, TrainConfig, Trainer
+from dflash_agent.train.trainer import TargetParts, TrainConfig, Trainer, _write_checkpoint
 from tests.engine.dflash_pair import BLOCK as PAIR_BLOCK
 from tests.engine.dflash_pair import DRAFT_WINDOW, save_drafter
 from tests.engine.dflash_pair import MASK_ID as PAIR_MASK_ID
@@ -225,6 +225,26 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="block_size=4, not 8"):
         _trainer(tiny, tmp_path / "parts", steps=6, block_size=8)
+
+
+def test_checkpoint_runs_on_raw_features(tiny, trained, tmp_path):
+    """Training sees the features divided by their per-channel RMS; the written weights fold that
+    into fc, so on the target's raw features the checkpoint computes what the trainer computed."""
+    scale = trained.feature_scale
+    assert float(scale.max() / scale.min()) > 2  # the tiny target's channels differ: the fold matters
+    seq = tiny["data"].open("train")[0]
+    scaled = seq.features.float() * scale
+    assert torch.allclose(scaled.pow(2).mean(0).mean(), torch.tensor(1.0), rtol=0.5)
+    _write_checkpoint(tmp_path, trained.raw, trained.weights(), dtype=torch.float32)
+    written = load_drafter(tmp_path, 64, 4, VOCAB, torch.device("cpu"), torch.float32)
+    anchors = sample_anchors(len(seq.tokens), seq.prompt_len, 8, torch.Generator().manual_seed(0))
+    ids = torch.full((len(anchors), BLOCK), MASK_ID)
+    ids[:, 0] = seq.tokens[anchors]
+    embeds = tiny["model"].embed_tokens.weight[ids.reshape(-1)]
+    with torch.no_grad():
+        want = forward_blocks(trained.drafter, scaled, embeds, anchors)
+        got = forward_blocks(written, seq.features.float(), embeds, anchors)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def _decode(model, drafter, prompt, max_new):
