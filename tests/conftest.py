@@ -5,7 +5,7 @@ import torch
 
 # Triton fixes at import whether its kernels are compiled or interpreted, and torch._dynamo imports it
 # as soon as anything (transformers included) touches dynamo: without CUDA the kernel tests need the
-# interpreter, so it is chosen before any of that. The CPU engine is unaffected (kernels/dispatch.py).
+# interpreter, so it is chosen before any of that. The CPU engine is unaffected (dflash_agent/kernels/dispatch.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -46,7 +46,7 @@ def format_value(value: Any) -> str:
     Mappings are `dictsort`ed (keys compared lower-cased, ties kept in insertion order);
     numbers are printed the way Jinja prints them, with `str()`: floats use Python's repr
     (`2.0`, `1e-05`, `1e+16`, `inf`). None is `null`, as in Google's July 2026 template and
-    templates/gemma4.jinja; the May 2026 reference template printed Jinja's `None` (the
+    dflash_agent/templates/gemma4.jinja; the May 2026 reference template printed Jinja's `None` (the
     parser reads both).
     """
     if isinstance(value, str):

@@ -1,4 +1,4 @@
-"""The DFlash drafter shipped for the embedded Gemma 3 270M (engine/drafters/gemma3-270m).
+"""The DFlash drafter shipped for the embedded Gemma 3 270M (dflash_agent/engine/drafters/gemma3-270m).
 
 It is what `generate` speculates with when no drafter is named, it keeps greedy output exactly the
 target's, its drafts are accepted on held-out code (files the training never saw), and z-lab's
