@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from ..chat.parser import Delta
 from ..chat.types import Conversation, ToolCall
-from ..engine.engine import Usage
+from ..engine import Usage
 
 OnDelta = Callable[[Delta], None]
 

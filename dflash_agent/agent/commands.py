@@ -14,14 +14,12 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ..chat.chat_format import ChatFormat
-from ..cli import load_engine, model_options, user_errors
-from ..engine.sampling import SamplingParams
+from ..engine import SamplingParams
+from ..options import load_engine, model_options, user_errors
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import workspace_tools
 from ..tools.workspace import Workspace
 from .backend import Backend
-from .engine_backend import EngineBackend
 from .loop import EXIT_CODES, Agent, AgentConfig
 from .prompt import system_prompt
 from .remote import RemoteBackend
@@ -119,6 +117,10 @@ def _backend(stack: ExitStack, ctx: click.Context, params: dict) -> tuple[Backen
         backend = RemoteBackend(params["server"], params["model"] if model_given else None,
                                 temperature=params["temperature"], api_key=api_key)
         return backend, params["model"] if model_given else "(the server's first)", backend.close
+    # Imported here: the in-process model needs torch, a --server run must not load it.
+    from ..chat.chat_format import ChatFormat
+    from .engine_backend import EngineBackend
+
     engine = load_engine(*(params[name] for name in ("model", *ENGINE_ONLY)))
     stack.callback(engine.close)
     backend = EngineBackend(engine, ChatFormat.for_engine(engine), SamplingParams(temperature=params["temperature"]))

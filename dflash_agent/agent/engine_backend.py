@@ -7,9 +7,7 @@ from dataclasses import asdict
 
 from ..chat.chat_format import ChatFormat, ChatOptions, stream_chat
 from ..chat.types import Conversation
-from ..engine.engine import Engine, FinalEvent
-from ..engine.model import ContextOverflowError
-from ..engine.sampling import SamplingParams
+from ..engine import ContextOverflowError, Engine, FinalEvent, SamplingParams
 from .backend import AssistantTurn, ContextFull, OnDelta, TurnOptions
 
 

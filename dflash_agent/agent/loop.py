@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ..chat.parser import Delta
 from ..chat.types import Conversation, Message, TextPart, Tool, ToolCall
-from ..engine.engine import Usage
+from ..engine import Usage
 from ..tools.registry import Registry
 from ..tools.tool import ToolResult, elide_middle
 from .backend import AssistantTurn, Backend, ContextFull, TurnOptions

@@ -11,7 +11,7 @@ import openai
 
 from ..chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..chat.types import Conversation, Message, ToolCall
-from ..engine.engine import Usage
+from ..engine import Usage
 from .backend import AssistantTurn, BackendError, ContextFull, OnDelta, TurnOptions
 
 

@@ -13,17 +13,31 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from ..chat.anthropic_messages import conversation_from_anthropic
-from ..chat.chat_format import ChatOptions, PreparedChat, stream_chat
+from ..chat.chat_format import ChatOptions, LoadedModel, PreparedChat, stream_chat
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..chat.types import Conversation
-from ..engine.engine import FinalEvent
+from ..engine import FinalEvent
 from .anthropic_schema import (
-    CountTokensRequest, MessageResponse, MessagesRequest, MessageUsage, TextBlock, ThinkingBlock, TokenCount,
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    MessageUsage,
+    TextBlock,
+    ThinkingBlock,
+    TokenCount,
     ToolUseBlock,
 )
 from .errors import APIError, anthropic_error, anthropic_payload, as_api_error, handlers
 from .openai_schema import Timings
-from .service import HEARTBEAT, EventStream, Generation, Model, ServerState, max_new_tokens, sampling_params, stop_strings
+from .service import (
+    HEARTBEAT,
+    EventStream,
+    Generation,
+    ServerState,
+    max_new_tokens,
+    sampling_params,
+    stop_strings,
+)
 
 
 def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None) -> ChatOptions:
@@ -40,7 +54,7 @@ def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None
     return ChatOptions(tool_choice=choice, parallel_tool_calls=parallel, enable_thinking=enabled)
 
 
-def _prepare(model: Model, messages: Any, system: Any, tools: Any, options: ChatOptions) -> PreparedChat:
+def _prepare(model: LoadedModel, messages: Any, system: Any, tools: Any, options: ChatOptions) -> PreparedChat:
     conversation: Conversation = conversation_from_anthropic(messages, system, tools)
     return model.chat.prepare(conversation, options)
 

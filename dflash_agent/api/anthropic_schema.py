@@ -8,7 +8,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from ..engine.engine import FinalEvent
+from ..engine import FinalEvent
 from .openai_schema import Timings
 
 

@@ -14,14 +14,14 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.params import JSONBody
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.params import JSONBody
 from litestar.plugins import InitPluginProtocol
 
 from ..chat.chat_format import ChatOptions
 from ..chat.openai_messages import conversation_from_openai
-from ..engine.engine import Engine
+from ..engine import Engine
 from .anthropic_routes import anthropic_router
 from .errors import APIError, anthropic_error, handlers, openai_error
 from .metrics import CONTENT_TYPE
@@ -129,10 +129,10 @@ def _not_found_or_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               plugins: Sequence[InitPluginProtocol] = (),
+               plugins: Callable[[ServerState], Sequence[InitPluginProtocol]] = lambda server: (),
                on_load_error: Callable[[str], None] | None = None) -> Litestar:
     """`load` builds the engine; it runs in a thread after startup, so /health answers 503 meanwhile.
-    `plugins` add routes and lifespans that need the server's state (MCP at /mcp reads `state.server`).
+    `plugins(server)` adds routes and lifespans that serve the same model (`serve` mounts MCP at /mcp).
     `on_load_error` hears why a load failed (serve exits)."""
     server = ServerState(settings)
 
@@ -156,7 +156,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
         request_max_body_size=max_body_bytes,
         openapi_config=OpenAPIConfig(title="dflash-agent", version="0.1.0", path="/schema"),
         logging_config=None,
-        plugins=list(plugins),
+        plugins=list(plugins(server)),
     )
 
 

@@ -13,9 +13,9 @@ import httpx
 import uvicorn
 from litestar.plugins import InitPluginProtocol
 
-from ..engine.engine import Engine
+from ..engine import Engine
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
-from .service import ServerSettings
+from .service import ServerSettings, ServerState
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ def free_port() -> int:
 @contextmanager
 def live_server(load: Callable[[], Engine], settings: ServerSettings | None = None,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, wait_ready: bool = True,
-                plugins: Sequence[InitPluginProtocol] = ()) -> Iterator[str]:
+                plugins: Callable[[ServerState], Sequence[InitPluginProtocol]] = lambda server: ()) -> Iterator[str]:
     """Yields the base URL once the port accepts connections (and the model is ready, if asked)."""
     app = create_app(settings or ServerSettings(), load, max_body_bytes=max_body_bytes, plugins=plugins)
     port = free_port()

@@ -11,7 +11,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from ..chat.types import ChatError
-from ..engine.model import ContextOverflowError
+from ..engine import ContextOverflowError
 
 log = logging.getLogger(__name__)
 

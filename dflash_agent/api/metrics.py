@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..engine.engine import FinalEvent
+from ..engine import FinalEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -15,15 +15,39 @@ from litestar.params import JSONBody
 from ..chat.chat_format import ChatOptions, stream_chat
 from ..chat.openai_messages import conversation_from_openai
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
-from ..engine.engine import FinalEvent, GenerateRequest, TokenEvent
-from ..engine.sampling import StopCriteria
+from ..engine import FinalEvent, GenerateRequest, StopCriteria, TokenEvent
 from .errors import APIError, as_api_error, handlers, openai_error, openai_payload
 from .openai_schema import (
-    ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta, ChunkChoice,
-    Completion, CompletionChoice, CompletionRequest, Function, FunctionDelta, ModelCard, ModelList, SamplingFields,
-    Timings, ToolCall, ToolCallDelta, Usage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChoiceDelta,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Function,
+    FunctionDelta,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    Timings,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
 )
-from .service import HEARTBEAT, EventStream, Generation, ServerState, check_token_ids, max_new_tokens, sampling_params, stop_strings
+from .service import (
+    HEARTBEAT,
+    EventStream,
+    Generation,
+    ServerState,
+    check_token_ids,
+    max_new_tokens,
+    sampling_params,
+    stop_strings,
+)
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 

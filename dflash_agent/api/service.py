@@ -14,9 +14,8 @@ from typing import Any
 
 from litestar.response import Stream
 
-from ..chat.chat_format import ChatFormat
-from ..engine.engine import Engine, FinalEvent
-from ..engine.sampling import SamplingParams
+from ..chat.chat_format import LoadedModel
+from ..engine import Engine, FinalEvent, ModelLoadError, SamplingParams
 from .errors import APIError, context_overflow
 from .metrics import ServerMetrics
 
@@ -139,35 +138,31 @@ _END = object()
 
 
 @dataclass
-class Model:
-    """The loaded engine and its chat format."""
-
-    engine: Engine
-    chat: ChatFormat
-    name: str
-
-
-@dataclass
 class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    model: Model | None = None
+    model: LoadedModel | None = None
     load_error: str | None = None
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.settings.max_queue, self.metrics)
 
-    def ready(self) -> Model:
+    def ready(self) -> LoadedModel:
         if self.model is None:
             if self.load_error is not None:
                 raise APIError(500, f"the model failed to load: {self.load_error}")
             raise APIError(503, "Loading model")
         return self.model
 
+    def loaded(self) -> LoadedModel | None:
+        """The model once it has loaded, None while it loads; raises ModelLoadError if the load failed."""
+        if self.model is None and self.load_error is not None:
+            raise ModelLoadError(f"the model failed to load: {self.load_error}")
+        return self.model
+
     def attach(self, engine: Engine) -> None:
-        chat = ChatFormat.for_engine(engine, self.settings.chat_template)
-        self.model = Model(engine, chat, self.settings.alias or engine.model_name)
+        self.model = LoadedModel.of(engine, self.settings.chat_template, self.settings.alias)
 
     def start(self, source: AsyncIterator[Any], endpoint: str) -> Generation:
         """Admit a request (429 when the queue is full) and start pumping its events."""

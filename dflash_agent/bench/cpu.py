@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.engine import Engine, FinalEvent, GenerateRequest
-from ..engine.speculative import SpecConfig
-from ..engine.weights import EMBEDDED, resolve_model_path
+from ..engine import EMBEDDED, Engine, FinalEvent, GenerateRequest, SpecConfig
+from ..engine.weights import resolve_model_path
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 
 from ..api.background import live_server
-from ..engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
-from ..engine.speculative import SpecConfig
+from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig, TokenEvent
 from .cpu import code_prompt
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,8 @@ from pathlib import Path
 
 from ..chat.chat_format import ChatFormat
 from ..chat.types import Conversation, Message, TextPart, Tool, ToolCall
-from ..engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
+from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig, TokenEvent, Tokenizer
 from ..engine.prefix_cache import PrefixCacheConfig
-from ..engine.speculative import SpecConfig
-from ..engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

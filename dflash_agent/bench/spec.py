@@ -17,9 +17,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig
 from ..engine.drafter import init_drafter_checkpoint, load_drafter
-from ..engine.engine import Engine, FinalEvent, GenerateRequest
-from ..engine.speculative import SpecConfig
 from .cpu import code_prompt
 
 log = logging.getLogger(__name__)

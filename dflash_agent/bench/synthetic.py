@@ -32,8 +32,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..engine.config import ModelConfig
 from ..engine.drafter import Drafter, DrafterConfig
 from ..engine.memory_plan import (
-    GiB,
     DrafterPlan,
+    GiB,
     MemoryPlan,
     fit_context,
     largest_context,

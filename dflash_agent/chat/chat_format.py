@@ -8,10 +8,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from ..engine.engine import Engine, FinalEvent, GenerateRequest
-from ..engine.grammar import GrammarCompiler, TokenGrammar
-from ..engine.sampling import SamplingParams, StopCriteria
-from ..engine.tokenizer import Tokenizer
+from ..engine import (
+    Engine,
+    FinalEvent,
+    GenerateRequest,
+    GrammarCompiler,
+    SamplingParams,
+    StopCriteria,
+    TokenGrammar,
+    Tokenizer,
+)
 from .constraints import response_format_grammar, tool_call_grammar
 from .gemma4_syntax import TOOL_RESPONSE_OPEN, TURN_CLOSE
 from .parser import Delta, OutputParser, ParsedOutput, make_parser
@@ -125,3 +131,16 @@ async def complete_chat(
             final = event
     assert final is not None
     return parser.result(), final
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded engine with its chat format and the name clients see: what every surface serves."""
+
+    engine: Engine
+    chat: ChatFormat
+    name: str
+
+    @classmethod
+    def of(cls, engine: Engine, template: str | None = None, name: str | None = None) -> LoadedModel:
+        return cls(engine, ChatFormat.for_engine(engine, template), name or engine.model_name)

@@ -48,7 +48,8 @@ from dflash_agent.chat.gemma4_syntax import (
     TOOL_CALL_OPEN,
 )
 from dflash_agent.chat.types import ChatError, Tool
-from dflash_agent.engine.grammar import GrammarCompiler, GrammarError, TokenGrammar
+
+from ..engine import GrammarCompiler, GrammarError, TokenGrammar
 
 __all__ = ["response_format_grammar", "tool_call_grammar"]
 

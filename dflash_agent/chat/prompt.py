@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..engine import GGUFError, ModelLoadError, Tokenizer
 from ..engine.config import ModelConfig
-from ..engine.gguf import GGUFError, read_gguf
-from ..engine.tokenizer import Tokenizer
-from ..engine.weights import ModelLoadError, resolve_model_path
+from ..engine.gguf import read_gguf
+from ..engine.weights import resolve_model_path
 from .openai_messages import messages_from_openai, tools_from_openai
 from .template import ChatTemplate, render_and_encode, select_template
 from .types import ChatError, Conversation

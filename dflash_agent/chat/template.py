@@ -18,9 +18,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..engine import GGUFError, Tokenizer
 from ..engine.config import Family
-from ..engine.gguf import GGUFError, GGUFFile, read_gguf
-from ..engine.tokenizer import Tokenizer
+from ..engine.gguf import GGUFFile, read_gguf
 from .gemma3_tools import inline_tools
 from .types import ChatError, Conversation, ImagePart, Message, Tool
 

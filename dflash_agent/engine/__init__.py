@@ -1,0 +1,76 @@
+"""The engine's public contract: what the layers above (chat, api, agent, mcp, bench, train) import.
+
+```python
+engine = Engine.load(model="embedded", draft=None, ...)
+async for event in engine.generate(GenerateRequest(prompt_ids, SamplingParams(...), StopCriteria(...))):
+    ...  # TokenEvent(ids, text_delta) ... FinalEvent(finish_reason, usage, timings)
+engine.cancel(request_id)
+```
+
+The request, event and error types are torch-free (`types.py`, `errors.py`) and load eagerly; `Engine`
+and the other torch-backed names load on first use, so a remote-only client (`run --server`) that needs
+only `Usage` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    ConfigError,
+    ContextOverflowError,
+    DrafterError,
+    GGUFError,
+    GrammarError,
+    MemoryPlanError,
+    ModelLoadError,
+    TokenizerError,
+    UnsupportedTensorType,
+)
+from .types import (
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    SamplingParams,
+    SpecStats,
+    StopCriteria,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from .engine import DEFAULT_CTX, Engine
+    from .grammar import GrammarCompiler, TokenGrammar
+    from .speculative import SpecConfig
+    from .tokenizer import Tokenizer
+    from .weights import EMBEDDED, default_drafter
+
+# name -> the module that defines it; imported (with torch) when first asked for.
+_LAZY = {
+    "Engine": "engine",
+    "DEFAULT_CTX": "engine",
+    "SpecConfig": "speculative",
+    "Tokenizer": "tokenizer",
+    "GrammarCompiler": "grammar",
+    "TokenGrammar": "grammar",
+    "EMBEDDED": "weights",
+    "default_drafter": "weights",
+}
+
+__all__ = [
+    "ConfigError", "ContextOverflowError", "DrafterError", "GGUFError", "GrammarError", "MemoryPlanError",
+    "ModelLoadError", "TokenizerError", "UnsupportedTensorType",
+    "ErrorEvent", "FinalEvent", "GenerateRequest", "SamplingParams", "SpecStats", "StopCriteria", "Timings",
+    "TokenEvent", "Usage",
+    "Engine", "DEFAULT_CTX", "SpecConfig", "Tokenizer", "GrammarCompiler", "TokenGrammar", "EMBEDDED", "default_drafter",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

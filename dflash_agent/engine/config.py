@@ -10,11 +10,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .errors import ConfigError
+
 Family = Literal["gemma3", "gemma4"]
-
-
-class ConfigError(ValueError):
-    """The checkpoint's configuration is missing something or describes an unsupported model."""
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from .errors import DrafterError
 from .model import RMSNorm, rotate
 from .quant_linear import quantize_linear_weights
 
 log = logging.getLogger(__name__)
-
-
-class DrafterError(ValueError):
-    """A drafter checkpoint we cannot load or that does not fit the target."""
 
 
 @dataclass(frozen=True)
@@ -366,7 +363,6 @@ def load_drafter(
         path.name, config.num_layers, config.block_size, n_params / 1e6, f", {quantize}" if quantize else "",
     )
     return drafter.eval()
-
 
 
 def init_drafter_checkpoint(

@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,70 +20,16 @@ from .kv_cache import KV_DTYPES
 from .memory_plan import drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reuse
-from .sampling import Sampler, SamplingParams, StopCriteria, StopStringFilter
-from .speculative import LengthController, RequestDecoder, SpecConfig, SpecStats
+from .sampling import Sampler, StopStringFilter
+from .speculative import LengthController, RequestDecoder, SpecConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .types import ErrorEvent, FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
 from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 8192
 DEFAULT_PREFIX_CACHE = PrefixCacheConfig()  # frozen: one shared default is safe
-
-
-@dataclass
-class GenerateRequest:
-    prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: StopCriteria = field(default_factory=StopCriteria)
-    max_tokens: int | None = None  # None: until a stop or the context is full
-    grammar: Any = None  # an engine.grammar.TokenGrammar (constrained decoding); .matcher() per request
-    request_id: str = ""
-    cache_prompt: bool = True  # False: neither reuse a cached prefix nor keep this request's KV
-
-
-@dataclass
-class Timings:
-    """llama.cpp's names, so clients that read its `timings` object read ours."""
-
-    cache_n: int = 0  # prompt tokens served from the prefix cache
-    prompt_n: int = 0  # prompt tokens prefilled (cache_n excluded)
-    prompt_ms: float = 0.0
-    prompt_per_second: float = 0.0
-    predicted_n: int = 0
-    predicted_ms: float = 0.0
-    predicted_per_second: float = 0.0
-    draft_n: int = 0
-    draft_n_accepted: int = 0
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int  # the whole prompt, cached or not
-    completion_tokens: int
-    cached_tokens: int = 0
-
-
-@dataclass
-class TokenEvent:
-    ids: list[int]
-    text_delta: str
-
-
-@dataclass
-class FinalEvent:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    usage: Usage
-    timings: Timings
-    stop: int | str | None = None  # the stop token id or stop string that ended generation
-    spec: SpecStats = field(default_factory=SpecStats)
-
-
-@dataclass
-class ErrorEvent:
-    error: Exception
-
-
 
 
 @dataclass

@@ -15,16 +15,14 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from .errors import GGUFError
+
 _MAGIC = b"GGUF"
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
-
-
-class GGUFError(ValueError):
-    """A file that is not a readable GGUF; the message names the file."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from .errors import GrammarError
 from .tokenizer import Tokenizer
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarMatcher", "TokenGrammar"]
@@ -35,10 +36,6 @@ logger = logging.getLogger(__name__)
 
 # Distinct grammars kept compiled per compiler; tool schemas repeat across an agent's turns.
 DEFAULT_CACHE_SIZE = 64
-
-
-class GrammarError(ValueError):
-    """A schema or grammar that cannot be compiled; the message includes xgrammar's reason."""
 
 
 class GrammarMatcher:

@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
 from .config import ModelConfig
 from .drafter import DrafterCache, DrafterConfig, DrafterError
+from .errors import MemoryPlanError
 from .kv_cache import DEFAULT_SLACK, KVCache
 from .packed_linear import keeps_packed
 from .quant import PackedTensor
@@ -37,10 +38,6 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 RUNTIME_ALLOWANCE = 384 << 20  # cuBLAS / Triton workspaces, CUDA graph pools, allocator fragmentation
-
-
-class MemoryPlanError(ValueError):
-    """A context length (or a model) that does not fit the GPU; the message says what would."""
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,8 @@ from torch import nn
 
 from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
+from .errors import ContextOverflowError
 from .kv_cache import KVCache, LayerKV
-
-
-class ContextOverflowError(ValueError):
-    def __init__(self, needed: int, n_ctx: int) -> None:
-        super().__init__(f"the sequence needs {needed} tokens but the context holds {n_ctx}")
-        self.needed, self.n_ctx = needed, n_ctx
 
 
 @dataclass

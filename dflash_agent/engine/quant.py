@@ -26,12 +26,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .errors import UnsupportedTensorType
+
 QK_K = 256
 K_SCALE_SIZE = 12
-
-
-class UnsupportedTensorType(ValueError):
-    """A GGUF tensor type this engine cannot dequantize; the message names it and the supported ones."""
 
 
 def _f16(field: torch.Tensor) -> torch.Tensor:

@@ -6,28 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = 0  # 0 disables
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from .types import SamplingParams
 
 
 class Sampler:
@@ -71,12 +50,6 @@ class Sampler:
     def uniform(self) -> float:
         """A draw from U[0, 1) on this request's generator (speculative acceptance tests)."""
         return float(torch.rand((), generator=self.generator, device=self.generator.device))
-
-
-@dataclass(frozen=True)
-class StopCriteria:
-    token_ids: frozenset[int] = frozenset()
-    strings: tuple[str, ...] = ()
 
 
 @dataclass

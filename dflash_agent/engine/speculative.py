@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,6 +25,7 @@ from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel
 from .sampling import Sampler
+from .types import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -37,32 +38,6 @@ class Matcher(Protocol):
     def mask(self, logits: torch.Tensor) -> None: ...
     def accept(self, token: int) -> bool: ...
     def rollback(self, n: int) -> None: ...
-
-
-@dataclass
-class SpecStats:
-    drafted: int = 0  # draft tokens sent to verification
-    accepted: int = 0  # of those, kept
-    steps: int = 0  # verify forwards that carried at least one draft token
-    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, drafted, accepted]
-    accept_lengths: list[int] = field(default_factory=list)  # accepted drafts per speculative step
-
-    def record(self, source: str, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.accept_lengths.append(accepted)
-        row = self.by_source.setdefault(source, [0, 0, 0])
-        row[0] += 1
-        row[1] += drafted
-        row[2] += accepted
-
-    @property
-    def acceptance_length_mean(self) -> float:
-        """Tokens committed per speculative verify step (accepted drafts + the bonus token)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
 @dataclass

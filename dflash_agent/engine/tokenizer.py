@@ -33,6 +33,7 @@ from typing import Any
 
 import tokenizers
 
+from .errors import TokenizerError
 from .gguf import GGUFError, GGUFFile, read_gguf
 
 __all__ = ["IncrementalDetokenizer", "SpecialTokens", "Tokenizer", "TokenizerError", "default_cache_root"]
@@ -53,10 +54,6 @@ _SPECIALS_JSON = "special_tokens.json"
 _END_OF_TURN = "<end_of_turn>"
 # The GGUF keys whose ids should stop generation besides eos.
 _GGUF_EXTRA_STOP_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-
-
-class TokenizerError(ValueError):
-    """The tokenizer files are missing, corrupt, or do not describe a tokenizer."""
 
 
 def default_cache_root() -> Path:

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from .config import ConfigError, ModelConfig
+from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, read_gguf
 from .model import GemmaModel
 from .packed_linear import PackedWeight, keeps_packed
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 EMBEDDED = "embedded"
 # The DFlash drafter trained for the embedded model (`dflash-agent train-drafter`), shipped in the package.
 EMBEDDED_DRAFTER = Path(__file__).parent / "drafters" / "gemma3-270m"
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found or read; the message says which file and why."""
 
 
 @dataclass

@@ -7,7 +7,6 @@ import os
 
 import torch
 
-
 # Set (with TRITON_INTERPRET=1) to run the kernels on CPU tensors through Triton's interpreter: how the tests
 # check them without a GPU. A TRITON_INTERPRET set for any other reason never sends the CPU engine there.
 CPU_KERNELS_ENV = "DFLASH_AGENT_CPU_KERNELS"

@@ -24,10 +24,11 @@ from mcp.server import Server
 from mcp.server.stdio import stdio_server
 
 from ..agent.commands import ENGINE_ONLY
-from ..cli import load_engine, model_options, user_errors
-from ..engine.engine import Engine
+from ..chat.chat_format import LoadedModel
+from ..engine import Engine
+from ..options import load_engine, model_options, user_errors
 from ..tools.bash import DEFAULT_DENY
-from .model import LoadedModel, LocalModel, ModelAccess, RemoteModel
+from .model import LocalModel, ModelAccess, RemoteModel
 from .server import workspace_server
 
 log = logging.getLogger(__name__)

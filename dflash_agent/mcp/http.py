@@ -1,11 +1,13 @@
 """MCP over streamable HTTP at /mcp of `dflash-agent serve`, on the server's own engine.
 
-A Litestar plugin, because the mount needs two things from the app: its ServerState (the engine,
-loaded in the background) and its lifespan (the SDK's session manager runs exactly as long as the
-app). The app's guards (the API key) cover /mcp like every other route."""
+A Litestar plugin, because the mount needs the app's lifespan (the SDK's session manager runs exactly
+as long as the app). `serve` wires it to the HTTP server's model, loaded in the background, through a
+poll function, so neither surface imports the other. The app's guards (the API key) cover /mcp like
+every other route."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -16,8 +18,8 @@ from litestar.types import Receive, Scope, Send
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 
-from ..api.service import ServerState
-from .model import LoadedModel, LocalModel, ModelUnavailable
+from ..chat.chat_format import LoadedModel
+from .model import LocalModel
 from .server import workspace_server
 
 MCP_PATH = "/mcp"
@@ -39,18 +41,21 @@ def mcp_serve_options(f):
 
 
 class MCPPlugin(InitPluginProtocol):
-    def __init__(self, repo: Path | None = None, expose_tools: bool = False, read_only: bool = False,
-                 host: str = "127.0.0.1") -> None:
+    """`served` returns the model once loaded (None while loading; it raises if the load failed)."""
+
+    def __init__(self, served: Callable[[], LoadedModel | None], name: str, repo: Path | None = None,
+                 expose_tools: bool = False, read_only: bool = False, host: str = "127.0.0.1") -> None:
         if expose_tools and repo is None:
             raise click.UsageError("--mcp-expose-tools needs --mcp-repo")
+        self.served = served
+        self.name = name
         self.repo = repo
         self.expose_tools = expose_tools
         self.read_only = read_only
         self.host = host
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
-        state: ServerState = app_config.state["server"]
-        model = LocalModel(lambda: _served(state), state.settings.alias or "the served model")
+        model = LocalModel(self.served, self.name)
         manager = StreamableHTTPSessionManager(
             workspace_server(model, self.repo, self.expose_tools, self.read_only),
             security_settings=_security(self.host), max_request_body_size=app_config.request_max_body_size)
@@ -62,14 +67,6 @@ class MCPPlugin(InitPluginProtocol):
         app_config.route_handlers.append(mcp_endpoint)
         app_config.lifespan.append(manager.run())
         return app_config
-
-
-def _served(state: ServerState) -> LoadedModel | None:
-    if state.model is None:
-        if state.load_error is not None:
-            raise ModelUnavailable(f"the model failed to load: {state.load_error}")
-        return None
-    return LoadedModel(state.model.engine, state.model.chat, state.model.name)
 
 
 def _security(host: str) -> TransportSecuritySettings | None:

@@ -17,29 +17,13 @@ import openai
 from ..agent.backend import AssistantTurn, Backend, BackendError, OnDelta, TurnOptions
 from ..agent.engine_backend import EngineBackend
 from ..agent.remote import RemoteBackend
-from ..chat.chat_format import ChatFormat
+from ..chat.chat_format import LoadedModel
 from ..chat.types import Conversation
-from ..engine.engine import Engine, FinalEvent, GenerateRequest, Usage
-from ..engine.sampling import SamplingParams
+from ..engine import FinalEvent, GenerateRequest, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.05  # how often a call waiting for the model checks whether it has loaded
-
-
-class ModelUnavailable(Exception):
-    """The model cannot serve calls (its load failed)."""
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    engine: Engine
-    chat: ChatFormat
-    name: str
-
-    @classmethod
-    def of(cls, engine: Engine) -> LoadedModel:
-        return cls(engine, ChatFormat.for_engine(engine), engine.model_name)
 
 
 @dataclass(frozen=True)

@@ -44,19 +44,19 @@ from ..agent.loop import Agent, AgentConfig, AgentEvent, RunResult, StepEnd, Tur
 from ..agent.prompt import system_prompt
 from ..agent.transcript import Transcript, default_transcript_path
 from ..chat.openai_messages import conversation_from_openai
-from ..cli import USER_ERRORS
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import Registry, workspace_tools
 from ..tools.tool import ToolError, ToolResult, ToolSpec, struct_schema
 from ..tools.workspace import Workspace
-from .model import ModelAccess, ModelUnavailable
+from .model import ModelAccess
 
 log = logging.getLogger(__name__)
 
 STATUS_URI = "dflash-agent://status"
 MAX_STEPS = 200  # what one run_task may ask for
 # Failures a caller can read and act on: they become the tool's error text, not a logged crash.
-EXPECTED_ERRORS = (ToolError, BackendError, ContextFull, ModelUnavailable, *USER_ERRORS)
+# Engine and chat errors are ValueErrors, a missing file an OSError: the caller's to fix, so a tool error.
+EXPECTED_ERRORS = (ToolError, BackendError, ContextFull, ValueError, OSError)
 
 
 class RunTaskArgs(msgspec.Struct, forbid_unknown_fields=True):

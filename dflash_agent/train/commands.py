@@ -13,10 +13,9 @@ from pathlib import Path
 import click
 import torch
 
-from ..cli import user_errors
+from ..engine import Engine, SpecConfig
 from ..engine.drafter import build_target_layer_ids
-from ..engine.engine import Engine
-from ..engine.speculative import SpecConfig
+from ..options import user_errors
 from .data import DataDir, DataSpec, checkpoint_bytes, corpus_files, default_corpus, prepare
 from .target import BatchGenerator
 from .trainer import TargetParts, TrainConfig, Trainer, TrainError

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..engine.tokenizer import Tokenizer
+from ..engine import Tokenizer
 from .target import BatchGenerator, Continuation
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,21 @@ def test_run_with_the_embedded_model(repo, tmp_path):
     assert log[-1]["outcome"] == "max_steps"
     assert not (repo / ".dflash-agent").exists()
     assert f"▶ {calls[0]['name']}" in proc.stdout
+
+
+def test_run_with_a_server_never_imports_torch(repo, tmp_path):
+    """A remote-only client (a laptop driving a GPU box) needs neither torch nor a model in its process."""
+    script = tmp_path / "remote_run.py"
+    script.write_text(
+        "import sys\n"
+        "from dflash_agent.cli import main\n"
+        "from tests.agent.fake_openai import Reply, fake_server\n"
+        "with fake_server([Reply('All done.')]) as fake:\n"
+        "    try:\n"
+        f"        main(['run', 'Say done.', '--repo', {str(repo)!r}, '--server', fake.url])\n"
+        "    except SystemExit as stop:\n"
+        "        code = stop.code\n"
+        "print('exit', code, 'torch' in sys.modules, 'dflash_agent.engine.engine' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.strip().splitlines()[-1] == "exit 0 False False", proc.stdout + proc.stderr

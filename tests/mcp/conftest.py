@@ -31,6 +31,8 @@ def mcp_repo(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mcp_http_url(mcp_engine, mcp_repo):
     """The server's base URL; /mcp needs the API key like every other route."""
-    with live_server(lambda: mcp_engine, ServerSettings(api_key=API_KEY),
-                     plugins=[MCPPlugin(mcp_repo, expose_tools=True)]) as url:
+    def mcp(server):
+        return [MCPPlugin(server.loaded, "the served model", mcp_repo, expose_tools=True)]
+
+    with live_server(lambda: mcp_engine, ServerSettings(api_key=API_KEY), plugins=mcp) as url:
         yield url

@@ -14,8 +14,9 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from dflash_agent.api.background import free_port
+from dflash_agent.chat.chat_format import LoadedModel
 from dflash_agent.mcp.commands import _server_answers
-from dflash_agent.mcp.model import LoadedModel, LocalModel, RemoteModel
+from dflash_agent.mcp.model import LocalModel, RemoteModel
 from dflash_agent.mcp.server import STATUS_URI, workspace_server
 from tests.mcp.conftest import API_KEY
 

@@ -1,4 +1,5 @@
-"""`dflash-agent serve`: the HTTP API under uvicorn. The port opens at once; the model loads behind it."""
+"""`dflash-agent serve`: the HTTP API under uvicorn, with MCP at /mcp on the same model. The port opens at once;
+the model loads behind it. The one place the HTTP app and /mcp are wired together."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import sys
 import click
 import uvicorn
 
-from ..cli import kv_cache_option, load_engine, model_options
-from ..mcp.http import MCPPlugin, mcp_serve_options
-from .app import DEFAULT_MAX_BODY_BYTES, create_app
-from .service import ServerSettings
+from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
+from .api.service import ServerSettings, ServerState
+from .mcp.http import MCPPlugin, mcp_serve_options
+from .options import kv_cache_option, load_engine, model_options
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,14 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
         failure.append(message)
         server.should_exit = True
 
-    mcp = MCPPlugin(mcp_repo, mcp_expose_tools, mcp_read_only, host=host)
-    app = create_app(settings, load, max_body_bytes=int(max_body_mb * 2**20), plugins=[mcp],
+    if mcp_expose_tools and mcp_repo is None:
+        raise click.UsageError("--mcp-expose-tools needs --mcp-repo")
+
+    def mcp(server: ServerState) -> list[MCPPlugin]:
+        return [MCPPlugin(server.loaded, alias or "the served model", mcp_repo, mcp_expose_tools, mcp_read_only,
+                          host=host)]
+
+    app = create_app(settings, load, max_body_bytes=int(max_body_mb * 2**20), plugins=mcp,
                      on_load_error=on_load_error)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

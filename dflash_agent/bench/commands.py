@@ -1,0 +1,89 @@
+"""`dflash-agent bench`: each benchmark measured against its baseline in the same run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from ..engine import default_drafter
+from ..options import user_errors
+from .synthetic import MODELS as SYNTHETIC_MODELS
+from .synthetic import QUANTS as SYNTHETIC_QUANTS
+
+
+@click.command()
+@click.option("--model", "-m", default="embedded", show_default=True, help="The model every engine runs.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--decode-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and activations of both engines.")
+@click.option("--spec", is_flag=True,
+              help="Speculative decoding instead: plain vs prompt lookup vs DFlash vs hybrid, tok/s and acceptance.")
+@click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one "
+              "[default: the model's bundled drafter].")
+@click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
+@click.option("--http", is_flag=True, help="Server overhead instead: streamed tok/s through HTTP vs the bare engine.")
+@click.option("--synthetic", type=click.Choice(SYNTHETIC_MODELS), default=None,
+              help="The GPU path at these real shapes with random weights: decode vs roofline, verify, drafter.")
+@click.option("--quant", type=click.Choice(SYNTHETIC_QUANTS), default=None, help="With --synthetic [Q4_0].")
+@click.option("--prefix", is_flag=True,
+              help="Prefix cache instead: time to first token per turn of an agent session, with and without reuse.")
+@click.option("--turns", type=click.IntRange(2, 12), default=None, help="With --prefix: session turns [10].")
+@click.option("--target-tokens", type=click.IntRange(min=256), default=None,
+              help="With --prefix: the last turn's prompt length [8192].")
+@click.option("--ctx-size", type=click.IntRange(min=16), default=None,
+              help="With --synthetic: the cache [32768]; with --prefix: the engines' context [what the session needs].")
+@click.option("--plan-only", is_flag=True, help="With --synthetic: print the memory plan; no GPU needed.")
+@click.option("--gpu-memory", default=None, help="With --plan-only: the memory to plan for, e.g. 24GiB.")
+@click.option("--json", "as_json", is_flag=True, help="With --synthetic: print JSON.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
+                   "prefix.json].")
+@user_errors
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, http, synthetic, quant,
+          prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
+    """Speed benchmarks, each measured against its baseline in the same run.
+
+    By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
+    logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    if prefix:
+        if spec or draft or spec_block or http or synthetic or quant or plan_only or gpu_memory or as_json:
+            raise click.UsageError("--prefix takes only --model, --dtype, --turns, --target-tokens, --ctx-size, --out")
+        from .prefix import report as prefix_report
+        from .prefix import run_prefix_bench
+
+        prefix_report(run_prefix_bench(model, turns or 10, target_tokens or 8192, ctx_size, dtype),
+                      out or Path("bench-results/prefix.json"))
+        return
+    if turns or target_tokens:
+        raise click.UsageError("--turns and --target-tokens need --prefix")
+    if synthetic or quant or ctx_size or plan_only or gpu_memory or as_json:
+        from .synthetic import command as synthetic_command
+
+        click.echo(synthetic_command(synthetic, quant, ctx_size, plan_only, gpu_memory, as_json, out))
+        return
+    if http:
+        from .http import report as http_report
+        from .http import run_http_bench
+
+        http_report(run_http_bench(model, prompt_tokens, decode_tokens, repeats, dtype),
+                    out or Path("bench-results/http.json"))
+        return
+    if spec:
+        from .spec import report as spec_report
+        from .spec import run_spec_bench
+
+        if draft is None and (bundled := default_drafter(model)) is not None:
+            draft = str(bundled)
+        results = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype)
+        title = f"speculative decoding, {model}, draft={draft or 'none'}, block={spec_block or 'adaptive'}"
+        spec_report(results, out or Path("bench-results/spec.json"), title)
+        return
+    if draft or spec_block:
+        raise click.UsageError("--draft and --spec-block need --spec")
+    from .cpu import report, run_cpu_bench
+
+    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype), out or Path("bench-results/cpu.json"))

@@ -1,0 +1,116 @@
+"""The engine's contract types: requests, sampling, the events a generation yields, usage and timings.
+
+Torch-free, so a client of a remote server (`run --server`) uses the same types without loading torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    token_ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # of those, kept
+    steps: int = 0  # verify forwards that carried at least one draft token
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, drafted, accepted]
+    accept_lengths: list[int] = field(default_factory=list)  # accepted drafts per speculative step
+
+    def record(self, source: str, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accept_lengths.append(accepted)
+        row = self.by_source.setdefault(source, [0, 0, 0])
+        row[0] += 1
+        row[1] += drafted
+        row[2] += accepted
+
+    @property
+    def acceptance_length_mean(self) -> float:
+        """Tokens committed per speculative verify step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopCriteria = field(default_factory=StopCriteria)
+    max_tokens: int | None = None  # None: until a stop or the context is full
+    grammar: Any = None  # an engine.grammar.TokenGrammar (constrained decoding); .matcher() per request
+    request_id: str = ""
+    cache_prompt: bool = True  # False: neither reuse a cached prefix nor keep this request's KV
+
+
+@dataclass
+class Timings:
+    """llama.cpp's names, so clients that read its `timings` object read ours."""
+
+    cache_n: int = 0  # prompt tokens served from the prefix cache
+    prompt_n: int = 0  # prompt tokens prefilled (cache_n excluded)
+    prompt_ms: float = 0.0
+    prompt_per_second: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_second: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int  # the whole prompt, cached or not
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class TokenEvent:
+    ids: list[int]
+    text_delta: str
+
+
+@dataclass
+class FinalEvent:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: Usage
+    timings: Timings
+    stop: int | str | None = None  # the stop token id or stop string that ended generation
+    spec: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class ErrorEvent:
+    error: Exception

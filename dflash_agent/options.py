@@ -1,0 +1,71 @@
+"""Options and error handling shared by the commands that load a model (generate, serve, run, chat, mcp, ...).
+
+Every command module imports these from here; nothing but `__main__` imports `cli`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import wraps
+from typing import TYPE_CHECKING
+
+import click
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# Errors a user can cause and fix (every engine, chat and training error is a ValueError; a missing or
+# unreadable file an OSError); anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+def model_options(f):
+    """Options shared by every command that loads a model."""
+    f = click.option("--model", "-m", default="embedded", show_default=True,
+                     help="'embedded', a .gguf file, a Hugging Face model directory, or a hub id.")(f)
+    f = click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)(f)
+    f = click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+                     show_default=True, help="auto: float32 on CPU, bfloat16 on CUDA.")(f)
+    f = click.option("--ctx-size", type=click.IntRange(min=16), default=None,
+                     help="Context length in tokens (default: 8192, capped by the model).")(f)
+    f = click.option("--draft", default=None,
+                     help="DFlash drafter: a z-lab checkpoint directory or hub id (speculative decoding).")(f)
+    f = click.option("--draft-quant", type=click.Choice(["q8", "q4"]), default=None,
+                     help="Quantize the drafter's weights at load (saves memory beside a large target).")(f)
+    f = click.option("--spec-block", type=click.IntRange(2, 17), default=None,
+                     help="Fixed speculative block size (anchor + drafts), e.g. for benchmarks; default adaptive.")(f)
+    f = click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding: no drafter, no prompt lookup.")(f)
+    return f
+
+
+kv_cache_option = click.option(
+    "--kv-cache", type=click.Choice(["auto", "q8"]), default="auto", show_default=True,
+    help="KV cache storage: auto (the model's dtype) or q8 (8-bit, about half the memory: longer contexts).")
+
+
+def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, progress=True,
+                **engine_options) -> Engine:
+    """The engine a command's model options describe; `engine_options` go to `Engine.load` as they are."""
+    if no_spec and (draft or spec_block):
+        raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
+    from .engine import Engine, SpecConfig  # here, not at the top: a remote-only command never loads torch
+
+    spec = SpecConfig(enabled=not no_spec, block=spec_block)
+    return Engine.load(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
+                       spec=spec, draft_quant=draft_quant, **engine_options)
+
+
+def user_errors(f):
+    """One line on stderr and exit 1 for a user's mistake; the traceback only with --verbose."""
+
+    @wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except USER_ERRORS as exc:
+            if logging.getLogger().isEnabledFor(logging.DEBUG):
+                raise
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+    return wrapper
