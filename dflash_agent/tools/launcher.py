@@ -108,7 +108,9 @@ def main(argv: list[str]) -> None:
         for fd in (status_fd, control_fd, wake_r, wake_w):
             os.close(fd)
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # Python ignores SIGPIPE and SIGXFSZ (which exec keeps); restored as subprocess does.
+        for number in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(number, signal.SIG_DFL)
         try:
             os.execv(command[0], command)
         finally:

@@ -200,3 +200,9 @@ def test_no_ancestor_of_the_command_holds_the_secrets(root):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("== ") >= 2 and "PATH=" in out.stdout, out.stdout  # bash and its parent at least
     assert "hunter2-secret" not in out.stdout
+
+
+def test_the_command_gets_default_signal_handling(tools):
+    # Python ignores SIGPIPE; a shell forked from it must not inherit that (`yes | head` would complain).
+    result = bash(tools, "yes | head -1; grep SigIgn /proc/self/status")
+    assert result.text.splitlines()[0] == "y" and "Broken pipe" not in result.text, result.text
