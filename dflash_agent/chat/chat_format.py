@@ -18,7 +18,7 @@ from ..engine import (
     TokenGrammar,
     Tokenizer,
 )
-from .constraints import response_format_grammar, tool_call_grammar
+from .constraints import MAX_PARALLEL_CALLS, response_format_grammar, tool_call_grammar
 from .gemma4_syntax import TOOL_RESPONSE_OPEN, TURN_CLOSE
 from .parser import Delta, OutputParser, ParsedOutput, make_parser
 from .template import ChatTemplate, render_and_encode, select_template
@@ -44,10 +44,11 @@ class PreparedChat:
     grammar: TokenGrammar | None
     stop_ids: frozenset[int]
     family: str
+    max_calls: int = MAX_PARALLEL_CALLS  # 1 when the request turned parallel tool calls off
 
     def parser(self) -> OutputParser:
         """A fresh streaming parser for this request's output."""
-        return make_parser(self.family)
+        return make_parser(self.family, max_calls=self.max_calls)
 
 
 class ChatFormat:
@@ -88,7 +89,8 @@ class ChatFormat:
             self.template, self.tokenizer, conversation,
             add_generation_prompt=options.add_generation_prompt, enable_thinking=options.enable_thinking,
         )
-        return PreparedChat(text, ids, grammar, self.stop_ids, self.family)
+        max_calls = MAX_PARALLEL_CALLS if options.parallel_tool_calls else 1
+        return PreparedChat(text, ids, grammar, self.stop_ids, self.family, max_calls)
 
 
 

@@ -4,19 +4,21 @@
 
 * gemma4: `<|tool_call>call:NAME{ARGS}<tool_call|>` with ARGS in Gemma 4's argument syntax
   (bare keys, strings between two `<|"|>` tokens, nothing escaped), one call or, with
-  `parallel`, one or more concatenated;
+  `parallel`, one to MAX_PARALLEL_CALLS concatenated;
 * gemma3 (no native tools): the fenced JSON block our Gemma 3 prompt asks for
   (`chat/gemma3_tools.py`), ```` ```tool_call\\n{"name": "NAME", "arguments": {...}}\\n``` ````,
-  with `parallel` one or more separated by a blank line.
+  with `parallel` one to MAX_PARALLEL_CALLS separated by a blank line.
 
 Both are generated here from the tool's JSON schema, as EBNF (xgrammar's JSON-schema
 converter only writes JSON). Supported: `type` (one or a list; `nullable`), `enum`, `const`,
 `properties` / `required`, `additionalProperties` (as the value schema of an object without
 `properties`), `items` with `minItems` / `maxItems`, `anyOf` / `oneOf` (as anyOf), `allOf`
-(merged), local `$ref`, and `minimum >= 0` (no minus sign). Where a schema says more than that,
+(merged), local `$ref`, and `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum`
+(integers exactly; a number with a fraction only where a whole unit fits inside the bounds, and
+no exponent). Where a schema says more than that,
 the grammar is looser and a call still has the right shape:
 
-* strings ignore `pattern`, `format`, `minLength`, `maxLength`; numbers ignore other bounds;
+* strings ignore `pattern`, `format`, `minLength`, `maxLength`; numbers ignore `multipleOf`;
 * an object with `properties` takes exactly those (OpenAI's strict mode) in one fixed order,
   each optional one present or not: Gemma 4 sorts keys case-insensitively, as its template does
   in history; JSON keeps the schema's order. Object size bounds and `patternProperties` are
@@ -56,6 +58,9 @@ __all__ = ["response_format_grammar", "tool_call_grammar"]
 FAMILIES = ("gemma4", "gemma3")
 # Bounded repetition beyond this many items compiles into large automata for no real benefit.
 MAX_COUNTED_ITEMS = 64
+# Calls in one turn with `parallel` (without it, one): enough for an agent's batch of reads, few
+# enough that a looping model cannot fill a turn with them.
+MAX_PARALLEL_CALLS = 16
 # Gemma 3 parallel calls: the separator the history uses between blocks (gemma3_tools).
 _GEMMA3_CALL_SEPARATOR = "\n\n"
 
@@ -160,7 +165,7 @@ def _gemma4_calls(compiler: GrammarCompiler, tools: Sequence[Tool], parallel: bo
     syntax = _Gemma4Syntax(rules, quote_id, avoid=(STRING_DELIM,))
     alternatives = [_lit(tool.name) + " " + _arguments(syntax, rules, tool, i) for i, tool in enumerate(tools)]
     call = rules.add(f"Token({open_id}) {_lit(CALL_PREFIX)} ({' | '.join(alternatives)}) Token({close_id})", "call")
-    return rules.text(f"{call}+" if parallel else call), [open_id, close_id, quote_id]
+    return rules.text(f"{call}{{1,{MAX_PARALLEL_CALLS}}}" if parallel else call), [open_id, close_id, quote_id]
 
 
 def _gemma3_calls(tools: Sequence[Tool], parallel: bool) -> str:
@@ -172,7 +177,8 @@ def _gemma3_calls(tools: Sequence[Tool], parallel: bool) -> str:
     ]
     head, tail = f'```{TOOL_CALL_FENCE}\n{{"name": ', "}\n```"
     call = rules.add(f"{_lit(head)} ({' | '.join(alternatives)}) {_lit(tail)}", "call")
-    return rules.text(f"{call} ({_lit(_GEMMA3_CALL_SEPARATOR)} {call})*" if parallel else call)
+    more = f"({_lit(_GEMMA3_CALL_SEPARATOR)} {call}){{0,{MAX_PARALLEL_CALLS - 1}}}"
+    return rules.text(f"{call} {more}" if parallel else call)
 
 
 def _arguments(syntax: _Syntax, rules: _Rules, tool: Tool, index: int) -> str:
@@ -290,15 +296,11 @@ class _Syntax:
         raise NotImplementedError
 
     # At most 16 digits before and after the point and two in the exponent (module docstring).
-    def integer(self, non_negative: bool) -> str:
-        sign = "" if non_negative else '"-"? '
-        return self.rules.add(f'{sign}("0" | [1-9] [0-9]{{0,15}})', "nonneg-int" if non_negative else "int")
+    def integer(self) -> str:
+        return self.rules.add('"-"? ("0" | [1-9] [0-9]{0,15})', "int")
 
-    def number(self, non_negative: bool) -> str:
-        sign = "" if non_negative else '"-"? '
-        return self.rules.add(
-            f'{sign}("0" | [1-9] [0-9]{{0,15}}) ("." [0-9]{{1,16}})? ([eE] [+\\-]? [0-9]{{1,2}})?',
-            "nonneg-num" if non_negative else "num")
+    def number(self) -> str:
+        return self.rules.add('"-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,16})? ([eE] [+\\-]? [0-9]{1,2})?', "num")
 
     def boolean(self) -> str:
         return self.rules.add('"true" | "false"', "bool")
@@ -314,7 +316,7 @@ class _Syntax:
         obj = self.rules.add(f'"{{" ({member} ({self.member_sep} {member})*)? "}}"', "any-obj")
         arr = self.rules.add(f'"[" (any ({self.member_sep} any)*)? "]"', "any-arr")
         self.rules.define("any", " | ".join(
-            [self.string(), self.number(False), self.boolean(), self.null(), obj, arr]))
+            [self.string(), self.number(), self.boolean(), self.null(), obj, arr]))
         return "any"
 
     def scalar(self, value: Any) -> str:
@@ -533,9 +535,10 @@ class _SchemaConverter:
         if kind == "string":
             return syntax.string()
         if kind in ("integer", "number"):
-            lower = schema.get("minimum", schema.get("exclusiveMinimum"))
-            non_negative = isinstance(lower, (int, float)) and not isinstance(lower, bool) and lower >= 0
-            return syntax.integer(non_negative) if kind == "integer" else syntax.number(non_negative)
+            bounds = _bounds(schema)
+            if bounds is not None:
+                return self._rules.add(_bounded_number(kind == "integer", *bounds), f"{kind}-in-range")
+            return syntax.integer() if kind == "integer" else syntax.number()
         if kind == "boolean":
             return syntax.boolean()
         if kind == "null":
@@ -640,6 +643,99 @@ class _SchemaConverter:
             return tails[i]
 
         return "(" + " | ".join(options(0, "")) + ")" if n else ""
+
+
+# --- numeric bounds ---------------------------------------------------------------------------
+
+_MAX_DIGITS = 16
+_MAX_INT = 10**_MAX_DIGITS - 1  # the 16-digit cap every number has anyway
+_FRACTION = f'"." [0-9]{{1,{_MAX_DIGITS}}}'
+
+
+def _bounds(schema: Mapping[str, Any]) -> tuple[int, int, int, int] | None:
+    """(lowest integer, highest integer, lowest and highest integer part a number with a fraction
+    may have, as a distance from zero on its own side) allowed by minimum / maximum /
+    exclusiveMinimum / exclusiveMaximum (numbers, or draft 4's booleans), within 16 digits; None
+    when the schema has no bound."""
+    def number(key: str) -> float | None:
+        value = schema.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return value if ok else None
+
+    lo, hi = number("minimum"), number("maximum")
+    lo_excl = schema.get("exclusiveMinimum") is True and lo is not None
+    hi_excl = schema.get("exclusiveMaximum") is True and hi is not None
+    if (value := number("exclusiveMinimum")) is not None and (lo is None or value >= lo):
+        lo, lo_excl = value, True
+    if (value := number("exclusiveMaximum")) is not None and (hi is None or value <= hi):
+        hi, hi_excl = value, True
+    if lo is None and hi is None:
+        return None
+    low = -_MAX_INT if lo is None else max(-_MAX_INT, math.ceil(lo) + (1 if lo_excl and lo == math.ceil(lo) else 0))
+    high = _MAX_INT if hi is None else min(_MAX_INT, math.floor(hi) - (1 if hi_excl and hi == math.floor(hi) else 0))
+    # "i.f" lies in [i, i + 1): it needs i >= low and i + 1 <= hi. "-k.f" lies in (-k - 1, -k]: it
+    # needs -k <= high and -k - 1 >= lo.
+    frac_high = _MAX_INT if hi is None else min(_MAX_INT, math.floor(hi) - 1)
+    frac_neg_high = _MAX_INT if lo is None else min(_MAX_INT, math.floor(-lo) - 1)
+    return low, high, frac_high, frac_neg_high
+
+
+def _bounded_number(integer: bool, low: int, high: int, frac_high: int, frac_neg_high: int) -> str:
+    """EBNF for the numbers in the bounds `_bounds` computed: integers exactly; with a fraction,
+    those whose whole range of fractions fits (so a bound of 2.5 allows 2 but not 2.3). No exponent."""
+    alternatives = _integer_range(low, high)
+    if not integer:
+        alternatives += [f"({' | '.join(part)}) {_FRACTION}" for part in [_digits_range(max(0, low), frac_high)] if part]
+        negative = _digits_range(max(1, -high), frac_neg_high)
+        if negative:
+            alternatives.append(f'"-" ({" | ".join(negative)}) {_FRACTION}')
+    if not alternatives:
+        raise _SchemaError(f"no {'integer' if integer else 'number'} satisfies minimum/maximum (a number with a "
+                           "fraction is only forced where a whole unit fits between the bounds)")
+    return " | ".join(alternatives)
+
+
+def _integer_range(low: int, high: int) -> list[str]:
+    """EBNF alternatives for the integers in [low, high], written without leading zeros or '-0'."""
+    out = _digits_range(max(0, low), high)
+    negative = _digits_range(max(1, -high), -low)
+    if negative:
+        out.append(f'"-" ({" | ".join(negative)})')
+    return out
+
+
+def _digits_range(low: int, high: int) -> list[str]:
+    """EBNF alternatives for the decimal numerals of [low, high], 0 <= low."""
+    out = []
+    while low <= high:
+        top = min(high, 10 ** len(str(low)) - 1)  # one length at a time
+        out += _same_length(str(low), str(top))
+        low = top + 1
+    return out
+
+
+def _same_length(x: str, y: str) -> list[str]:
+    """Digit strings of x's length from x to y (x <= y): the classic split into prefix + classes."""
+    n = len(x)
+    if n == 1:
+        return [_digit_class(int(x), int(y))]
+    if x[0] == y[0]:
+        return [f'"{x[0]}" ({" | ".join(_same_length(x[1:], y[1:]))})']
+    out = []
+    first, last = int(x[0]), int(y[0])
+    if x[1:] != "0" * (n - 1):
+        out.append(f'"{x[0]}" ({" | ".join(_same_length(x[1:], "9" * (n - 1)))})')
+        first += 1
+    if y[1:] != "9" * (n - 1):
+        out.append(f'"{y[0]}" ({" | ".join(_same_length("0" * (n - 1), y[1:]))})')
+        last -= 1
+    if first <= last:
+        out.append(f"{_digit_class(first, last)} [0-9]{{{n - 1}}}")
+    return out
+
+
+def _digit_class(first: int, last: int) -> str:
+    return f'"{first}"' if first == last else f"[{first}-{last}]"
 
 
 def _count(value: Any, default: int | None) -> int | None:

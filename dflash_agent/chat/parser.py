@@ -94,8 +94,10 @@ class _Transcript:
     """Everything a parser has emitted, folded into the final message, and the emitting
     itself (with adjacent pieces of the same kind merged)."""
 
-    def __init__(self, id_factory: Callable[[], str]) -> None:
+    def __init__(self, id_factory: Callable[[], str], max_calls: int | None = None) -> None:
         self._id_factory = id_factory
+        self._max_calls = max_calls
+        self._dropping = False  # inside a call past max_calls: neither it nor its arguments are kept
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[tuple[str, str, list[str]]] = []  # id, name, argument fragments
@@ -117,13 +119,16 @@ class _Transcript:
             self._push(ReasoningDelta(text))
 
     def start_call(self, name: str) -> None:
+        self._dropping = self._max_calls is not None and len(self._calls) >= self._max_calls
+        if self._dropping:
+            return
         call_id = self._id_factory()
         self._calls.append((call_id, name, []))
         self._pending.append(ToolCallStart(len(self._calls) - 1, call_id, name))
 
     def arguments(self, fragment: str) -> None:
         """Append to the arguments of the latest call."""
-        if fragment:
+        if fragment and not self._dropping:
             self._calls[-1][2].append(fragment)
             self._push(ToolCallArgsDelta(len(self._calls) - 1, fragment))
 
@@ -188,10 +193,12 @@ class Gemma4OutputParser:
     """
 
     def __init__(
-        self, *, id_factory: Callable[[], str] = random_call_id, in_reasoning: bool = False
+        self, *, id_factory: Callable[[], str] = random_call_id, in_reasoning: bool = False,
+        max_calls: int | None = None,
     ) -> None:
-        """in_reasoning: the prompt ended inside an open thought channel (label included)."""
-        self._out = _Transcript(id_factory)
+        """in_reasoning: the prompt ended inside an open thought channel (label included).
+        max_calls: calls past this many are dropped."""
+        self._out = _Transcript(id_factory, max_calls)
         self._buf = ""
         self._handler = self._reasoning if in_reasoning else self._text
         self._args: ArgumentReader | None = None
@@ -340,8 +347,9 @@ class FencedToolCallParser:
     object `arguments` (or a JSON string holding one; missing means {}) is content.
     """
 
-    def __init__(self, *, id_factory: Callable[[], str] = random_call_id) -> None:
-        self._out = _Transcript(id_factory)
+    def __init__(self, *, id_factory: Callable[[], str] = random_call_id, max_calls: int | None = None) -> None:
+        """max_calls: calls past this many are dropped."""
+        self._out = _Transcript(id_factory, max_calls)
         self._buf = ""
         self._line_start = True  # _buf starts at the beginning of a line
         self._code_fence: str | None = None  # the fence of an open ordinary code block
@@ -453,11 +461,13 @@ class FencedToolCallParser:
 # --- factory ----------------------------------------------------------------------------------
 
 
-def make_parser(family: str, *, id_factory: Callable[[], str] = random_call_id) -> OutputParser:
+def make_parser(family: str, *, id_factory: Callable[[], str] = random_call_id,
+                max_calls: int | None = None) -> OutputParser:
     """The output parser for a model family: "gemma4" (native syntax) or "gemma3" (fenced
-    JSON blocks)."""
+    JSON blocks). `max_calls`: the calls kept of one answer; the model's further calls are
+    dropped (their text too)."""
     if family == "gemma4":
-        return Gemma4OutputParser(id_factory=id_factory)
+        return Gemma4OutputParser(id_factory=id_factory, max_calls=max_calls)
     if family == "gemma3":
-        return FencedToolCallParser(id_factory=id_factory)
+        return FencedToolCallParser(id_factory=id_factory, max_calls=max_calls)
     raise ValueError(f"no output parser for model family {family!r}")

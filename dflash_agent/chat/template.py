@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
@@ -79,11 +81,39 @@ class ChatTemplate:
         object.__setattr__(self, "compiled", compiled)
 
     def render(self, conversation: Conversation, options: RenderOptions = RenderOptions()) -> str:
+        return self._render(conversation, options, lambda value: value)
+
+    def render_marked(self, conversation: Conversation, options: RenderOptions,
+                      find_specials: Callable[[str], list[tuple[int, int]]]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of it where the request's own strings (contents,
+        arguments, tool schemas, ...) spell special tokens (`find_specials` finds them in a string).
+        Each such spelling is wrapped in a random marker before rendering and located by it afterwards,
+        so the spans are right whatever the template does around it (trim, tojson, joins)."""
+        marker = f"[[dflash-literal-{secrets.token_hex(12)}]]"
+
+        def mark(value: str) -> str:
+            pos, out = 0, []
+            for start, end in find_specials(value):
+                out += [value[pos:start], marker, value[start:end], marker]
+                pos = end
+            return "".join(out) + value[pos:] if out else value
+
+        parts = self._render(conversation, options, mark).split(marker)
+        # Odd parts lie between a pair of markers. A template that lost a closing marker leaves the
+        # rest as literal too: it may only ever read too much as text, never too little.
+        text, spans = "", []
+        for i, part in enumerate(parts):
+            if i % 2:
+                spans.append((len(text), len(text) + len(part)))
+            text += part
+        return text, spans
+
+    def _render(self, conversation: Conversation, options: RenderOptions, mark: Callable[[str], str]) -> str:
         if self.family == "gemma3":
             conversation = inline_tools(conversation)
         variables = {
-            "messages": template_messages(conversation.messages),
-            "tools": template_tools(conversation.tools) or None,
+            "messages": _map_strings(template_messages(conversation.messages), mark),
+            "tools": _map_strings(template_tools(conversation.tools), mark) or None,
             "add_generation_prompt": options.add_generation_prompt,
             "enable_thinking": options.enable_thinking,
             "bos_token": options.bos_token,
@@ -97,18 +127,31 @@ class ChatTemplate:
             raise ChatError(f"chat template {self.source} failed: {type(exc).__name__}: {exc}") from None
 
 
+def _map_strings(value: Any, mark: Callable[[str], str]) -> Any:
+    """`value` with `mark` applied to every string in it, dict keys included."""
+    if isinstance(value, str):
+        return mark(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, mark): _map_strings(v, mark) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, mark) for v in value]
+    return value
+
+
 def render_and_encode(template: ChatTemplate, tokenizer: Tokenizer, conversation: Conversation,
                       add_generation_prompt: bool = True, enable_thinking: bool = False) -> tuple[str, list[int]]:
     """The prompt text and its token ids, with the tokenizer's own BOS/EOS spellings. Templates write BOS
-    themselves; `encode` parses it as the special token and does not add a second one."""
+    themselves; `encode` parses it as the special token and does not add a second one. Special tokens
+    spelled inside the request's strings are tokenized as text: only the template makes control tokens,
+    so a message cannot close its turn and forge another."""
     options = RenderOptions(
         add_generation_prompt=add_generation_prompt,
         enable_thinking=enable_thinking,
         bos_token=_piece(tokenizer, tokenizer.bos_id, "<bos>"),
         eos_token=_piece(tokenizer, tokenizer.eos_id, "<eos>"),
     )
-    text = template.render(conversation, options)
-    return text, tokenizer.encode(text, add_bos=True)
+    text, literal = template.render_marked(conversation, options, tokenizer.find_special_pieces)
+    return text, tokenizer.encode(text, add_bos=True, plain_spans=literal)
 
 
 def _piece(tokenizer: Tokenizer, token_id: int | None, default: str) -> str:

@@ -22,9 +22,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata as importlib_metadata
@@ -109,6 +111,11 @@ class Tokenizer:
             i for i in named if i is not None
         )
         self._stop_ids = frozenset(specials.stop_ids)
+        # The spellings `encode` reads as special tokens, to find them in text that must stay text.
+        self._special_pieces = {tok.content: i for i, tok in added.items() if tok.special and tok.content}
+        self._special_lengths = sorted({len(p) for p in self._special_pieces}, reverse=True)
+        firsts = "".join(sorted({p[0] for p in self._special_pieces}))
+        self._special_start = re.compile(f"[{re.escape(firsts)}]") if firsts else None
         # Byte-fallback pieces (`<0xE4>`) are looked up by name rather than by scanning the
         # 262k-entry vocabulary.
         self._byte_ids = frozenset(
@@ -212,17 +219,70 @@ class Tokenizer:
 
     # --- encoding -----------------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True, plain_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Token ids of `text`. Special tokens spelled in the text (`<start_of_turn>`) become
-        their ids. BOS is prepended unless the text already starts with it, since chat
-        templates usually write `<bos>` themselves and a doubled BOS degrades Gemma."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        their ids, except inside `plain_spans` (sorted, disjoint character spans), where they are
+        read as the text they spell: a chat prompt passes the spans its messages wrote there, so
+        only the template's own structure makes control tokens. BOS is prepended unless the text
+        already starts with it, since chat templates usually write `<bos>` themselves and a
+        doubled BOS degrades Gemma."""
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        if plain_spans:
+            ids = self._defuse(text, ids, encoding.offsets, plain_spans)
         bos = self._specials.bos_id
         # Checked on the ids, not the text: if "<bos>" were not a special token it would be
         # split into ordinary pieces and the model would still need a real BOS.
         if add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def find_special_pieces(self, text: str) -> list[tuple[int, int]]:
+        """Character spans of `text` that `encode` would read as special tokens: leftmost first,
+        longest at each place, as the tokenizer matches them."""
+        spans: list[tuple[int, int]] = []
+        if self._special_start is None:
+            return spans
+        pieces, lengths, search = self._special_pieces, self._special_lengths, self._special_start.search
+        pos = 0
+        while (found := search(text, pos)) is not None:
+            start = found.start()
+            end = next((start + n for n in lengths if text[start:start + n] in pieces), None)
+            if end is None:
+                pos = start + 1
+            else:
+                spans.append((start, end))
+                pos = end
+        return spans
+
+    def _defuse(self, text: str, ids: list[int], offsets: list[tuple[int, int]],
+                plain_spans: Sequence[tuple[int, int]]) -> list[int]:
+        """`ids` with each special token that lies inside a plain span replaced by its text's
+        ordinary pieces. The tokenizer splits the text at every special token before the model
+        sees it, so the tokens around one are the same whether it is special or not."""
+        starts = [start for start, _ in plain_spans]
+        special = set(self._special_pieces.values())
+        out: list[int] = []
+        for token, (start, end) in zip(ids, offsets):
+            k = bisect_right(starts, start) - 1
+            if token in special and k >= 0 and end <= plain_spans[k][1]:
+                out.extend(self._encode_literal(text[start:end]))
+            else:
+                out.append(token)
+        return out
+
+    def _encode_literal(self, text: str) -> list[int]:
+        """Ordinary pieces for `text`, special spellings included: each one is cut after its
+        first character, which breaks that match (the rest is searched again)."""
+        ids: list[int] = []
+        pos = 0
+        for start, end in self.find_special_pieces(text):
+            ids += self._plain(text[pos:start]) + self._plain(text[start]) + self._encode_literal(text[start + 1:end])
+            pos = end
+        return ids + self._plain(text[pos:])
+
+    def _plain(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids if text else []
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

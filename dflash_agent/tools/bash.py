@@ -1,5 +1,6 @@
-"""The bash tool. Each call is a fresh, non-interactive `bash -c` in its own process group: the
-timeout kills the whole group, and so does the command's end (nothing it started outlives it).
+"""The bash tool. Each call is a fresh, non-interactive `bash -c` under a launcher (launcher.py) that
+holds no secrets and sees every process the command starts: the timeout kills them all, and so does
+the command's end (nothing it started outlives it, not even what left its session with `setsid`).
 Only the working directory carries over from one call to the next, and it never leaves the
 workspace. This confines the agent's habits, not a hostile program: use a container for that."""
 
@@ -11,8 +12,8 @@ import re
 import selectors
 import shlex
 import shutil
-import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -47,7 +48,8 @@ DEFAULT_DENY = (
     r":\(\)\s*\{\s*:\s*\|\s*:\s*&\s*\}\s*;\s*:",
 )
 _POLL_S = 0.05
-_DRAIN_S = 2.0  # after the kill, how long the pipe may stay open (held by a process that left the group)
+_STOP_S = 10.0  # how long the launcher may take to kill and reap everything below it
+_DRAIN_S = 2.0  # after that, how long the pipe may stay open (held by a process that escaped the launcher)
 
 
 class BashArgs(msgspec.Struct, forbid_unknown_fields=True):
@@ -111,57 +113,74 @@ class CommandOutcome:
     detached: bool  # a process outside the group kept the output open; reading stopped
 
 
-def kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone already
+LAUNCHER = Path(__file__).with_name("launcher.py")
 
 
 def run_command(argv: list[str], cwd: Path, env: Mapping[str, str], timeout: float, max_output: int,
                 cancel: threading.Event) -> CommandOutcome:
-    """Run argv in a new session with stdin closed, stdout and stderr together; blocking (call it in a
-    thread). Setting `cancel` kills it as the timeout does."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    """Run argv through the launcher (see launcher.py) with stdin closed, stdout and stderr together;
+    blocking (call it in a thread). Setting `cancel` kills it as the timeout does. However it ends, the
+    launcher kills every process the command started, those that left its session included."""
+    status_r, status_w = os.pipe()
+    control_r, control_w = os.pipe()
+    try:
+        # -I -S: the launcher needs only the standard library and starts with every call.
+        proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER), str(status_w), str(control_r), "--",
+                                 *argv], cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, pass_fds=(status_w, control_r))
+    except BaseException:
+        os.close(status_r)
+        os.close(control_w)
+        raise
+    finally:
+        os.close(status_w)
+        os.close(control_r)
     assert proc.stdout is not None
-    fd = proc.stdout.fileno()
+    out_fd = proc.stdout.fileno()
     capture = OutputCapture(max_output)
+    status = bytearray()
     deadline = time.monotonic() + timeout
-    timed_out = False
-    eof = False
+    timed_out = eof = finished = False
     with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
+        selector.register(out_fd, selectors.EVENT_READ)
+        selector.register(status_r, selectors.EVENT_READ)
+
+        def pump(wait: float) -> None:
+            nonlocal eof, finished
+            for key, _ in selector.select(wait):
+                chunk = os.read(key.fd, 65536)
+                if key.fd == status_r:
+                    status.extend(chunk)
+                    finished = not chunk
+                else:
+                    capture.add(chunk)
+                    eof = not chunk
+                if not chunk:
+                    selector.unregister(key.fd)
+
         try:
-            while proc.poll() is None:
+            proc.wait()  # the launcher's first process, which exits as soon as it has detached
+            while not finished:
                 now = time.monotonic()
                 if cancel.is_set() or now >= deadline:
                     timed_out = not cancel.is_set()
                     break
-                if eof:
-                    time.sleep(_POLL_S)
-                    continue
-                if selector.select(min(_POLL_S, deadline - now)):
-                    chunk = os.read(fd, 65536)
-                    if chunk:
-                        capture.add(chunk)
-                    else:
-                        eof = True
-                        selector.unregister(fd)
+                pump(min(_POLL_S, deadline - now))
         finally:
-            # The shell has exited, timed out or been cancelled: whatever it started goes too.
-            kill_group(proc.pid)
-        exit_code = proc.wait()
-        # Output still in the pipe after the shell exited.
-        drain_until = time.monotonic() + _DRAIN_S
-        while not eof and time.monotonic() < drain_until:
-            if selector.select(_POLL_S):
-                chunk = os.read(fd, 65536)
-                eof = not chunk
-                capture.add(chunk)
+            # Hanging up tells the launcher to kill everything; it reports once that is done.
+            os.close(control_w)
+        until = time.monotonic() + _STOP_S
+        while not finished and time.monotonic() < until:
+            pump(_POLL_S)
+        # Output still in the pipe after the command ended.
+        until = time.monotonic() + _DRAIN_S
+        while not eof and time.monotonic() < until:
+            pump(_POLL_S)
+    os.close(status_r)
     proc.stdout.close()
-    killed = timed_out or cancel.is_set()
-    return CommandOutcome(capture, None if killed else exit_code, timed_out, detached=not eof)
+    code = status.decode(errors="replace").strip()
+    killed = timed_out or cancel.is_set() or not code.lstrip("-").isdigit()
+    return CommandOutcome(capture, None if killed else int(code), timed_out, detached=not eof)
 
 
 class Shell:
@@ -212,8 +231,7 @@ class Shell:
         else:
             notes.append(f"[exit code {outcome.exit_code}]")
         if outcome.detached:
-            notes.append("[a process that left the command's process group still holds its output; "
-                         "stopped reading]")
+            notes.append("[a process that escaped the command still holds its output; stopped reading]")
         return "\n".join([text, *notes])
 
     def _follow_cwd(self, moved_to: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Annotated
 
@@ -71,21 +72,47 @@ class FileTools:
     def __init__(self, workspace: Workspace) -> None:
         self.ws = workspace
 
+    def _open(self, path: str, flags: int, make_dirs: bool = False) -> tuple[Path, int, os.stat_result]:
+        """Open inside the workspace (never through a symlink swapped in after the check, see
+        Workspace.open); ToolError unless it is a regular file. O_NONBLOCK: a FIFO must not hang us."""
+        try:
+            real, fd = self.ws.open(path, flags | os.O_NONBLOCK, make_dirs=make_dirs)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ToolError(f"{path} does not exist") from None
+        except IsADirectoryError:
+            raise ToolError(f"{path} is a directory") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            kind = "a directory; use list_dir or glob" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise ToolError(f"{path} is {kind}")
+        return real, fd, info
+
+    @staticmethod
+    def _refuse_hard_links(path: str, info: os.stat_result, fd: int) -> None:
+        # Writing through a file that has other names changes them too, and they may lie outside the
+        # workspace (`ln /outside/file x` in bash); a path check cannot see them, so such files are
+        # not written. Reading is allowed: it shows nothing bash in the workspace cannot read.
+        if info.st_nlink > 1:
+            os.close(fd)
+            raise ToolError(f"{path} has {info.st_nlink} hard links; writing it would change the other names "
+                            "too, which may be outside the workspace. Copy it (cp) and write the copy instead")
+
     def read_text(self, path: str) -> tuple[Path, str]:
         """A text file's real path and content; ToolError for anything that is not one."""
-        real = self.ws.resolve(path)
-        if real.is_dir():
-            raise ToolError(f"{path} is a directory; use list_dir or glob")
-        if not real.exists():
-            raise ToolError(f"{path} does not exist")
-        size = real.stat().st_size
+        real, fd, info = self._open(path, os.O_RDONLY)
+        with open(fd, "rb") as f:
+            return real, self._decode(path, f, info)
+
+    def _decode(self, path: str, f, info: os.stat_result) -> str:
+        size = info.st_size
         if size > MAX_READ_BYTES:
             raise ToolError(f"{path} is {size / 2**20:.1f} MB, over the {MAX_READ_BYTES // 2**20} MB read limit; "
                             "use grep, or bash with head / sed -n, to look at parts of it")
-        data = real.read_bytes()
+        data = f.read(MAX_READ_BYTES + 1)
         if is_binary(data):
             raise ToolError(f"{path} is a binary file ({size:,} bytes); it cannot be shown as text")
-        return real, data.decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors="replace")
 
     async def read_file(self, args: ReadFileArgs) -> str:
         _, text = self.read_text(args.path)
@@ -109,13 +136,19 @@ class FileTools:
         return "\n".join(shown)
 
     async def write_file(self, args: WriteFileArgs) -> str:
-        real = self.ws.resolve(args.path)
-        if real.is_dir():
-            raise ToolError(f"{args.path} is a directory")
-        existed = real.exists()
-        real.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT
+        try:
+            real, fd, info = self._open(args.path, flags | os.O_EXCL, make_dirs=True)
+            existed = False
+        except FileExistsError:
+            real, fd, info = self._open(args.path, flags)
+            existed = True
+            self._refuse_hard_links(args.path, info, fd)
         data = args.content.encode("utf-8")
-        real.write_bytes(data)
+        with open(fd, "wb") as f:
+            # Truncated only now, after the checks: opening with O_TRUNC would empty a hard-linked file.
+            f.truncate(0)
+            f.write(data)
         verb = "overwrote" if existed else "created"
         return f"{verb} {self.ws.display(real)} ({len(split_lines(args.content))} lines, {len(data):,} bytes)"
 
@@ -124,20 +157,25 @@ class FileTools:
             raise ToolError("old_string is empty; use write_file to create a file or replace all of it")
         if args.old_string == args.new_string:
             raise ToolError("old_string and new_string are the same; there is nothing to change")
-        real, text = self.read_text(args.path)
-        starts = _occurrences(text, args.old_string)
-        if not starts:
-            raise ToolError(f"old_string was not found in {args.path} (0 matches). It must match the file exactly, "
-                            f"whitespace and indentation included.{_near_misses(text, args.old_string)} "
-                            "Read the file to see its current text.")
-        lines_at = [text.count("\n", 0, i) + 1 for i in starts]
-        if len(starts) > 1 and not args.replace_all:
-            raise ToolError(f"old_string occurs {len(starts)} times in {args.path} (at lines "
-                            f"{_join_numbers(lines_at)}); include more surrounding text to make it unique, "
-                            "or set replace_all to replace every occurrence")
-        count = len(starts) if args.replace_all else 1
-        updated = text.replace(args.old_string, args.new_string, count)
-        real.write_bytes(updated.encode("utf-8"))
+        real, fd, info = self._open(args.path, os.O_RDWR)
+        self._refuse_hard_links(args.path, info, fd)
+        with open(fd, "r+b") as f:
+            text = self._decode(args.path, f, info)
+            starts = _occurrences(text, args.old_string)
+            if not starts:
+                raise ToolError(f"old_string was not found in {args.path} (0 matches). It must match the file "
+                                f"exactly, whitespace and indentation included.{_near_misses(text, args.old_string)} "
+                                "Read the file to see its current text.")
+            lines_at = [text.count("\n", 0, i) + 1 for i in starts]
+            if len(starts) > 1 and not args.replace_all:
+                raise ToolError(f"old_string occurs {len(starts)} times in {args.path} (at lines "
+                                f"{_join_numbers(lines_at)}); include more surrounding text to make it unique, "
+                                "or set replace_all to replace every occurrence")
+            count = len(starts) if args.replace_all else 1
+            updated = text.replace(args.old_string, args.new_string, count)
+            f.seek(0)
+            f.truncate(0)
+            f.write(updated.encode("utf-8"))
         # The first replacement's neighbourhood, as it reads now.
         first = lines_at[0]
         new_lines = split_lines(updated)
@@ -149,18 +187,25 @@ class FileTools:
         return f"replaced {count} {noun} in {self.ws.display(real)} ({where}); it now reads:\n{snippet}"
 
     async def list_dir(self, args: ListDirArgs) -> str:
-        real = self.ws.resolve(args.path)
-        if not real.is_dir():
-            raise ToolError(f"{args.path} is not a directory" if real.exists() else f"{args.path} does not exist")
+        try:
+            real, fd = self.ws.open(args.path, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ToolError(f"{args.path} does not exist") from None
         entries = []
-        with os.scandir(real) as it:
-            for entry in it:
-                if entry.is_symlink():
-                    entries.append(f"{entry.name} -> {os.readlink(entry.path)}")
-                elif entry.is_dir():
-                    entries.append(entry.name + "/")
-                else:
-                    entries.append(entry.name)
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise ToolError(f"{args.path} is not a directory")
+            # Listed through the descriptor, so a directory swapped for a link meanwhile is not followed.
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_symlink():
+                        entries.append(f"{entry.name} -> {os.readlink(entry.name, dir_fd=fd)}")
+                    elif entry.is_dir():
+                        entries.append(entry.name + "/")
+                    else:
+                        entries.append(entry.name)
+        finally:
+            os.close(fd)
         if not entries:
             return f"({self.ws.display(real)} is empty)"
         entries.sort()

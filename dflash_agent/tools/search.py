@@ -4,9 +4,11 @@ same search gives the same text every time (the model's context, and its cache, 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -20,7 +22,7 @@ from .workspace import Workspace
 MAX_GLOB_RESULTS = 200
 MAX_GREP_MATCHES = 200
 MAX_MATCH_CHARS = 500
-RG_TIMEOUT_S = 60
+GREP_TIMEOUT_S = 60  # ripgrep, or the Python fallback's process, is killed after this
 # Never worth searching: version control, caches, environments.
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", ".tox", ".mypy_cache",
                        ".pytest_cache", ".ruff_cache", ".hypothesis", ".dflash-agent"})
@@ -121,7 +123,7 @@ class SearchTools:
         if self.rg is not None:
             lines = await self._ripgrep(args, target)
         else:
-            lines = await asyncio.to_thread(self._python_grep, regex, target, args.glob)
+            lines = await self._python_grep_process(args, target)
         if not lines:
             return f"no matches for {args.pattern!r} under {self.ws.display(target)}"
         more = len(lines) - MAX_GREP_MATCHES
@@ -147,20 +149,42 @@ class SearchTools:
         argv += ["--regexp", args.pattern]
         if target != self.ws.root:  # no path: rg prints paths relative to the root, as display() does
             argv += ["--", self.ws.display(target)]
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=self.ws.root, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        code, out, err = await self._run(argv)
+        if code == 1:  # ripgrep's "no match"
+            return []
+        if code != 0:
+            raise ToolError(f"grep failed: {err.decode(errors='replace').strip()}")
+        return out.decode("utf-8", errors="replace").splitlines()
+
+    async def _python_grep_process(self, args: GrepArgs, target: Path) -> list[str]:
+        """`_python_grep` in a child process: Python's regex engine holds the GIL for a whole match, so a
+        catastrophic pattern run in a thread would stall the event loop too, and a thread cannot be killed."""
+        request = {"root": str(self.ws.root), "target": str(target), "pattern": args.pattern,
+                   "ignore_case": args.ignore_case, "glob": args.glob}
+        code, out, err = await self._run([sys.executable, "-m", __name__], json.dumps(request).encode())
+        if code != 0:
+            raise ToolError(f"grep failed: {err.decode(errors='replace').strip()[-500:]}")
+        return json.loads(out)
+
+    async def _run(self, argv: list[str], stdin: bytes | None = None) -> tuple[int, bytes, bytes]:
+        """Run a search process in the root; killed past GREP_TIMEOUT_S or when the call is cancelled."""
+        env = dict(os.environ)
+        # The fallback imports this package: find it where this process did, installed or not.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=self.ws.root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE)
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), RG_TIMEOUT_S)
+            out, err = await asyncio.wait_for(proc.communicate(stdin), GREP_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise ToolError(f"grep took longer than {RG_TIMEOUT_S} s; narrow the path or glob") from None
+            raise ToolError(f"grep took longer than {GREP_TIMEOUT_S} s; narrow the pattern, path or glob") from None
         finally:
             if proc.returncode is None:  # timed out or cancelled
                 proc.kill()
-        if proc.returncode == 1:  # ripgrep's "no match"
-            return []
-        if proc.returncode != 0:
-            raise ToolError(f"grep failed: {err.decode(errors='replace').strip()}")
-        return out.decode("utf-8", errors="replace").splitlines()
+                await proc.wait()
+        assert proc.returncode is not None
+        return proc.returncode, out, err
 
     def _python_grep(self, regex: re.Pattern[str], target: Path, glob: str) -> list[str]:
         """What ripgrep prints, for machines without it (hidden and binary files skipped, like rg;
@@ -204,3 +228,15 @@ def search_tools(workspace: Workspace) -> list[ToolSpec]:
         ToolSpec("grep", "Search file contents for a regular expression; prints path:line:text per matching line.",
                  GrepArgs, search.grep, read_only=True, idempotent=True),
     ]
+
+
+def _grep_worker() -> None:
+    """The Python fallback's process: a JSON request on stdin, the matching lines as JSON on stdout."""
+    request = json.load(sys.stdin)
+    regex = re.compile(request["pattern"], re.IGNORECASE if request["ignore_case"] else 0)
+    search = SearchTools(Workspace(Path(request["root"])))
+    json.dump(search._python_grep(regex, Path(request["target"]), request["glob"]), sys.stdout)
+
+
+if __name__ == "__main__":
+    _grep_worker()

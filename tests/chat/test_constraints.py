@@ -18,7 +18,7 @@ from dflash_agent.engine.grammar import GrammarCompiler
 from dflash_agent.engine.sampling import Sampler, SamplingParams
 from dflash_agent.engine.tokenizer import Tokenizer
 
-from dflash_agent.chat.constraints import response_format_grammar, tool_call_grammar
+from dflash_agent.chat.constraints import MAX_PARALLEL_CALLS, response_format_grammar, tool_call_grammar
 from dflash_agent.chat.gemma3_tools import format_tool_call as gemma3_call
 from dflash_agent.chat.gemma3_tools import tools_prompt
 from dflash_agent.chat.gemma4_syntax import format_tool_call as gemma4_call
@@ -533,3 +533,89 @@ def test_malformed_response_format(gemma3_compiler, response_format, param):
     with pytest.raises(ChatError) as err:
         response_format_grammar(gemma3_compiler, response_format)
     assert err.value.param == param
+
+
+# --- numeric bounds and the number of calls -------------------------------------------------------
+
+BOUNDED = Tool("bash", "Run a shell command.", {
+    "type": "object",
+    "properties": {"command": {"type": "string"}, "timeout": {"type": "integer", "minimum": 1, "maximum": 600}},
+    "required": ["command", "timeout"],
+})
+
+
+def can_stop(matcher, tokenizer):
+    logits = torch.zeros(VOCAB)
+    matcher.mask(logits)
+    return any(bool(torch.isfinite(logits[i])) for i in tokenizer.stop_ids)
+
+
+def gemma3_block(name, arguments):
+    return f'```tool_call\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n```'
+
+
+@pytest.mark.parametrize("timeout, allowed", [
+    (1, True), (9, True), (60, True), (599, True), (600, True),
+    (0, False), (-1, False), (601, False), (700, False), (6000, False), (9999999000000000, False),
+])
+def test_forced_call_respects_minimum_and_maximum(gemma3_compiler, gemma3_tokenizer, timeout, allowed):
+    grammar = tool_call_grammar(gemma3_compiler, "gemma3", [BOUNDED], "required", parallel=False)
+    text = gemma3_block("bash", {"command": "ls", "timeout": timeout})
+    _, refused, matcher = accepted_prefix(grammar, gemma3_tokenizer, text)
+    assert (refused is None and can_stop(matcher, gemma3_tokenizer)) == allowed, (timeout, refused)
+
+
+BOUND_CASES = [
+    ("integer", {"minimum": 1, "maximum": 600}),
+    ("integer", {"minimum": -37, "maximum": 1234}),
+    ("integer", {"exclusiveMinimum": 0, "exclusiveMaximum": 100}),
+    ("integer", {"minimum": 5, "exclusiveMinimum": True, "maximum": 10.5}),
+    ("integer", {"maximum": -3}),
+    ("integer", {"minimum": 0}),
+    ("number", {"minimum": -2.5, "maximum": 3}),
+    ("number", {"exclusiveMinimum": -10, "maximum": 100}),
+    ("number", {"minimum": 0.5}),
+]
+
+
+@pytest.mark.parametrize("kind, bounds", BOUND_CASES)
+def test_bounded_numbers_are_exact_for_integers_and_sound_for_fractions(kind, bounds):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from dflash_agent.chat.constraints import _bounded_number, _bounds
+
+    grammar = xgr.Grammar.from_ebnf(f"root ::= {_bounded_number(kind == 'integer', *_bounds(bounds))}")
+    schema = {"type": kind, **bounds}
+    if bounds.get("exclusiveMinimum") is True:  # draft 4 spelling, which jsonschema's default draft rejects
+        schema = {"type": kind, "exclusiveMinimum": bounds["minimum"], "maximum": bounds["maximum"]}
+
+    def valid(text):
+        return jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+
+    for n in [*range(-1300, 1300), 10**15, -(10**15), 9999999000000000]:
+        assert _is_grammar_accept_string(grammar, str(n)) == valid(str(n)), n
+    for text in ["-0", "007", "1e3", "+1"]:
+        assert not _is_grammar_accept_string(grammar, text), text
+    if kind == "number":
+        for n in range(-120, 120):
+            for fraction in (".0", ".25", ".5", ".999"):
+                text = f"{'-' if n < 0 else ''}{abs(n)}{fraction}"
+                if _is_grammar_accept_string(grammar, text):
+                    assert valid(text), text
+
+
+def test_bounds_nothing_can_satisfy_are_a_clear_error(gemma3_compiler):
+    tool = Tool("t", "", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}})
+    with pytest.raises(ChatError, match=r"tools\[0\] \(t\): no integer satisfies minimum/maximum"):
+        tool_call_grammar(gemma3_compiler, "gemma3", [tool], "required", parallel=False)
+
+
+@pytest.mark.parametrize("parallel, most", [(False, 1), (True, MAX_PARALLEL_CALLS)])
+def test_number_of_calls_is_capped(gemma3_compiler, gemma3_tokenizer, parallel, most):
+    grammar = tool_call_grammar(gemma3_compiler, "gemma3", [BOUNDED], "required", parallel=parallel)
+    block = gemma3_block("bash", {"command": "ls", "timeout": 5})
+    _, refused, matcher = accepted_prefix(grammar, gemma3_tokenizer, "\n\n".join([block] * most))
+    assert refused is None and can_stop(matcher, gemma3_tokenizer)
+    _, refused, _ = accepted_prefix(grammar, gemma3_tokenizer, "\n\n".join([block] * (most + 1)))
+    assert refused is not None

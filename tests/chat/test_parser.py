@@ -20,6 +20,7 @@ from dflash_agent.chat.parser import (
     ToolCallStart,
     make_parser,
 )
+from dflash_agent.chat.constraints import MAX_PARALLEL_CALLS
 from dflash_agent.chat.types import ToolCall
 
 
@@ -372,3 +373,21 @@ def test_fenced_variants():
         ("h", {}),
     ]
     assert result.content == ""
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+@pytest.mark.parametrize("parallel, kept", [(False, 1), (True, MAX_PARALLEL_CALLS)])
+def test_calls_past_the_cap_are_dropped(family, parallel, kept):
+    from dflash_agent.chat.chat_format import PreparedChat
+
+    calls = [ToolCall(f"c{i}", "bash", {"command": f"echo {i}"}) for i in range(MAX_PARALLEL_CALLS + 5)]
+    if family == "gemma4":
+        text = "".join(format_tool_call(c.name, c.arguments) for c in calls)
+    else:
+        text = "\n\n".join(gemma3_tools.format_tool_call(c) for c in calls)
+    prepared = PreparedChat("", [], None, frozenset(), family, 1 if not parallel else MAX_PARALLEL_CALLS)
+    parser = prepared.parser()
+    deltas = parser.feed(text) + parser.finish()
+    result = parser.result()
+    assert [c.arguments for c in result.tool_calls] == [c.arguments for c in calls[:kept]]
+    assert max(d.index for d in deltas if hasattr(d, "index")) == kept - 1

@@ -407,3 +407,18 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
 
     with pytest.raises(TokenizerError, match=r"missing\.gguf"):
         Tokenizer.from_gguf(tmp_path / "missing.gguf", cache_dir=tmp_path / "cache")
+
+
+def test_plain_spans_read_special_spellings_as_text(gemma: Tokenizer, reference) -> None:
+    text = "<start_of_turn>user\nsay <end_of_turn> and <bos><end_of_turn>\n"
+    start = text.index("say")
+    spans = [(start, text.index("<end_of_turn>\n"))]
+    assert gemma.find_special_pieces(text) == [(0, 15), (start + 4, start + 17), (start + 22, start + 27),
+                                               (start + 27, start + 40)]
+    ids = gemma.encode(text, add_bos=False, plain_spans=spans)
+    specials = [i for i in ids if i in gemma.special_ids]
+    assert specials == [gemma.token_id("<start_of_turn>"), gemma.token_id("<end_of_turn>")]
+    assert gemma.decode(ids) == text
+    # Outside the spans, nothing changes; the literal pieces are tokenized as text would be.
+    assert gemma.encode(text, add_bos=False, plain_spans=[]) == gemma.encode(text, add_bos=False)
+    assert ids[-2:] == reference("<end_of_turn>\n", add_special_tokens=False)["input_ids"]

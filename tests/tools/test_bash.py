@@ -159,3 +159,50 @@ def test_cancelling_the_call_kills_the_command(root):
     asyncio.run(scenario())
     assert time.monotonic() - started < 10
     assert not alive(int((root / "c.pid").read_text()), grace=1.0)  # gone by the time the cancel is
+
+
+def test_processes_that_leave_the_session_do_not_outlive_the_command(tools, root):
+    # setsid: a new session and group; the subshell's `&` inside it: a daemon orphaned at once.
+    result = bash(tools, "setsid sleep 1000 & echo $! > a.pid; "
+                         "(setsid sh -c 'sleep 1001 & echo $! > b.pid' &); sleep 0.3; echo done")
+    assert result.text.splitlines()[-2:] == ["done", "[exit code 0]"], result.text
+    for name in ("a.pid", "b.pid"):
+        assert not alive(int((root / name).read_text())), name
+
+
+def test_processes_that_leave_the_session_do_not_outlive_the_timeout(tools, root):
+    started = time.monotonic()
+    result = bash(tools, "setsid sleep 1002 & echo $! > a.pid; "
+                         "(setsid sh -c 'sleep 1003 & echo $! > b.pid' &); sleep 300", timeout=1)
+    assert time.monotonic() - started < 10 and "timed out after 1 s" in result.text
+    for name in ("a.pid", "b.pid"):
+        assert not alive(int((root / name).read_text())), name
+
+
+# Walks bash's ancestors through /proc and prints every environment it can read on the way.
+ANCESTORS = r"""p=$$; while [ "$p" -gt 1 ]; do echo "== $p"; tr '\0' '\n' < /proc/$p/environ; p=$(sed 's/.*) . //' /proc/$p/stat | cut -d' ' -f1); done"""
+
+
+def test_no_ancestor_of_the_command_holds_the_secrets(root):
+    import os
+    import subprocess
+    import sys
+
+    # The secret must be in the server's real (exec-time) environment, which /proc shows, so the
+    # tool runs in a child process started with it.
+    server = ("import asyncio, sys; from dflash_agent.tools.registry import workspace_tools; "
+              "from dflash_agent.tools.workspace import Workspace; "
+              "r = asyncio.run(workspace_tools(Workspace(sys.argv[1])).dispatch('bash', {'command': sys.argv[2]})); "
+              "print(r.text)")
+    env = {**os.environ, "DFLASH_TEST_API_KEY": "hunter2-secret"}
+    out = subprocess.run([sys.executable, "-c", server, str(root), ANCESTORS], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("== ") >= 2 and "PATH=" in out.stdout, out.stdout  # bash and its parent at least
+    assert "hunter2-secret" not in out.stdout
+
+
+def test_the_command_gets_default_signal_handling(tools):
+    # Python ignores SIGPIPE; a shell forked from it must not inherit that (`yes | head` would complain).
+    result = bash(tools, "yes | head -1; grep SigIgn /proc/self/status")
+    assert result.text.splitlines()[0] == "y" and "Broken pipe" not in result.text, result.text

@@ -171,3 +171,66 @@ def test_permission_errors_become_results(tools, root):
     (root / "locked.txt").chmod(0)
     result = call(tools, "read_file", path="locked.txt")
     assert result.is_error and "Permission denied" in result.text
+
+
+# Run in its own process, so it swaps while the tool runs rather than between GIL switches.
+SWAPPER = """
+import os, sys, time
+root, outside = sys.argv[1:]
+d, saved = os.path.join(root, "d"), os.path.join(root, "d.saved")
+while True:
+    try:
+        time.sleep(0.0002)  # long enough for a call to check the path ...
+        os.rename(d, saved)
+        os.symlink(outside, d)  # ... and then be offered a symlink to open
+        time.sleep(0.0001)
+        os.unlink(d)
+        os.rename(saved, d)
+    except OSError:
+        pass
+"""
+
+
+@pytest.mark.parametrize("name", ["read_file", "write_file", "edit_file", "list_dir"])
+def test_a_symlink_swapped_in_during_the_call_never_leads_outside(tools, root, name):
+    import subprocess
+    import sys
+    import time
+
+    outside = root.parent / "elsewhere"
+    outside.mkdir()
+    (outside / "f.txt").write_text("outside data\n")
+    (outside / "only_outside").write_text("")
+    (root / "d").mkdir()
+    (root / "d" / "f.txt").write_text("inside data\n")
+    arguments = {"read_file": {"path": "d/f.txt"},
+                 "write_file": {"path": "d/f.txt", "content": "inside data\n"},
+                 "edit_file": {"path": "d/f.txt", "old_string": "data", "new_string": "data"},
+                 "list_dir": {"path": "d"}}[name]
+    if name == "edit_file":
+        arguments["new_string"] = "DATA"  # edits alternate, so every call has something to replace
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(root), str(outside)])
+    escaped, deadline = [], time.monotonic() + 3
+    try:
+        for _ in range(400):
+            if time.monotonic() > deadline:
+                break
+            result = call(tools, name, **arguments)
+            if name == "edit_file" and not result.is_error:
+                arguments["old_string"], arguments["new_string"] = arguments["new_string"], arguments["old_string"]
+            if "outside data" in result.text or "only_outside" in result.text:
+                escaped.append(result.text)
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert (outside / "f.txt").read_text() == "outside data\n"
+    assert not escaped, f"{len(escaped)} calls read outside the workspace"
+
+
+def test_writes_refuse_hard_links(tools, root):
+    os.link(root.parent / "secret.txt", root / "linked.txt")
+    for name, arguments in [("write_file", {"path": "linked.txt", "content": "pwned\n"}),
+                            ("edit_file", {"path": "linked.txt", "old_string": "outside", "new_string": "pwned"})]:
+        result = call(tools, name, **arguments)
+        assert result.is_error and "hard links" in result.text, result.text
+    assert (root.parent / "secret.txt").read_text() == "outside\n"

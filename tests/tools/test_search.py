@@ -114,3 +114,35 @@ def test_ripgrep_and_fallback_agree(root):
                  GrepArgs("TODO", path="src", glob="pkg/*.py"), GrepArgs("^def ", path="tests/test_a.py"),
                  GrepArgs("absent"), GrepArgs("x{100}")]:
         assert run(with_rg.grep(args)) == run(fallback.grep(args)), args
+
+
+def test_python_grep_has_a_time_limit_and_leaves_the_event_loop_free(search, root, monkeypatch):
+    import time
+
+    from dflash_agent.tools import search as search_module
+    from dflash_agent.tools.tool import ToolError
+
+    monkeypatch.setattr(search_module, "GREP_TIMEOUT_S", 1)
+    search.rg = None
+    (root / "slow.txt").write_text("a" * 24 + "b\n")  # (a+)+$ backtracks for tens of seconds on it
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        clock = asyncio.create_task(ticker())
+        started = time.monotonic()
+        with pytest.raises(ToolError, match="longer than 1 s"):
+            await search.grep(GrepArgs(pattern="(a+)+$", path="slow.txt"))
+        elapsed = time.monotonic() - started
+        clock.cancel()
+        return elapsed, ticks
+
+    elapsed, ticks = run(scenario())
+    assert elapsed < 8
+    assert ticks >= elapsed / 0.05 / 4  # the loop kept turning (a blocked one would tick ~once)
