@@ -27,7 +27,8 @@ def model_options(f):
     f = click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
                      show_default=True, help="auto: float32 on CPU, bfloat16 on CUDA.")(f)
     f = click.option("--ctx-size", type=click.IntRange(min=16), default=None,
-                     help="Context length in tokens (default: 8192, capped by the model).")(f)
+                     help="Context length in tokens (default: the model's own where memory holds it, else the "
+                          "largest that fits).")(f)
     f = click.option("--draft", default=None,
                      help="DFlash drafter: a z-lab checkpoint directory or hub id (speculative decoding).")(f)
     f = click.option("--draft-quant", type=click.Choice(["q8", "q4"]), default=None,

@@ -26,6 +26,7 @@ from .anthropic_routes import anthropic_router
 from .errors import APIError, anthropic_error, handlers, openai_error
 from .metrics import CONTENT_TYPE
 from .openai_routes import openai_router
+from .responses_routes import responses_router
 from .service import ServerSettings, ServerState, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
 
     guards = [_auth_guard(settings.api_key)] if settings.api_key else []
     return Litestar(
-        route_handlers=[openai_router(), anthropic_router(), health, metrics, tokenize, detokenize, apply_template],
+        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, tokenize, detokenize, apply_template],
         state=State({"server": server}),
         lifespan=[lifespan],
         guards=guards,

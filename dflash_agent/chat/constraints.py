@@ -74,13 +74,17 @@ def tool_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[To
 
     `tool_choice`: None, "auto" or "none" (nothing forced); "required" / "any" (a call to any of
     `tools`); or one named function, as OpenAI (`{"type": "function", "function": {"name": N}}`)
-    or Anthropic (`{"type": "tool", "name": N}`) spell it. `parallel`: allow several calls.
+    or Anthropic (`{"type": "tool", "name": N}`) spell it, which allows exactly one call.
+    `parallel`: allow several calls when any tool may be called.
     Raises ChatError for a choice that names no tool or a schema that cannot be compiled."""
     if family not in FAMILIES:
         raise ValueError(f"no tool-call grammar for model family {family!r} (known: {', '.join(FAMILIES)})")
     chosen = _chosen_tools(tools, tool_choice)
     if chosen is None:
         return None
+    if tool_choice not in ("required", "any") and not (isinstance(tool_choice, Mapping)
+                                                       and tool_choice.get("type") == "any"):
+        parallel = False  # a named function: exactly one call to it (OpenAI's and Anthropic's meaning)
     if family == "gemma4":
         text, named = _gemma4_calls(compiler, chosen, parallel)
     else:

@@ -5,6 +5,8 @@ plain text turns before its template renders it.
   fenced block holding `{"name": ..., "arguments": {...}}` (info string `TOOL_CALL_FENCE`).
 - Earlier assistant tool calls are written back as those blocks, so the model sees its own format.
 - Tool results become a user turn of ```tool_result blocks (`{"name": ..., "content": ...}`).
+- Gemma 3 has no system turn: a system message after the first (Anthropic's mid-conversation system
+  messages) is merged into the user turn next to it, as tool results are, since turns must alternate.
 
 `chat/parser.py` reads the model's blocks back and the tool-call grammar forces them; both rely on the
 exact fence written here."""
@@ -53,10 +55,12 @@ def tools_prompt(tools: list[Tool]) -> str:
 
 
 def inline_tools(conversation: Conversation) -> Conversation:
-    """The conversation as plain system/user/assistant turns, tools and calls written as text.
-    A conversation without tools, calls or results is returned unchanged."""
+    """The conversation as plain system/user/assistant turns, tools and calls written as text, and only
+    a leading system message. A conversation without tools, calls, results or later system messages is
+    returned unchanged."""
     messages = conversation.messages
-    if not conversation.tools and not any(m.tool_calls or m.role == "tool" for m in messages):
+    later_system = any(m.role in ("system", "developer") for m in messages[1:])
+    if not conversation.tools and not later_system and not any(m.tool_calls or m.role == "tool" for m in messages):
         return conversation
     out: list[Message] = []
     if conversation.tools:
@@ -72,10 +76,12 @@ def inline_tools(conversation: Conversation) -> Conversation:
             # Gemma 3 does not think, so earlier reasoning has nowhere to go.
             blocks = [_text(message), *(format_tool_call(c) for c in message.tool_calls)]
             turn = Message(role="assistant", content=[TextPart("\n\n".join(b for b in blocks if b))])
+        elif message.role in ("system", "developer") and out:
+            turn = Message(role="user", content=[TextPart(_text(message))])
         else:
             turn = message
-        # Results of parallel calls, and the user text that may follow them, form one user turn:
-        # Gemma 3's turns must alternate.
+        # Results of parallel calls, later system text, and the user text around them form one user
+        # turn: Gemma 3's turns must alternate.
         if turn.role == "user" and out and out[-1].role == "user":
             turn = Message(role="user", content=[TextPart(f"{_text(out[-1])}\n\n{_text(turn)}")])
             out.pop()

@@ -284,6 +284,12 @@ class Gemma4OutputParser:
             and _CALL_HEADER_PREFIX.fullmatch(self._buf)
         ):
             return False
+        if final and _CALL_HEADER_PREFIX.fullmatch(self._buf):
+            # A call cut by the token limit before its arguments: tool syntax, never content.
+            logger.debug("dropping a tool call cut before its arguments: %r", self._buf[:80])
+            self._buf = ""
+            self._handler = self._text
+            return True
         logger.debug("not a tool call header after %s: %r", TOOL_CALL_OPEN, self._buf[:80])
         self._out.text(TOOL_CALL_OPEN)
         self._handler = self._text
@@ -434,6 +440,10 @@ class FencedToolCallParser:
         lines, self._call_lines, self._call_fence = self._call_lines, [], None
         body = "".join(lines[1:-1] if closed else lines[1:])
         call = self._read_call(body)
+        if call is None and not closed:
+            # A block the output ended inside (the token limit cut it): tool syntax, never content.
+            logger.debug("dropping an unfinished tool_call block: %r", body[:80])
+            return
         if call is None:
             logger.debug("tool_call block is not a valid call; kept as content: %r", body[:80])
             self._out.text("".join(lines))

@@ -17,7 +17,7 @@ import torch
 from .cuda_graphs import enable_cuda_graphs
 from .drafter import Drafter, load_drafter
 from .kv_cache import KV_DTYPES
-from .memory_plan import drafter_plan, gpu_context_size
+from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reuse
 from .sampling import Sampler, StopStringFilter
@@ -28,7 +28,6 @@ from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, re
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CTX = 8192
 DEFAULT_PREFIX_CACHE = PrefixCacheConfig()  # frozen: one shared default is safe
 
 
@@ -104,14 +103,14 @@ class Engine:
         started = time.perf_counter()
         ckpt = open_checkpoint(path)
         tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
+        # Planned before the weights load: without ctx_size, the model's own context where memory holds it
+        # (the card's free memory on CUDA, the available RAM on the CPU), else the largest that fits.
+        planned_drafter = drafter_plan(resolve_model_path(draft), draft_quant) if draft is not None else None
         if torch_device.type == "cuda":
-            # planned from the card's free memory before the weights load: the largest context that fits,
-            # or a refused --ctx-size that says what would
-            planned_drafter = drafter_plan(resolve_model_path(draft), draft_quant) if draft is not None else None
             n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, ctx_size, kv_dtype,
                                      planned_drafter)
         else:
-            n_ctx = min(ctx_size or DEFAULT_CTX, ckpt.config.max_position_embeddings)
+            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter)
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress)
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter = None

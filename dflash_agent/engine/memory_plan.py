@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,3 +285,49 @@ def gpu_context_size(
                        dtype=dtype, kv_dtype=kv_dtype, drafter=drafter)
     log.info("%s", plan.describe())
     return plan.ctx_size
+
+
+# --- the engine on the CPU ---------------------------------------------------------------------------------------
+
+CPU_SHARE = 0.5  # of the available RAM: the rest is left to the prefix cache's stored conversations and the OS
+
+
+def available_ram_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else the physical RAM; None when neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_context_size(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor | PackedTensor],
+    dtype: torch.dtype,
+    requested: int | None,
+    kv_dtype: str = "auto",
+    drafter: DrafterPlan | None = None,
+    available_bytes: int | None = None,
+) -> int:
+    """The context the engine allocates on the CPU: `requested` (capped by the model), else the model's own
+    context length where half the available RAM holds it (weights, drafter, KV, workspace), else the
+    largest that does (at least 4096 tokens, which never threatened a machine that loads the model)."""
+    if requested is not None:
+        return min(requested, config.max_position_embeddings)
+    free = available_ram_bytes() if available_bytes is None else available_bytes
+    if free is None:
+        return config.max_position_embeddings
+    budget = int(free * CPU_SHARE)
+    largest = largest_context(budget, config, checkpoint_weight_bytes(tensors, dtype, packed=False), dtype=dtype,
+                              kv_dtype=kv_dtype, drafter=drafter)
+    n_ctx = min(config.max_position_embeddings, max(largest, 4096))
+    log.info("context %d tokens (the model's: %d; %.1f GiB of RAM available)", n_ctx,
+             config.max_position_embeddings, free / GiB)
+    return n_ctx

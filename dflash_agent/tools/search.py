@@ -117,7 +117,7 @@ class SearchTools:
         if not target.exists():
             raise ToolError(f"{args.path} does not exist")
         try:
-            regex = re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
+            re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
         except re.error as exc:
             raise ToolError(f"{args.pattern!r} is not a valid regular expression: {exc}") from None
         if self.rg is not None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from .tool import ToolError
 
-
 _OPEN_ATTEMPTS = 5
 
 

@@ -91,3 +91,53 @@ def test_builtin_templates_keep_the_history(tmp_path, family, gemma3_tokenizer, 
     tokenizer = gemma3_tokenizer if family == "gemma3" else gemma4_tokenizer
     check_append_only(run_session(tmp_path, ChatFormat(tokenizer, builtin_template(family), family, VOCAB)),
                       exact=False)
+
+
+# Claude Code's shape (2.1.x): a top-level system prompt, system entries inside `messages` (agent listings,
+# reminders), tool results in user messages. Each request is the previous one plus the model's answer and
+# what the client appends after it.
+CLAUDE_CODE_TURNS = [
+    [{"role": "user", "content": [{"type": "text", "text": "list the files here"}]},
+     {"role": "system", "content": [{"type": "text", "text": "Available agents: general-purpose."}]}],
+    [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "bash", "input": {"command": "ls"}}]},
+     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py\nb.py"}]},
+     {"role": "system", "content": "Reminder: answer briefly."}],
+    [{"role": "assistant", "content": [{"type": "text", "text": "a.py and b.py."}]},
+     {"role": "system", "content": "The user is back."},
+     {"role": "user", "content": "thanks"}],
+]
+CLAUDE_CODE_SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+                      {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+CLAUDE_CODE_TOOLS = [{"name": "bash", "description": "Run a command.",
+                      "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "google-gemma4"])
+def test_mid_conversation_system_messages_keep_prompts_append_only(family, gemma3_tokenizer, gemma4_tokenizer):
+    from dflash_agent.chat.anthropic_messages import conversation_from_anthropic
+    from dflash_agent.chat.template import builtin_template
+
+    if family == "gemma3":
+        _, template = load_tokenizer_and_template("embedded")
+        chat = ChatFormat(gemma3_tokenizer, template, "gemma3", VOCAB)
+    elif family == "gemma4":
+        chat = ChatFormat(gemma4_tokenizer, builtin_template("gemma4"), "gemma4", VOCAB)
+    else:
+        template = ChatTemplate(GOOGLE_GEMMA4.read_text(), source="google", family="gemma4")
+        chat = ChatFormat(gemma4_tokenizer, template, "gemma4", VOCAB)
+    messages: list = []
+    prompts, histories = [], []
+    for k, added in enumerate(CLAUDE_CODE_TURNS):
+        messages = messages + added
+        conversation = conversation_from_anthropic(messages, CLAUDE_CODE_SYSTEM, CLAUDE_CODE_TOOLS)
+        prompts.append(chat.prepare(conversation).prompt_ids)
+        if k + 1 < len(CLAUDE_CODE_TURNS):  # the history the next request re-renders: up to the model's answer
+            answered = conversation_from_anthropic(messages + CLAUDE_CODE_TURNS[k + 1][:1], CLAUDE_CODE_SYSTEM,
+                                                   CLAUDE_CODE_TOOLS)
+            histories.append(chat.prepare(Conversation(answered.messages[:-1], answered.tools),
+                                          ChatOptions(add_generation_prompt=False)).prompt_ids)
+    for n in range(len(prompts) - 1):
+        assert prompts[n + 1][:len(histories[n])] == histories[n], f"request {n + 2}: the history changed"
+        lost = len(prompts[n]) - common_prefix(prompts[n], prompts[n + 1])
+        # At most the generation prompt is rendered anew (exactly nothing with the Gemma 3 template).
+        assert lost == 0 if family == "gemma3" else lost <= 4, (n, lost)

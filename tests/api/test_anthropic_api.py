@@ -140,3 +140,25 @@ def test_claude_code_shaped_request(client):
     count = client.messages.count_tokens(model="claude-opus-4-7", system=system, messages=messages,
                                          tools=CLAUDE_CODE_TOOLS, extra_query={"beta": "true"})
     assert count.input_tokens == final.usage.input_tokens + final.usage.cache_read_input_tokens
+
+
+def test_mid_conversation_system_messages_as_claude_code_sends_them(client, server_url):
+    """Claude Code 2.1: the mid-conversation-system beta, system entries inside `messages`, list-form system."""
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197;"},
+              {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>context</system-reminder>"},
+                                     {"type": "text", "text": "list the files here"}]},
+        {"role": "system", "content": "Available agent types for the Agent tool: general-purpose."},
+    ]
+    args = dict(model="claude-opus-4-8", max_tokens=8, system=system, messages=messages, extra_body=GREEDY,
+                betas=["mid-conversation-system-2026-04-07"])
+    whole = client.beta.messages.create(**args)
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.content[0].type == "text"
+    with client.beta.messages.stream(**args) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == whole.content[0].text
+    # count_tokens takes the same shape and counts the prompt the request used.
+    prompt = httpx.post(f"{server_url}/v1/messages/count_tokens",
+                        json={"model": "m", "system": system, "messages": messages}).json()["input_tokens"]
+    assert prompt == whole.usage.input_tokens + whole.usage.cache_read_input_tokens

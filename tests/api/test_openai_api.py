@@ -95,6 +95,45 @@ def test_forced_tool_call_streamed_and_not(client, tool_choice):
     assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
 
 
+FREE_TOOLS = [  # free-form arguments, so a sampled call can run long
+    {"type": "function", "function": {"name": "bash", "description": "Run a shell command.", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}},
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+]
+LIST_FILES = [{"role": "user", "content": "List the files, then read README.md."}]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_named_tool_choice_is_exactly_one_call(client, seed):
+    """OpenAI's meaning of a named tool_choice: one call to that function, streamed or not."""
+    args = dict(model="any", messages=LIST_FILES, tools=FREE_TOOLS, temperature=1, seed=seed, max_tokens=96,
+                tool_choice={"type": "function", "function": {"name": "bash"}})
+    whole = client.chat.completions.create(**args)
+    calls = whole.choices[0].message.tool_calls or []
+    if whole.choices[0].finish_reason != "length":
+        assert [c.function.name for c in calls] == ["bash"] and whole.choices[0].finish_reason == "tool_calls"
+    assert len(calls) <= 1 and "```" not in (whole.choices[0].message.content or "")
+    fragments: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            fragments[call.index] = fragments.get(call.index, "") + (call.function.arguments or "")
+    assert list(fragments) in ([], [0])
+    if fragments and calls:
+        assert json.loads(fragments[0]) == json.loads(calls[0].function.arguments)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_cut_by_the_token_limit_leaves_no_tool_syntax_in_content(client, seed):
+    whole = client.chat.completions.create(model="any", messages=LIST_FILES, tools=FREE_TOOLS, temperature=1,
+                                           seed=seed, max_tokens=64, tool_choice="required")
+    choice = whole.choices[0]
+    assert "tool_call" not in (choice.message.content or "") and "```" not in (choice.message.content or "")
+    for call in choice.message.tool_calls or []:
+        assert call.function.name in ("bash", "read_file") and isinstance(json.loads(call.function.arguments), dict)
+    assert choice.finish_reason in ("length", "tool_calls")
+
+
 def test_multi_turn_with_tool_results(client):
     first = client.chat.completions.create(model="any", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=False, **GREEDY)

@@ -363,9 +363,10 @@ REJECTED = [
     ("required", False, 'Sure!<|tool_call>call:read_file{path:<|"|>a<|"|>}<tool_call|>', "", "Sure"),
     ("required", False, gemma4_call("read_file", {"path": "a"}) * 2, gemma4_call("read_file", {"path": "a"}),
      "<|tool_call>"),
+    # A named function is called exactly once, whatever parallel_tool_calls says.
     ({"type": "function", "function": {"name": "bash"}}, True,
-     gemma4_call("bash", {"command": "ls"}) + gemma4_call("read_file", {"path": "a"}),
-     gemma4_call("bash", {"command": "ls"}) + "<|tool_call>call:", "read"),
+     gemma4_call("bash", {"command": "ls"}) + gemma4_call("bash", {"command": "pwd"}),
+     gemma4_call("bash", {"command": "ls"}), "<|tool_call>"),
     ({"type": "tool", "name": "plant"}, False,
      '<|tool_call>call:plant{kind:<|"|>tree<|"|>,point:[1],root:{label:<|"|>a<|"|>}}<tool_call|>',
      '<|tool_call>call:plant{kind:<|"|>tree<|"|>,point:[1', "],"),

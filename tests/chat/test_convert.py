@@ -307,15 +307,25 @@ def _tool_result(call_id="t1", **extra):
 
 
 ANTHROPIC_ERRORS = [
-    ("system role in messages", {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]},
-     "messages[1].role", "pass the system prompt in the top-level 'system' field"),
+    ("developer role in messages", {"messages": [{"role": "user", "content": "a"},
+                                                 {"role": "developer", "content": "s"}]},
+     "messages[1].role", "use 'system'"),
+    ("mid-conversation tool change", {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": [
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "f"}}]}]},
+     "messages[1].content[0]", "mid-conversation tool changes are not supported"),
+    ("bad clear_at", {"messages": [{"role": "user", "content": "a"},
+                                   {"role": "system", "content": "s", "clear_at": "soon"}]},
+     "messages[1].clear_at", "must be 'next_user_message' or 'never'"),
+    ("pdf document", {"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": ""}}]}]},
+     "messages[0].content[0].source.type", "only text documents are supported"),
     ("unknown role", {"messages": [{"role": "tool", "content": "a"}]}, "messages[0].role", "unknown role 'tool'"),
     ("missing content", {"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
     ("image", {"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
      "messages[0].content[0]", "images are not supported"),
-    ("document", {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
-     "messages[0].content[0]", "'document' is not supported"),
+    ("container upload", {"messages": [{"role": "user", "content": [{"type": "container_upload", "file_id": "f"}]}]},
+     "messages[0].content[0]", "'container_upload' is not supported"),
     ("image in tool result", {"messages": [
         {"role": "user", "content": "go"}, _tool_use(),
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
@@ -368,3 +378,39 @@ def test_converters_leave_the_request_untouched():
     conversation_from_anthropic(anthropic, ANTHROPIC_SYSTEM, ANTHROPIC_TOOLS)
     assert openai == OPENAI_MESSAGES and anthropic == ANTHROPIC_MESSAGES
     assert json.dumps(openai)  # still plain JSON
+
+
+def test_anthropic_mid_conversation_system_messages():
+    """Claude Code 2.1 (beta mid-conversation-system-2026-04-07): system entries between the turns."""
+    conv = conversation_from_anthropic([
+        {"role": "user", "content": "go"},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: a, b", "cache_control": {"type": "ephemeral"}}]},
+        _tool_use(),
+        {"role": "system", "content": "Reminder: be brief."},  # before the results: moved after them
+        _tool_result(),
+        {"role": "system", "content": "cleared by the next user message", "clear_at": "next_user_message"},
+        {"role": "assistant", "content": "done"},
+        {"role": "system", "content": "cleared", "clear_at": "next_user_message"},
+        {"role": "user", "content": "next"},
+        {"role": "system", "content": "", "output_config": {"effort": "low"}},
+    ], system="S")
+    assert [(m.role, m.text) for m in conv.messages] == [
+        ("system", "S"), ("user", "go"), ("system", "Agents: a, b"), ("assistant", ""), ("tool", "ok"),
+        ("system", "Reminder: be brief."), ("assistant", "done"), ("user", "next"),
+    ]
+    # A message cleared at the next user message shows while it is the last user turn's.
+    last = conversation_from_anthropic([{"role": "user", "content": "go"},
+                                        {"role": "system", "content": "now", "clear_at": "next_user_message"}])
+    assert [m.text for m in last.messages] == ["go", "now"]
+
+
+def test_anthropic_text_documents_search_results_compaction_and_fallback():
+    conv = conversation_from_anthropic([
+        {"role": "user", "content": [
+            {"type": "document", "title": "T", "source": {"type": "text", "media_type": "text/plain", "data": "D"}},
+            {"type": "search_result", "title": "R", "source": "https://x", "content": [{"type": "text", "text": "C"}]},
+        ]},
+        {"role": "assistant", "content": [{"type": "compaction", "content": "summary"},
+                                          {"type": "fallback", "from": {}, "to": {}}, {"type": "text", "text": "a"}]},
+    ])
+    assert [m.text for m in conv.messages] == ["T\nDR\nhttps://x\nC", "summarya"]

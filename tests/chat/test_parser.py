@@ -240,7 +240,17 @@ def test_a_bad_header_is_content(caplog):
         result = parse("gemma4", text)
     assert result == ParsedOutput('<|tool_call>call:search(query: "x")ok', None, [])
     assert "not a tool call header" in caplog.text
-    assert parse("gemma4", "see <|tool_call>").content == "see <|tool_call>"
+
+
+
+@pytest.mark.parametrize("family, text", [
+    ("gemma4", "see <|tool_call>"),
+    ("gemma4", "see <|tool_call>call:read_fi"),
+    ("gemma3", 'see\n```tool_call\n{"name": "read_f'),
+])
+def test_a_call_cut_by_the_token_limit_never_reaches_content(family, text):
+    """The output ends inside a call's opening (max_tokens): the partial call is dropped, not shown as text."""
+    assert parse(family, text) == ParsedOutput("see" + (" " if family == "gemma4" else "\n"), None, [])
 
 
 def test_bad_arguments_close_the_call_and_the_rest_is_content():

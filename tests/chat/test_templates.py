@@ -145,7 +145,7 @@ def test_gemma4_system_blocks_and_thinking_in_history():
         Message(role="user", content=[TextPart("Q2")]),
     ])
     text = builtin_template("gemma4").render(conv, RenderOptions(enable_thinking=True))
-    assert text == ("<bos><|turn>system\n<|think|>\nOne.\n\nTwo.<turn|>\n<|turn>user\nQ<turn|>\n"
+    assert text == ("<bos><|turn>system\n<|think|>\nOne. Two. <turn|>\n<|turn>user\nQ<turn|>\n"
                     "<|turn>model\nA<turn|>\n<|turn>user\nQ2<turn|>\n<|turn>model\n")
 
 
@@ -179,6 +179,38 @@ def test_gemma4_refuses_what_it_cannot_render(messages, fragment):
     with pytest.raises(ChatError, match=fragment) as info:
         builtin_template("gemma4").compiled.render(messages=messages, bos_token="<bos>")
     assert info.value.param == "messages"
+
+
+SYSTEM_CASES = [
+    # (name, messages): system content as parts, and system messages between the turns
+    ("system parts", [{"role": "system", "content": [{"type": "text", "text": " One. "}, {"type": "text", "text": "Two."}]},
+                      {"role": "user", "content": "Q"}]),
+    ("mid-conversation system", [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+        {"role": "system", "content": [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "A"}, {"role": "system", "content": "reminder"},
+        {"role": "user", "content": "Q2"}]),
+]
+
+
+@pytest.mark.parametrize("name, messages", SYSTEM_CASES, ids=[c[0] for c in SYSTEM_CASES])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_gemma4_system_content_renders_like_googles_template(name, messages, generation_prompt, google_gemma4):
+    case = {"messages": messages, "add_generation_prompt": generation_prompt}
+    expected = _render_raw(google_gemma4, case)
+    assert _render_raw(builtin_template("gemma4"), case) == expected
+    assert builtin_template("gemma4").render(conversation_from_openai(messages), _options(case)) == expected
+
+
+def test_gemma4_system_after_tool_results_closes_the_model_turn():
+    """Google's template leaves the model turn open before the system turn here; ours keeps turns balanced."""
+    text = _render4([
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("c", "f", {"x": 1})]},
+        {"role": "tool", "tool_call_id": "c", "content": "r"}, {"role": "system", "content": "note"}],
+        add_generation_prompt=True)
+    assert text.endswith("<tool_response|><turn|>\n<|turn>system\nnote<turn|>\n<|turn>model\n"
+                         "<|channel>thought\n<channel|>")
 
 
 # --- Gemma 3 ---------------------------------------------------------------------------------------------------
@@ -217,12 +249,24 @@ def test_gemma3_developer_is_a_system_prompt():
 @pytest.mark.parametrize("messages, fragment", [
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "messages[1] is user, expected assistant"),
     ([{"role": "assistant", "content": "a"}], "messages[0] is assistant, expected user"),
-    ([{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "system", "content": "t"}],
-     "messages[2] is system, expected assistant"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+     "messages[2] is assistant, expected user"),
 ])
 def test_gemma3_roles_must_alternate(messages, fragment):
     with pytest.raises(ChatError, match=re.escape(fragment)):
         builtin_template("gemma3").render(conversation_from_openai(messages))
+
+
+def test_gemma3_later_system_messages_join_the_neighbouring_user_turn():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "A"}, {"role": "system", "content": "R"},
+                {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
+                {"role": "system", "content": "last"}]
+    assert builtin_template("gemma3").render(conversation_from_openai(messages)) == (
+        "<bos><start_of_turn>user\nS\n\nQ\n\na\n\nb<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
+        "<start_of_turn>user\nR\n\nQ2<end_of_turn>\n<start_of_turn>model\nA2<end_of_turn>\n"
+        "<start_of_turn>user\nlast<end_of_turn>\n<start_of_turn>model\n")
 
 
 TOOLS = [Tool("read_file", "Read a file.", {"type": "object", "properties": {"path": {"type": "string"}},

@@ -131,3 +131,22 @@ def test_gpu_context_size_from_free_memory(monkeypatch, tmp_path) -> None:
         gpu_context_size(*args, 200, drafter=drafter)
     with pytest.raises(DrafterError, match="cannot read the drafter config"):
         drafter_plan(tmp_path / "nowhere", None)
+
+
+def test_cpu_context_size_from_available_ram() -> None:
+    """Without --ctx-size the CPU engine takes the model's context where half the available RAM holds it,
+    else the largest that fits (never below 4096 tokens); a requested size is kept, capped by the model."""
+    import dataclasses
+
+    from dflash_agent.engine.memory_plan import CPU_SHARE, cpu_context_size
+
+    ckpt = tiny_packed_checkpoint()
+    config = dataclasses.replace(ckpt.config, max_position_embeddings=32768)
+    weights = checkpoint_weight_bytes(ckpt.tensors, torch.float32, packed=False)
+    args = (config, ckpt.tensors, torch.float32)
+    assert cpu_context_size(*args, None, available_bytes=64 * GiB) == 32768
+    ram = int(plan_memory(config, weights, 10000, dtype=torch.float32).total_bytes / CPU_SHARE) + 1
+    assert 9900 <= cpu_context_size(*args, None, available_bytes=ram) <= 10000
+    assert cpu_context_size(*args, None, available_bytes=1 << 20) == 4096
+    assert cpu_context_size(*args, 2048, available_bytes=1 << 20) == 2048
+    assert cpu_context_size(*args, 99999, available_bytes=1 << 20) == 32768
