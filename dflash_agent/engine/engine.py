@@ -41,6 +41,9 @@ class GenerateRequest:
     grammar: Any = None  # an engine.grammar.TokenGrammar (constrained decoding); .matcher() per request
     request_id: str = ""
     cache_prompt: bool = True  # False: neither reuse a cached prefix nor keep this request's KV
+    # Called on the engine's thread, before any event, with the number of prompt tokens the prefix cache
+    # serves (usage the API reports before the first token: Anthropic's message_start).
+    on_prefix: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -268,6 +271,8 @@ class Engine:
 
         started = time.perf_counter()
         reuse = prefix.acquire(req.prompt_ids, req.cache_prompt) if prefix is not None else Reuse()
+        if req.on_prefix is not None:
+            req.on_prefix(reuse.tokens)
         decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits,
                         on_chunk=prefix.prefilled if prefix is not None else None)
         timings = Timings(cache_n=reuse.tokens, prompt_n=len(req.prompt_ids) - reuse.tokens)

@@ -219,7 +219,9 @@ class Tokenizer:
         """Token ids of `text`. Special tokens spelled in the text (`<start_of_turn>`) become
         their ids. BOS is prepended unless the text already starts with it, since chat
         templates usually write `<bos>` themselves and a doubled BOS degrades Gemma."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL and encode does not: a long text tokenized in a thread must not
+        # stall the thread running the server's event loop (same ids).
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self._specials.bos_id
         # Checked on the ids, not the text: if "<bos>" were not a special token it would be
         # split into ordinary pieces and the model would still need a real BOS.
