@@ -59,9 +59,9 @@ def _wait_ready(proc: subprocess.Popen, url: str) -> None:
     while True:
         assert proc.poll() is None, proc.stderr.read()
         try:
-            if httpx.get(f"{url}/health").status_code == 200:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
                 return
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.TimeoutException):  # not listening yet; a busy machine
             pass
         assert time.monotonic() < deadline, "the server did not become ready"
         time.sleep(0.2)
