@@ -10,11 +10,25 @@ import click
 import uvicorn
 
 from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
+from .api.lifecycle import access_log
 from .api.service import ServerSettings, ServerState
 from .mcp.http import MCPPlugin, mcp_serve_options
 from .options import kv_cache_option, load_engine, model_options
 
 log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """Ends running generations when told to stop (SIGTERM, Ctrl-C), so a stream closes with an error event
+    saying why instead of being cut, and the server does not wait out the graceful-shutdown timeout."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.state.shut_down()
+        super().handle_exit(sig, frame)
 
 
 @click.command()
@@ -33,9 +47,10 @@ log = logging.getLogger(__name__)
               show_default=True, help="Largest request body accepted (413 above).")
 @click.option("--chat-template", default=None,
               help="gemma4, gemma3 or a .jinja file instead of the checkpoint's own template.")
+@click.option("--no-access-log", is_flag=True, help="No log line per request (method, path, status, seconds).")
 @mcp_serve_options
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, api_key, alias,
-          no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, mcp_repo, mcp_expose_tools,
+          no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, mcp_repo, mcp_expose_tools,
           mcp_read_only) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
@@ -55,14 +70,16 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     if mcp_expose_tools and mcp_repo is None:
         raise click.UsageError("--mcp-expose-tools needs --mcp-repo")
 
-    def mcp(server: ServerState) -> list[MCPPlugin]:
-        return [MCPPlugin(server.loaded, alias or "the served model", mcp_repo, mcp_expose_tools, mcp_read_only,
+    def mcp(state: ServerState) -> list[MCPPlugin]:
+        return [MCPPlugin(state.loaded, alias or "the served model", mcp_repo, mcp_expose_tools, mcp_read_only,
                           host=host)]
 
     app = create_app(settings, load, max_body_bytes=int(max_body_mb * 2**20), plugins=mcp,
                      on_load_error=on_load_error)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _Server(config, app.state.server)
+    if not no_access_log:
+        logging.getLogger(access_log.name).setLevel(logging.INFO)
     click.echo(f"dflash-agent: serving on http://{host}:{port} (loading {model}; /health says 503 until ready)",
                err=True)
     try:

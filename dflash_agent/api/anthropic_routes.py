@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,9 +12,8 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from ..chat.anthropic_messages import conversation_from_anthropic
-from ..chat.chat_format import ChatOptions, LoadedModel, PreparedChat, stream_chat
+from ..chat.chat_format import ChatOptions, stream_chat
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
-from ..chat.types import Conversation
 from ..engine import FinalEvent
 from .anthropic_schema import (
     CountTokensRequest,
@@ -29,15 +27,7 @@ from .anthropic_schema import (
 )
 from .errors import APIError, anthropic_error, anthropic_payload, as_api_error, handlers
 from .openai_schema import Timings
-from .service import (
-    HEARTBEAT,
-    EventStream,
-    Generation,
-    ServerState,
-    max_new_tokens,
-    sampling_params,
-    stop_strings,
-)
+from .service import HEARTBEAT, EventStream, Generation, ServerState, max_new_tokens, sampling_params, stop_strings
 
 
 def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None) -> ChatOptions:
@@ -52,11 +42,6 @@ def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None
         parallel = not tool_choice.get("disable_parallel_tool_use", False)
     enabled = thinking is not None and thinking.get("type") in ("enabled", "adaptive")
     return ChatOptions(tool_choice=choice, parallel_tool_calls=parallel, enable_thinking=enabled)
-
-
-def _prepare(model: LoadedModel, messages: Any, system: Any, tools: Any, options: ChatOptions) -> PreparedChat:
-    conversation: Conversation = conversation_from_anthropic(messages, system, tools)
-    return model.chat.prepare(conversation, options)
 
 
 def _stop_reason(final: FinalEvent, tool_calls: bool, stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
@@ -74,18 +59,20 @@ async def messages(data: JSONBody[MessagesRequest], state: State) -> MessageResp
     server: ServerState = state.server
     model = server.ready()
     options = _options(data.tool_choice, data.thinking)
-    prepared = await asyncio.to_thread(_prepare, model, data.messages, data.system, data.tools, options)
+    conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
+    prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(data.temperature, data.top_p, data.top_k, None, None)
     max_tokens = max_new_tokens(data.max_tokens)
     stop = stop_strings(data.stop_sequences, "stop_sequences")
     message_id = f"msg_{uuid.uuid4().hex}"
     parser = prepared.parser()
+    cached: list[int] = []  # the prompt tokens the prefix cache serves, told before the first token
     source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, stop, message_id,
-                         cache_prompt=data.cache_prompt)
+                         cache_prompt=data.cache_prompt, on_prefix=cached.append)
     generation = server.start(source, "messages")
     if data.stream:
-        events = _message_events(generation, message_id, model.name, len(prepared.prompt_ids), stop)
+        events = _message_events(generation, message_id, model.name, len(prepared.prompt_ids), cached, stop)
         return EventStream(events)
     final = (await generation.collect())[-1]
     return _message(parser.result(), final, message_id, model.name, stop)
@@ -136,16 +123,30 @@ class _Blocks:
 
 
 async def _message_events(generation: Generation, message_id: str, model: str, n_prompt: int,
-                          stop: tuple[str, ...]) -> AsyncIterator[bytes]:
-    yield _event("message_start", {"message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_prompt, "output_tokens": 0},
-    }})
-    yield _event("ping", {})
+                          cached: list[int], stop: tuple[str, ...]) -> AsyncIterator[bytes]:
+    def message_start(n_cached: int) -> bytes:
+        # Anthropic's split, as message_delta and the non-streamed usage have it: input_tokens excludes the
+        # cache reads, so a client adding the two counts each token once.
+        usage = msgspec.to_builtins(MessageUsage(n_prompt - n_cached, 0, 0, n_cached))
+        return _event("message_start", {"message": {
+            "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage,
+        }})
+
+    started = False
     blocks = _Blocks()
     called = False
     try:
         async for event in generation.events():
+            if not started:
+                # message_start waits for the engine to take the request and tell what its cache serves;
+                # SSE comments keep the connection alive meanwhile (queueing, a long prefill).
+                if event is HEARTBEAT:
+                    yield b": ping\n\n"
+                    continue
+                yield message_start(event.usage.cached_tokens if isinstance(event, FinalEvent) else sum(cached))
+                yield _event("ping", {})
+                started = True
             if event is HEARTBEAT:
                 yield _event("ping", {})
             elif isinstance(event, ReasoningDelta):
@@ -179,10 +180,12 @@ async def _message_events(generation: Generation, message_id: str, model: str, n
 
 @post("/v1/messages/count_tokens", status_code=200, summary="Count a request's input tokens (Anthropic)")
 async def count_tokens(data: JSONBody[CountTokensRequest], state: State) -> TokenCount:
-    model = state.server.ready()
+    server: ServerState = state.server
+    server.ready()
     # Forcing a call changes the output, not the prompt: no grammar to compile for a count.
     options = _options(None, data.thinking)
-    prepared = await asyncio.to_thread(_prepare, model, data.messages, data.system, data.tools, options)
+    conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
+    prepared = await server.prepare_chat(conversation, options)
     return TokenCount(len(prepared.prompt_ids))
 
 

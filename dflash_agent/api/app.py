@@ -14,7 +14,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.handlers import BaseRouteHandler
+from litestar.handlers import BaseRouteHandler, HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
 from litestar.plugins import InitPluginProtocol
@@ -24,6 +24,7 @@ from ..chat.openai_messages import conversation_from_openai
 from ..engine import Engine
 from .anthropic_routes import anthropic_router
 from .errors import APIError, anthropic_error, handlers, openai_error
+from .lifecycle import with_lifecycle
 from .metrics import CONTENT_TYPE
 from .openai_routes import openai_router
 from .responses_routes import responses_router
@@ -81,10 +82,12 @@ async def metrics(state: State) -> bytes:
 
 @post("/tokenize", status_code=200, summary="Text to token ids (llama.cpp)")
 async def tokenize(data: JSONBody[TokenizeRequest], state: State) -> TokenizeResponse:
-    tokenizer = state.server.ready().engine.tokenizer
-    ids = tokenizer.encode(data.content, add_bos=data.add_special)
+    server: ServerState = state.server
+    tokenizer = server.ready().engine.tokenizer
+    ids = await server.encode(data.content, add_bos=data.add_special)
     if data.with_pieces:
-        return TokenizeResponse([TokenPiece(i, tokenizer.decode([i])) for i in ids])
+        pieces = await asyncio.to_thread(lambda: [TokenPiece(i, tokenizer.decode([i])) for i in ids])
+        return TokenizeResponse(pieces)
     return TokenizeResponse(ids)
 
 
@@ -97,11 +100,12 @@ async def detokenize(data: JSONBody[DetokenizeRequest], state: State) -> Detoken
 
 @post("/apply-template", status_code=200, summary="Render OpenAI messages with the chat template (llama.cpp)")
 async def apply_template(data: JSONBody[ApplyTemplateRequest], state: State) -> ApplyTemplateResponse:
-    model = state.server.ready()
+    server: ServerState = state.server
+    server.ready()
     conversation = conversation_from_openai(data.messages, data.tools)
     thinking = bool((data.chat_template_kwargs or {}).get("enable_thinking", False))
     options = ChatOptions(add_generation_prompt=data.add_generation_prompt, enable_thinking=thinking)
-    return ApplyTemplateResponse(model.chat.prepare(conversation, options).prompt)
+    return ApplyTemplateResponse((await server.prepare_chat(conversation, options)).prompt)
 
 
 def _credentials(connection: ASGIConnection) -> str | None:
@@ -123,6 +127,18 @@ def _auth_guard(api_key: str) -> Callable[[ASGIConnection, BaseRouteHandler], No
     return guard
 
 
+def _json_bodies(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """POST bodies must be declared JSON. A web page can send a text/plain or form body to 127.0.0.1 without
+    asking first (a CORS "simple request"), so accepting those would let any page drive the API (CSRF);
+    application/json needs a preflight, which this server does not grant."""
+    if connection.scope["method"] != "POST" or not isinstance(handler, HTTPRouteHandler):
+        return  # /mcp (an ASGI mount) checks Host and Origin itself
+    media = connection.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, "the request body must be JSON sent with `Content-Type: application/json` "
+                       f"(got {media or 'no Content-Type'})", code="unsupported_media_type")
+
+
 def _not_found_or_error(request: Request, exc: Exception) -> Response:
     # Unknown paths under /v1/messages answer like Anthropic; everything else like OpenAI.
     render = anthropic_error if request.url.path.startswith("/v1/messages") else openai_error
@@ -139,6 +155,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         task = asyncio.create_task(_load(server, load, on_load_error))
         try:
             yield
@@ -148,17 +165,21 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
                 await asyncio.to_thread(server.model.engine.close)
 
     guards = [_auth_guard(settings.api_key)] if settings.api_key else []
-    return Litestar(
-        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, tokenize, detokenize, apply_template],
+    app = Litestar(
+        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, tokenize, detokenize,
+                        apply_template],
         state=State({"server": server}),
         lifespan=[lifespan],
-        guards=guards,
+        guards=[*guards, _json_bodies],
         exception_handlers=handlers(_not_found_or_error),
         request_max_body_size=max_body_bytes,
         openapi_config=OpenAPIConfig(title="dflash-agent", version="0.1.0", path="/schema"),
         logging_config=None,
         plugins=list(plugins(server)),
     )
+    # Around everything, 404s included: the access log, and cancelling a request whose client left.
+    app.asgi_handler = with_lifecycle(app.asgi_handler)
+    return app
 
 
 async def _load(server: ServerState, load: Callable[[], Engine],

@@ -35,7 +35,7 @@ def live_server(load: Callable[[], Engine], settings: ServerSettings | None = No
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a busy machine can take minutes to load even the embedded model
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the server did not start")

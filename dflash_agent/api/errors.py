@@ -18,12 +18,12 @@ log = logging.getLogger(__name__)
 # OpenAI-style error types by status; Anthropic's come from `_ANTHROPIC_TYPES`.
 _OPENAI_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
     500: "server_error", 503: "unavailable_error",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
     500: "api_error", 503: "overloaded_error",
 }
 
@@ -58,6 +58,10 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ContextOverflowError):
         return context_overflow(exc.needed, exc.n_ctx)
+    if isinstance(exc, UnicodeDecodeError):  # Litestar decodes the body before any check of ours
+        return APIError(400, f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}")
+    if isinstance(exc, RecursionError):  # msgspec's depth limit, from the body or a structure inside it
+        return APIError(400, "the request body's JSON is nested too deeply")
     if isinstance(exc, ValidationException):
         return _validation_error(exc)
     if isinstance(exc, HTTPException):

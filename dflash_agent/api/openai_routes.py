@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -97,8 +96,7 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) 
         parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
         response_format=data.response_format, enable_thinking=thinking,
     )
-    # Rendering is quick, but compiling a tool grammar the first time is not: keep the loop free.
-    prepared = await asyncio.to_thread(model.chat.prepare, conversation, options)
+    prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(data.temperature, data.top_p, data.top_k, data.min_p, data.seed)
     max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens,
@@ -175,7 +173,7 @@ async def completions(data: JSONBody[CompletionRequest], state: State) -> Comple
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if data.best_of not in (None, 1):
         raise APIError(400, "best_of is not supported", param="best_of")
-    prompt_ids = _prompt_ids(data.prompt, model.engine)
+    prompt_ids = await _prompt_ids(data.prompt, server)
     server.check_context(len(prompt_ids))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     request = GenerateRequest(
@@ -196,19 +194,21 @@ async def completions(data: JSONBody[CompletionRequest], state: State) -> Comple
     return Completion(request_id, created, model.name, [choice], usage=Usage.of(final), timings=Timings.of(final))
 
 
-def _prompt_ids(prompt: str | list, engine) -> list[int]:
+async def _prompt_ids(prompt: str | list, server: ServerState) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        return engine.tokenizer.encode(prompt)
+        return await server.encode(prompt)
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
-    if not all(isinstance(t, int) for t in prompt):
+    if any(isinstance(t, (str, list)) for t in prompt):
         raise APIError(400, "a batch of several prompts is not supported: send one prompt per request",
                        param="prompt")
-    check_token_ids(prompt, engine.model.config.vocab_size, "prompt")
+    if not all(type(t) is int for t in prompt):  # JSON true / false decode as ints otherwise
+        raise APIError(400, "prompt must be a string or a list of integer token ids", param="prompt")
+    check_token_ids(prompt, server.ready().engine.model.config.vocab_size, "prompt")
     return list(prompt)
 
 

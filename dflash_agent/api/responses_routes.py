@@ -20,7 +20,7 @@ from litestar import Router, get, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from ..chat.chat_format import ChatOptions, stream_chat
+from ..chat.chat_format import ChatOptions, LoadedModel, stream_chat
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..chat.responses_input import conversation_from_responses, tool_namespaces
 from ..chat.types import Message, TextPart, ToolCall
@@ -28,7 +28,7 @@ from ..engine import FinalEvent
 from .errors import APIError, as_api_error, handlers, openai_error
 from .openai_schema import Timings
 from .responses_schema import ResponsesRequest, ResponseUsage
-from .service import HEARTBEAT, EventStream, Generation, Model, ServerState, max_new_tokens, sampling_params
+from .service import HEARTBEAT, EventStream, Generation, ServerState, max_new_tokens, sampling_params
 
 STORED_RESPONSES = 64  # conversations kept for previous_response_id, least recently used dropped first
 
@@ -165,7 +165,7 @@ def _answer(out: ParsedOutput) -> Message:
                    tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in out.tool_calls])
 
 
-def _reasoning_tokens(model: Model, out: ParsedOutput) -> int:
+def _reasoning_tokens(model: LoadedModel, out: ParsedOutput) -> int:
     return len(model.engine.tokenizer.encode(out.reasoning)) if out.reasoning else 0
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from litestar.response import Stream
 
-from ..chat.chat_format import LoadedModel
+from ..chat.chat_format import ChatOptions, LoadedModel, PreparedChat
+from ..chat.types import Conversation
 from ..engine import Engine, FinalEvent, ModelLoadError, SamplingParams
 from .errors import APIError, context_overflow
 from .metrics import ServerMetrics
@@ -88,6 +89,7 @@ class Generation:
         self._heartbeat_s = heartbeat_s
         self._endpoint, self._metrics = endpoint, metrics
         self._task = asyncio.create_task(self._pump(source, release))
+        self.done = self._task  # for ServerState's set of running generations
 
     async def _pump(self, source: AsyncIterator[Any], release: Callable[[], None]) -> None:
         try:
@@ -128,6 +130,12 @@ class Generation:
     def cancel(self) -> None:
         self._task.cancel()
 
+    def fail(self, error: Exception) -> None:
+        """Stop the work and hand its reader `error` (a shutdown): a stream ends with an error event."""
+        if not self._task.done():
+            self._buffer.put_nowait(_Failure(error))
+            self._task.cancel()
+
 
 @dataclass
 class _Failure:
@@ -144,6 +152,9 @@ class ServerState:
     model: LoadedModel | None = None
     load_error: str | None = None
     admission: Admission = field(init=False)
+    running: set[Generation] = field(default_factory=set)
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
+    max_piece_chars: int = 1  # the longest token's text: a prompt of n characters has >= n / this tokens
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.settings.max_queue, self.metrics)
@@ -163,10 +174,52 @@ class ServerState:
 
     def attach(self, engine: Engine) -> None:
         self.model = LoadedModel.of(engine, self.settings.chat_template, self.settings.alias)
+        tokenizer = engine.tokenizer
+        self.max_piece_chars = max(len(tokenizer.id_to_piece(i)) for i in range(tokenizer.vocab_size))
 
     def start(self, source: AsyncIterator[Any], endpoint: str) -> Generation:
         """Admit a request (429 when the queue is full) and start pumping its events."""
-        return Generation(source, self.admission.admit(), endpoint, self.metrics, self.settings.heartbeat_s)
+        generation = Generation(source, self.admission.admit(), endpoint, self.metrics, self.settings.heartbeat_s)
+        self.running.add(generation)
+        generation.done.add_done_callback(lambda _: self.running.discard(generation))
+        return generation
+
+    def shut_down(self) -> None:
+        """Called from a signal handler: running requests end now with a 503 (an error event on a stream)
+        rather than being cut when the server stops."""
+        def fail_all() -> None:
+            for generation in list(self.running):
+                generation.fail(APIError(503, "the server is shutting down"))
+
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fail_all)
+
+    def check_prompt_chars(self, n_chars: int) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it (a 60 MB prompt took 90 s and 8 GB to
+        tokenize): no token spells more than `max_piece_chars` characters, so it has at least
+        n_chars / max_piece_chars tokens."""
+        model = self.ready()
+        n_ctx = model.engine.n_ctx
+        limit = n_ctx * self.max_piece_chars
+        if n_chars > limit:
+            raise APIError(
+                400, f"the prompt has {n_chars} characters, more than a context of {n_ctx} tokens holds (at most "
+                f"{limit} characters, {self.max_piece_chars} per token): shorten it or start the server with a "
+                "larger --ctx-size", code="context_length_exceeded",
+                extra={"n_prompt_chars": n_chars, "max_prompt_chars": limit, "n_ctx": n_ctx})
+
+    async def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of a prompt, tokenized in a thread (the tokenizer releases the GIL) once its length
+        is known to be possible."""
+        self.check_prompt_chars(len(text))
+        return await asyncio.to_thread(self.ready().engine.tokenizer.encode, text, add_bos)
+
+    async def prepare_chat(self, conversation: Conversation, options: ChatOptions) -> PreparedChat:
+        """Render and tokenize a conversation in a thread (compiling a tool grammar the first time is slow
+        too), after refusing one whose text alone is beyond the context."""
+        model = self.ready()
+        self.check_prompt_chars(sum(len(m.text) for m in conversation.messages))
+        return await asyncio.to_thread(model.chat.prepare, conversation, options)
 
     def check_context(self, n_prompt: int) -> None:
         n_ctx = self.ready().engine.n_ctx
@@ -182,6 +235,8 @@ def sampling_params(temperature: float | None, top_p: float | None, top_k: int |
     for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise APIError(400, f"{name} must be a finite number", param=name)
+    if seed is not None and not -2**63 <= seed < 2**64:  # what torch's generator takes
+        raise APIError(400, f"seed must fit in 64 bits (from -2**63 to 2**64 - 1), got {seed}", param="seed")
     try:
         return SamplingParams(seed=seed, **values)
     except ValueError as exc:

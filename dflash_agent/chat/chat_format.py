@@ -3,7 +3,7 @@ parse what the model writes back. The HTTP API, the agent and the MCP server all
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -104,12 +104,13 @@ async def stream_chat(
     stop: tuple[str, ...] = (),
     request_id: str = "",
     cache_prompt: bool = True,
+    on_prefix: Callable[[int], None] | None = None,
 ) -> AsyncIterator[Delta | FinalEvent]:
     """Generate a prepared chat request: parsed deltas as they stream, then the engine's FinalEvent.
-    `parser.result()` holds the whole answer afterwards."""
+    `parser.result()` holds the whole answer afterwards. `on_prefix`: see GenerateRequest."""
     request = GenerateRequest(
         prepared.prompt_ids, sampling or SamplingParams(), StopCriteria(prepared.stop_ids, stop), max_tokens,
-        prepared.grammar, request_id, cache_prompt,
+        prepared.grammar, request_id, cache_prompt, on_prefix,
     )
     async for event in engine.generate(request):
         if isinstance(event, FinalEvent):

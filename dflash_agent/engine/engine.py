@@ -212,6 +212,8 @@ class Engine:
 
         started = time.perf_counter()
         reuse = prefix.acquire(req.prompt_ids, req.cache_prompt) if prefix is not None else Reuse()
+        if req.on_prefix is not None:
+            req.on_prefix(reuse.tokens)
         decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits,
                         on_chunk=prefix.prefilled if prefix is not None else None)
         timings = Timings(cache_n=reuse.tokens, prompt_n=len(req.prompt_ids) - reuse.tokens)

@@ -226,7 +226,9 @@ class Tokenizer:
         only the template's own structure makes control tokens. BOS is prepended unless the text
         already starts with it, since chat templates usually write `<bos>` themselves and a
         doubled BOS degrades Gemma."""
-        encoding = self._backend.encode(text, add_special_tokens=False)
+        # encode_batch releases the GIL and encode does not: a long text tokenized in a thread must not
+        # stall the thread running the server's event loop (same ids).
+        encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
         ids = encoding.ids
         if plain_spans:
             ids = self._defuse(text, ids, encoding.offsets, plain_spans)

@@ -4,6 +4,7 @@ Torch-free, so a client of a remote server (`run --server`) uses the same types 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,9 @@ class GenerateRequest:
     grammar: Any = None  # an engine.grammar.TokenGrammar (constrained decoding); .matcher() per request
     request_id: str = ""
     cache_prompt: bool = True  # False: neither reuse a cached prefix nor keep this request's KV
+    # Called on the engine's thread, before any event, with the number of prompt tokens the prefix cache
+    # serves (usage the API reports before the first token: Anthropic's message_start).
+    on_prefix: Callable[[int], None] | None = None
 
 
 @dataclass

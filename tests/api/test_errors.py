@@ -84,6 +84,30 @@ def test_anthropic_bad_requests(strict, body, words):
     assert error["type"] == "invalid_request_error" and words in error["message"]
 
 
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [True], "max_tokens": 1}, "prompt"),
+    ({"prompt": [1, False], "max_tokens": 1}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 1, "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "max_tokens": 1, "seed": -2**63 - 1}, "seed"),
+])
+def test_booleans_and_huge_seeds_are_400s(strict, body, param):
+    assert openai_error(strict.post("/v1/completions", json=body), 400)["param"] == param
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[" * 10_000 + b"]" * 10_000, "nested"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "UTF-8"),
+], ids=["nested-10000-deep", "not-utf8"])
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", MESSAGES, "/tokenize"])
+def test_unparseable_bodies_are_400s(strict, body, words, path):
+    r = strict.post(path, content=body, headers=JSON)
+    error = anthropic_error(r, 400) if path == MESSAGES else openai_error(r, 400)
+    assert words in error["message"], error
+
+
 def test_context_overflow_reports_sizes(strict):
     long = [{"role": "user", "content": "word " * 400}]
     error = openai_error(strict.post(CHAT, json={"messages": long}), 400)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -51,3 +52,42 @@ def test_serve_with_a_missing_model_exits_1_with_one_line(tmp_path):
     assert proc.returncode == 1
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "nope.gguf" in errors[0] and "Traceback" not in err
+
+
+def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                return
+        except (httpx.ConnectError, httpx.TimeoutException):  # not listening yet; a busy machine
+            pass
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.2)
+
+
+def test_sigterm_ends_a_live_stream_with_an_error_event_and_exits_cleanly():
+    """A stream cut by shutdown tells its client why; the log has one line per request and no traceback."""
+    port = free_port()
+    proc = _serve("--port", str(port), "--ctx-size", "4096")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url)
+        assert httpx.get(f"{url}/nope").status_code == 404
+        body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            next(lines), next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
+    assert errors and "shutting down" in errors[0]["message"], rest
+    assert rest[-1] == "data: [DONE]"
+    assert proc.returncode == 0
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert '"GET /nope HTTP/1.1" 404' in err and '"POST /v1/completions HTTP/1.1" 200' in err, err

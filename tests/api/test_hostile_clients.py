@@ -1,0 +1,152 @@
+"""Clients that walk away, send what is not JSON, or send far more than the context holds (issue 23): each
+gets a 4xx in its API's shape or has its work cancelled, and the server stays responsive meanwhile."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+COUNT = "1, 2, 3, 4, 5, 6, 7, 8,"
+USER = [{"role": "user", "content": COUNT}]
+
+
+def _metric(url: str, prefix: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _cancelled(url: str, endpoint: str) -> float:
+    return _metric(url, f'dflash_requests_total{{endpoint="{endpoint}",outcome="cancelled"}}')
+
+
+def _wait_for(condition, what: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _post_raw(url: str, path: str, body: dict) -> socket.socket:
+    """A request sent on a bare socket, so the test decides when the client goes away."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("path, body, endpoint", [
+    ("/v1/completions", {"prompt": COUNT, "max_tokens": 2000, "temperature": 0}, "completions"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 2000, "temperature": 0}, "chat"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 2000, "temperature": 0}, "messages"),
+])
+def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(server_url, path, body, endpoint):
+    """Counting to 2000 takes minutes; the client leaves once generation has started, and the engine must
+    stop with it: the request is counted cancelled and nothing is left running."""
+    before = _cancelled(server_url, endpoint)
+    sock = _post_raw(server_url, path, body)
+    _wait_for(lambda: _metric(server_url, "dflash_requests_processing") == 1, "the request did not start")
+    time.sleep(0.5)
+    sock.close()
+    _wait_for(lambda: _cancelled(server_url, endpoint) == before + 1, "the abandoned request was not cancelled", 30)
+    _wait_for(lambda: _metric(server_url, "dflash_requests_processing") == 0, "the engine is still busy", 30)
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_early_and_health_stays_live(server_url):
+    """10 MB of prompt: a 400 naming the limit, without tokenizing it on the event loop."""
+    answers: list[httpx.Response] = []
+    big = {"prompt": "Write a long story. " * 500_000, "max_tokens": 1}
+    thread = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{server_url}/v1/completions", json=big, timeout=300)))
+    started = time.monotonic()
+    thread.start()
+    slowest = 0.0
+    while thread.is_alive():
+        t = time.monotonic()
+        assert httpx.get(f"{server_url}/health", timeout=60).status_code == 200
+        slowest = max(slowest, time.monotonic() - t)
+        time.sleep(0.05)
+    thread.join()
+    r = answers[0]
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"], error
+    assert slowest < 1.0 and time.monotonic() - started < 30
+
+
+def test_tokenizing_runs_off_the_event_loop(server_url):
+    """A long prompt that does fit is tokenized in a thread that releases the GIL: /health answers meanwhile."""
+    text = "Write a long story. " * 12_000  # 240 K characters, under the 8192-token bound; ~60 K tokens
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{server_url}/tokenize", json={"content": text}, timeout=300)))
+    thread.start()
+    gaps = []
+    while thread.is_alive():
+        t = time.monotonic()
+        httpx.get(f"{server_url}/health", timeout=60)
+        gaps.append(time.monotonic() - t)
+        time.sleep(0.01)
+    thread.join()
+    assert answers[0].status_code == 200 and len(answers[0].json()["tokens"]) > 50_000
+    assert len(gaps) > 3 and max(gaps) < 0.25 * sum(gaps) + 0.2, gaps
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize"])
+def test_post_bodies_must_be_json(server_url, path, content_type):
+    """A web page may POST text/plain or form bodies cross-origin without a preflight: refused (CSRF)."""
+    body = json.dumps({"prompt": "hi", "messages": USER, "max_tokens": 1, "content": "hi"}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{server_url}{path}", content=body, headers=headers)
+    assert r.status_code == 415, r.text
+    message = r.json()["error"]["message"]
+    assert "application/json" in message
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error"
+    ok = httpx.post(f"{server_url}{path}", content=body,
+                    headers={"content-type": "application/json; charset=utf-8"}, timeout=120)
+    assert ok.status_code == 200, ok.text
+
+
+def test_anthropic_stream_usage_counts_cached_tokens_once(server_url):
+    """message_start and message_delta split input like Anthropic: input_tokens excludes cache reads."""
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 3, "temperature": 0,
+            "stream": True}
+    for _ in range(2):  # the second run reads the prompt from the prefix cache
+        starts, deltas = [], []
+        with httpx.stream("POST", f"{server_url}/v1/messages", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if event["type"] == "message_start":
+                        starts.append(event["message"]["usage"])
+                    elif event["type"] == "message_delta":
+                        deltas.append(event["usage"])
+    start, delta = starts[0], deltas[0]
+    assert delta["cache_read_input_tokens"] > 0
+    assert start["input_tokens"] == delta["input_tokens"]
+    assert start["cache_read_input_tokens"] == delta["cache_read_input_tokens"]
+
+
+def test_every_request_leaves_an_access_log_line(server_url, caplog):
+    caplog.set_level(logging.INFO, logger="dflash_agent.api.access")
+    httpx.get(f"{server_url}/nope")
+    httpx.post(f"{server_url}/v1/completions", json={"prompt": ""})
+    sock = _post_raw(server_url, "/v1/completions", {"prompt": COUNT, "max_tokens": 2000, "temperature": 0})
+    _wait_for(lambda: _metric(server_url, "dflash_requests_processing") == 1, "the request did not start")
+    sock.close()
+    _wait_for(lambda: any("disconnected" in r.getMessage() for r in caplog.records), "no line for the cancel", 30)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any('"GET /nope HTTP/1.1" 404 ' in m for m in lines), lines
+    assert any('"POST /v1/completions HTTP/1.1" 400 ' in m for m in lines), lines
+    assert any('"POST /v1/completions HTTP/1.1" 499 client disconnected' in m for m in lines), lines
