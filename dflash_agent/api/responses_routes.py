@@ -7,7 +7,6 @@ recent conversations (the input, without its instructions, plus the output)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -115,7 +114,7 @@ async def create_response(data: JSONBody[ResponsesRequest], state: State) -> dic
         parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
         response_format=_response_format(data.text), enable_thinking=_thinking(data.reasoning),
     )
-    prepared = await asyncio.to_thread(model.chat.prepare, conversation, options)
+    prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(data.temperature, data.top_p, data.top_k, data.min_p, data.seed)
     max_tokens = max_new_tokens(data.max_output_tokens, param="max_output_tokens")
