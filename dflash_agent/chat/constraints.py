@@ -711,11 +711,28 @@ def _integer_range(low: int, high: int) -> list[str]:
 def _digits_range(low: int, high: int) -> list[str]:
     """EBNF alternatives for the decimal numerals of [low, high], 0 <= low."""
     out = []
+    if low == 0 <= high:
+        out.append('"0"')
+        low = 1
     while low <= high:
-        top = min(high, 10 ** len(str(low)) - 1)  # one length at a time
+        n = len(str(low))
+        whole = len(str(high + 1)) - 1  # the longest length all of whose numerals are <= high
+        if low == 10 ** (n - 1) and whole >= n:
+            # Every numeral of lengths n..whole: one rule, as `[1-9] [0-9]{0,15}` for "any".
+            out.append("[1-9]" + _repeat(n - 1, whole - 1))
+            low = 10 ** whole
+            continue
+        top = min(high, 10 ** n - 1)  # one length at a time
         out += _same_length(str(low), str(top))
         low = top + 1
     return out
+
+
+def _repeat(least: int, most: int) -> str:
+    """` [0-9]` repeated least..most times, in EBNF."""
+    if most == 0:
+        return ""
+    return f" [0-9]{{{least}}}" if least == most else f" [0-9]{{{least},{most}}}"
 
 
 def _same_length(x: str, y: str) -> list[str]:
