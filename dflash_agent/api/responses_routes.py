@@ -21,14 +21,28 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from ..chat.chat_format import ChatOptions, stream_chat
-from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
+from ..chat.parser import (
+    ParsedOutput,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+)
 from ..chat.responses_input import conversation_from_responses, tool_namespaces
-from ..chat.types import Conversation, Message, TextPart, ToolCall
+from ..chat.types import Message, TextPart, ToolCall
 from ..engine.engine import FinalEvent
 from .errors import APIError, as_api_error, handlers, openai_error
 from .openai_schema import Timings
 from .responses_schema import ResponsesRequest, ResponseUsage
-from .service import HEARTBEAT, EventStream, Generation, Model, ServerState, max_new_tokens, sampling_params
+from .service import (
+    HEARTBEAT,
+    EventStream,
+    Generation,
+    Model,
+    ServerState,
+    max_new_tokens,
+    sampling_params,
+)
 
 STORED_RESPONSES = 64  # conversations kept for previous_response_id, least recently used dropped first
 
