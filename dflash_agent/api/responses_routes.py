@@ -210,9 +210,7 @@ class _Output:
             self._emit("response.reasoning_text.delta", content_index=0, delta=delta.text)
         elif isinstance(delta, TextDelta):
             if self._open != "message":
-                self._ensure("message", lambda: {"type": "message", "id": _id("msg"), "role": "assistant",
-                                                 "status": "in_progress", "content": []})
-                self._emit("response.content_part.added", content_index=0, part=_text_part(""))
+                self._open_message()
             self._text += delta.text
             self._emit("response.output_text.delta", content_index=0, delta=delta.text, logprobs=[])
         elif isinstance(delta, ToolCallStart):
@@ -226,7 +224,10 @@ class _Output:
             self._emit("response.function_call_arguments.delta", delta=delta.fragment)
 
     def close(self, final: FinalEvent | None = None) -> None:
-        """Finish the open item (incomplete when the token limit cut it)."""
+        """Finish the open item (incomplete when the token limit cut it). At the end of an output that has no
+        item at all (the model ended its turn at once) an empty message is the answer, as OpenAI sends it."""
+        if final is not None and not self.items:
+            self._open_message()
         if self._open is None:
             return
         item = self.items[-1]
@@ -243,6 +244,11 @@ class _Output:
             self._emit("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"])
         self._emit("response.output_item.done", item=json.loads(json.dumps(item)), with_item_id=False)
         self._open, self._text = None, ""
+
+    def _open_message(self) -> None:
+        self._ensure("message", lambda: {"type": "message", "id": _id("msg"), "role": "assistant",
+                                         "status": "in_progress", "content": []})
+        self._emit("response.content_part.added", content_index=0, part=_text_part(""))
 
     def _ensure(self, key: Any, make: Any) -> None:
         if self._open == key:

@@ -10,8 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 from .openai_messages import parse_arguments
-from .types import ChatError, Conversation, Message, TextPart, Tool, ToolCall, no_parameters
-from .validate import block_type, expect_list, expect_object, get_str, opt_str, type_name, unsupported_media
+from .types import (
+    ChatError,
+    Conversation,
+    Message,
+    TextPart,
+    Tool,
+    ToolCall,
+    no_parameters,
+)
+from .validate import (
+    block_type,
+    expect_list,
+    expect_object,
+    get_str,
+    opt_str,
+    type_name,
+    unsupported_media,
+)
 
 _INPUT_TEXT = ("input_text", "text")  # "text" is what several clients send for plain parts
 _OUTPUT_TEXT = ("output_text", "refusal", "text")

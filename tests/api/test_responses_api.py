@@ -115,3 +115,25 @@ def test_prompt_too_long_names_the_option(strict_url):
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded" and "--ctx-size" in error["message"]
+
+
+def test_output_items_and_events_without_a_server():
+    """The item machine alone: kinds change open new items; an empty output is an empty message."""
+    from dflash_agent.api.responses_routes import _Output
+    from dflash_agent.chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
+    from dflash_agent.engine.engine import FinalEvent, Timings, Usage
+
+    empty = _Output({})
+    empty.close(FinalEvent("stop", Usage(1, 0), Timings()))
+    assert [(i["type"], i["content"][0]["text"]) for i in empty.items] == [("message", "")]
+    out = _Output({"close_agent": "multi_agent_v1"})
+    for delta in [ReasoningDelta("r"), TextDelta("a"), TextDelta("b"), ToolCallStart(0, "call_1", "close_agent"),
+                  ToolCallArgsDelta(0, '{"target":'), ToolCallArgsDelta(0, '"x"}')]:
+        out.feed(delta)
+    out.close(FinalEvent("length", Usage(1, 9), Timings()))
+    assert [i["type"] for i in out.items] == ["reasoning", "message", "function_call"]
+    call = out.items[-1]
+    assert (call["arguments"], call["namespace"], call["status"]) == ('{"target":"x"}', "multi_agent_v1", "incomplete")
+    added = [e["output_index"] for e in out.events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in out.events if e["type"] == "response.output_item.done"]
+    assert added == done == [0, 1, 2]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_agent.chat.responses_input import conversation_from_responses, tool_namespaces, tools_from_responses
+from dflash_agent.chat.responses_input import (
+    conversation_from_responses,
+    tool_namespaces,
+    tools_from_responses,
+)
 from dflash_agent.chat.types import ChatError, Message, TextPart, ToolCall
 
 CODEX_TOOLS = [

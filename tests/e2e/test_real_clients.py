@@ -48,7 +48,7 @@ def test_codex_exec_completes(server_url, repo, tmp_path):
     (home / "config.toml").write_text(
         'model = "gemma"\nmodel_provider = "dflash"\n\n[model_providers.dflash]\nname = "dflash-agent"\n'
         f'base_url = "{server_url}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 3600000\n')
-    result = subprocess.run(["codex", "exec", "--skip-git-repo-check", "list the files here"], cwd=repo,
+    result = subprocess.run(["codex", "exec", "--skip-git-repo-check", "list the files here"], check=False, cwd=repo,
                             env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True, text=True,
                             stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -62,7 +62,8 @@ def test_claude_code_print_mode_is_not_an_error(server_url, repo, tmp_path):
     env = {**os.environ, "ANTHROPIC_BASE_URL": server_url, "ANTHROPIC_AUTH_TOKEN": "unused",
            "CLAUDE_CONFIG_DIR": str(config), "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "API_TIMEOUT_MS": str(TIMEOUT_S * 1000)}
-    result = subprocess.run(["claude", "-p", "list the files here", "--output-format", "json"], cwd=repo, env=env,
+    result = subprocess.run(["claude", "-p", "list the files here", "--output-format", "json"], check=False,
+                            cwd=repo, env=env,
                             capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
     answer = json.loads(result.stdout)
     assert answer["is_error"] is False, answer
