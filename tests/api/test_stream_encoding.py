@@ -67,7 +67,7 @@ def test_openai_chunks():
 
 
 def test_anthropic_events():
-    raw = _collect(lambda g: _message_events(g, "msg_1", "m", 20, ()))
+    raw = _collect(lambda g: _message_events(g, "msg_1", "m", 20, [15], ()))  # the engine said: 15 cached
     adapter = TypeAdapter(RawMessageStreamEvent)
     events = []
     for block in b"".join(raw).decode().strip().split("\n\n"):
@@ -102,4 +102,8 @@ def test_anthropic_events():
     assert delta["delta"]["stop_reason"] == "tool_use"
     assert delta["usage"] == {"input_tokens": 5, "output_tokens": 12, "cache_creation_input_tokens": 0,
                               "cache_read_input_tokens": 15}
+    # message_start splits the prompt the same way, so a client adding the two counts each token once
+    start = events[0]["message"]["usage"]
+    assert start == {"input_tokens": 5, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                     "cache_read_input_tokens": 15}
     assert [e["type"] for e in events][-1] == "message_stop"

@@ -25,16 +25,7 @@ def test_serve_answers_an_openai_client_and_stops_on_sigint():
     proc = _serve("--port", str(port), "--alias", "local", "--api-key", "k", "--ctx-size", "512")
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
+        _wait_ready(proc, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["local"]
         out = client.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}],
@@ -55,7 +46,7 @@ def test_serve_with_a_missing_model_exits_1_with_one_line(tmp_path):
 
 
 def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600
     while True:
         assert proc.poll() is None, proc.stderr.read()
         try:
@@ -88,6 +79,6 @@ def test_sigterm_ends_a_live_stream_with_an_error_event_and_exits_cleanly():
     errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
     assert errors and "shutting down" in errors[0]["message"], rest
     assert rest[-1] == "data: [DONE]"
-    assert proc.returncode == 0
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     assert "Traceback" not in err and "CancelledError" not in err, err
     assert '"GET /nope HTTP/1.1" 404' in err and '"POST /v1/completions HTTP/1.1" 200' in err, err
