@@ -14,6 +14,11 @@ memory-bandwidth roofline rather than at the tensor cores' rate.
 The packed fields of a block are read in "planes" of bytes that are contiguous in memory (for Q4_0 the
 low and the high nibbles of the same 16 bytes). A dot product does not care about element order, so each
 plane is multiplied with the matching strided slice of x instead of re-interleaving weights in registers.
+K-quant super-blocks are taken one 32-value sub-block at a time (its bytes, its scale and min as per-row
+scalars), so only a [BLOCK_N, 32] tile of dequantized weights is live: a whole 256-value super-block at once
+needed 255 registers for the Q6_K GEMV and spilled 824 bytes per thread in the verify tile (sm_89).
+`dflash-agent bench --kernels` compiles every launch the engine makes for sm_86 / 89 / 90 / 120 and checks
+registers, spills and shared memory against launch_shape's budgets.
 """
 
 from __future__ import annotations
