@@ -24,6 +24,7 @@ what a kernel's docstring argues is harmless (PREFILL_SPILL_ALLOWANCE).
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import platform
@@ -45,6 +46,8 @@ from ..engine.model import GemmaModel
 from ..engine.speculative import PREFILL_CHUNK
 from ..kernels.dispatch import KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, gemma4_31b_config, gemma4_31b_drafter_config, quant_types
+
+log = logging.getLogger(__name__)
 
 T = GGMLQuantizationType
 QUANTS = ("Q4_0", "Q4_K_M", "Q8_0")
@@ -182,8 +185,12 @@ def compile_all(targets: list[str], workers: int | None = None) -> list[KernelCo
     else:  # fork: the children inherit the launches (meta tensors, jit functions) instead of pickling them
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
         results = pool.map(_compile, jobs)
-    for index, target, usage in results:
+    log.info("compiling %d kernels for %s (Triton's cache keeps them for the next run)", len(pairs),
+             ", ".join(targets))
+    for done, (index, target, usage) in enumerate(results, 1):
         configs[index].usage[target] = usage
+        if done % 20 == 0:
+            log.info("%d / %d compiled", done, len(jobs))
     if workers > 1:
         pool.shutdown()
     return configs

@@ -46,7 +46,7 @@ class Usage:
 
 def _specialize(launch: Launch, capability: int):
     if triton.knobs.runtime.interpret:
-        raise RuntimeError("the compile report needs compiled Triton: unset TRITON_INTERPRET")
+        raise ValueError("the compile report needs compiled Triton: unset TRITON_INTERPRET")
     backend = make_backend(GPUTarget("cuda", capability, 32))
     fn = launch.kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)
