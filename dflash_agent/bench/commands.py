@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import click
@@ -29,6 +30,9 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--synthetic", type=click.Choice(SYNTHETIC_MODELS), default=None,
               help="The GPU path at these real shapes with random weights: decode vs roofline, verify, drafter.")
 @click.option("--quant", type=click.Choice(SYNTHETIC_QUANTS), default=None, help="With --synthetic [Q4_0].")
+@click.option("--kernels", is_flag=True,
+              help="Compile report instead (no GPU needed): registers, spills and shared memory of every Triton "
+                   "launch for gemma4-31b on sm_86/89/90/120, against the budgets; exit 1 if one is broken.")
 @click.option("--prefix", is_flag=True,
               help="Prefix cache instead: time to first token per turn of an agent session, with and without reuse.")
 @click.option("--turns", type=click.IntRange(2, 12), default=None, help="With --prefix: session turns [10].")
@@ -38,17 +42,28 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               help="With --synthetic: the cache [32768]; with --prefix: the engines' context [what the session needs].")
 @click.option("--plan-only", is_flag=True, help="With --synthetic: print the memory plan; no GPU needed.")
 @click.option("--gpu-memory", default=None, help="With --plan-only: the memory to plan for, e.g. 24GiB.")
-@click.option("--json", "as_json", is_flag=True, help="With --synthetic: print JSON.")
+@click.option("--json", "as_json", is_flag=True, help="With --synthetic or --kernels: print JSON.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
-                   "prefix.json].")
+                   "prefix.json, kernels.json].")
 @user_errors
 def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, http, synthetic, quant,
-          prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
+          kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
     logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    if kernels:
+        if spec or draft or spec_block or http or synthetic or quant or prefix or turns or target_tokens or ctx_size \
+                or plan_only or gpu_memory:
+            raise click.UsageError("--kernels takes only --json and --out")
+        from .kernels import command as kernels_command
+
+        text, within_budgets = kernels_command(out, as_json)
+        click.echo(text)
+        if not within_budgets:
+            sys.exit(1)
+        return
     if prefix:
         if spec or draft or spec_block or http or synthetic or quant or plan_only or gpu_memory or as_json:
             raise click.UsageError("--prefix takes only --model, --dtype, --turns, --target-tokens, --ctx-size, --out")

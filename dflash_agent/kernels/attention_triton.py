@@ -2,12 +2,14 @@
 
 Programs split the keys into chunks (decode and verification steps), keep an online softmax over their
 chunk for a tile of (query token, query head) rows of one KV head, and a short PyTorch reduction combines
-the chunks by their log-sum-exp. int8 caches are scaled as they are read.
+the chunks by their log-sum-exp. int8 caches are scaled as they are read. Tile sizes: `_tiles`, checked by
+`dflash-agent bench --kernels` (compiled for sm_86 / 89 / 90 / 120, no GPU needed).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -15,18 +17,36 @@ import triton.language as tl
 
 from .attention import NO_WINDOW, blocked_scales
 from .dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
-from .triton_support import dot_dtype
+from .triton_support import Launch, dot_dtype
 
 
-def _tiles(d: int) -> tuple[int, int, int]:
-    """(rows per program, keys per iteration, warps) by head_dim; unmeasured choices (no GPU here) that keep
-    a [rows, d] float32 accumulator and a [keys, d] K/V tile within one SM's registers and shared memory."""
-    if d >= 512:
-        return 32, 32, 8
-    return 64, 64, 4
+@dataclass(frozen=True)
+class Tiles:
+    rows: int  # (query token, query head) rows per program, at most
+    keys: int  # keys per loop iteration
+    warps: int
+    stages: int  # software pipelining depth of the K / V loads
 
 
-@triton.jit
+def _tiles(d: int, quantized: bool) -> Tiles:
+    """Tiles by head_dim and cache type, sized from compiles for sm_86 / 89 / 90 / 120 (`dflash-agent bench
+    --kernels`): no spills anywhere, shared memory within 99 KB (RTX cards), and 2-stage pipelined K / V loads.
+
+    The [rows, d] float32 accumulator, the query rows and a [keys, d] K and V tile per stage all scale with d,
+    so rows and keys shrink as d grows: at d = 512 a 16-row program with 16 keys (bf16) keeps ~100 registers and
+    48 KB of shared memory, two programs per SM. int8 caches are widened to float32 and scaled before the dot,
+    which costs registers rather than shared memory, so they take 32-key tiles (fewer, larger loads). The
+    drafter's d = 128 takes 64 x 64 tiles on 8 warps: on 4 warps it spilled on sm_120.
+    """
+    if d <= 128:
+        return Tiles(64, 64, 8, 2)
+    if d <= 256:
+        return Tiles(32, 32, 8, 2)
+    return Tiles(16, 32 if quantized else 16, 8, 2)
+
+
+# T, S and the chunk vary from step to step: not specializing on them keeps one compiled kernel per tile shape.
+@triton.jit(do_not_specialize=["T", "S", "chunk"])
 def _cache_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, qpos_ptr, kpos_ptr, out_ptr, part_ptr, lse_ptr,
     T, S, chunk, window, scale_log2,
@@ -67,12 +87,17 @@ def _cache_attention_kernel(
         kt = tl.load(k_ptr + s[:, None] * stride_ks + kvh * stride_kh + dim[None, :], mask=s_ok[:, None], other=0)
         vt = tl.load(v_ptr + s[:, None] * stride_vs + kvh * stride_vh + dim[None, :], mask=s_ok[:, None], other=0)
         if QUANT:
-            # each value's scale (scales are contiguous per head: [blocks]); repeated addresses hit the cache
-            blk = (dim // SCALE_BLOCK)[None, :]
-            ks = tl.load(ks_ptr + s[:, None] * stride_kss + kvh * stride_ksh + blk, mask=s_ok[:, None], other=0.0)
-            vs = tl.load(vs_ptr + s[:, None] * stride_vss + kvh * stride_vsh + blk, mask=s_ok[:, None], other=0.0)
-            kt = kt.to(tl.float32) * ks.to(tl.float32)
-            vt = vt.to(tl.float32) * vs.to(tl.float32)
+            # one scale per SCALE_BLOCK values (contiguous per head: [blocks]), loaded once and broadcast over
+            # its block, which keeps [keys, blocks] scales live rather than [keys, D]
+            blocks = tl.arange(0, D // SCALE_BLOCK)
+            ks = tl.load(ks_ptr + s[:, None] * stride_kss + kvh * stride_ksh + blocks[None, :], mask=s_ok[:, None],
+                         other=0.0)
+            vs = tl.load(vs_ptr + s[:, None] * stride_vss + kvh * stride_vsh + blocks[None, :], mask=s_ok[:, None],
+                         other=0.0)
+            kt = tl.reshape(tl.reshape(kt.to(tl.float32), (BLOCK_S, D // SCALE_BLOCK, SCALE_BLOCK))
+                            * ks.to(tl.float32)[:, :, None], (BLOCK_S, D))
+            vt = tl.reshape(tl.reshape(vt.to(tl.float32), (BLOCK_S, D // SCALE_BLOCK, SCALE_BLOCK))
+                            * vs.to(tl.float32)[:, :, None], (BLOCK_S, D))
         scores = tl.dot(q.to(DOT), tl.trans(kt.to(DOT)), input_precision="ieee") * scale_log2
         visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -97,17 +122,39 @@ def _cache_attention_kernel(
 
 def triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v_scale=None) -> torch.Tensor:
     """kernels.attention.cache_attention_reference's contract, on the Triton kernel."""
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    plan = cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
+    plan.launch()
+    if plan.lse is None:
+        return plan.out
+    # log-sum-exp (base 2) weighted mean of the chunks; chunks a row could not see have weight 0
+    weight = torch.exp2(plan.lse - plan.lse.amax(0, keepdim=True))
+    combined = (plan.partial * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+    return combined.to(q.dtype)
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    launch: Launch
+    out: torch.Tensor  # [T, H, d] written by the kernel when it does not split the keys
+    partial: torch.Tensor | None  # [splits, T, H, d] float32 chunk outputs when it does
+    lse: torch.Tensor | None  # [splits, T, H] their base-2 log-sum-exps
+
+
+def cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v_scale=None) -> AttentionLaunch:
+    """The kernel launch (and the buffers it writes) for q (contiguous in head_dim) over the cache; shared by
+    `triton_cache_attention` and the compile report (meta tensors are enough for the latter)."""
     T, H, d = q.shape
     S, kv_heads = k.shape[0], k.shape[1]
     group = H // kv_heads
     if H % kv_heads:
         raise ValueError(f"{H} query heads are not a multiple of {kv_heads} KV heads")
-    q = q.contiguous() if q.stride(-1) != 1 else q
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
-    block_r, block_s, warps = _tiles(d)
+    quantized = k_scale is not None
+    tiles = _tiles(d, quantized)
     rows = T * group
-    block_r = min(block_r, max(16, triton.next_power_of_2(rows)))
+    block_r = min(tiles.rows, max(16, triton.next_power_of_2(rows)))
     splits = triton.cdiv(S, KEYS_PER_CHUNK) if T <= SPLIT_ROWS else 1
     chunk = KEYS_PER_CHUNK if splits > 1 else S
     out = torch.empty_like(q)
@@ -115,31 +162,26 @@ def triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v
         partial = torch.empty(splits, T, H, d, device=q.device, dtype=torch.float32)
         lse = torch.empty(splits, T, H, device=q.device, dtype=torch.float32)
     else:
-        partial, lse = out, out  # unused by the kernel (SPLIT=False)
-    quantized = k_scale is not None
+        partial, lse = None, None
     if quantized:
         k_scale, v_scale = blocked_scales(k_scale), blocked_scales(v_scale)
         if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1 or d % k_scale.shape[-1]:
             raise ValueError(f"int8 cache scales must be contiguous blocks dividing head_dim {d}")
     grid = (triton.cdiv(rows, block_r), splits, kv_heads)
-    _cache_attention_kernel[grid](
+    args = (
         q, k, v,
         k_scale if quantized else k, v_scale if quantized else v,
         q_pos, k_pos if k_pos is not None else q_pos,
-        out, partial, lse,
+        out, out if partial is None else partial, out if lse is None else lse,  # unused without SPLIT
         T, S, chunk, window or NO_WINDOW, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
         v_scale.stride(0) if quantized else 0, v_scale.stride(1) if quantized else 0,
         out.stride(0), out.stride(1),
-        GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
-        HAS_KPOS=k_pos is not None, QUANT=quantized, SCALE_BLOCK=d // k_scale.shape[-1] if quantized else d,
-        SPLIT=splits > 1, DOT=dot_dtype(q.dtype),
-        num_warps=warps,
     )
-    if splits == 1:
-        return out
-    # log-sum-exp (base 2) weighted mean of the chunks; chunks a row could not see have weight 0
-    weight = torch.exp2(lse - lse.amax(0, keepdim=True))
-    combined = (partial * weight[..., None]).sum(0) / weight.sum(0)[..., None]
-    return combined.to(q.dtype)
+    meta = dict(
+        GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=tiles.keys,
+        HAS_KPOS=k_pos is not None, QUANT=quantized, SCALE_BLOCK=d // k_scale.shape[-1] if quantized else d,
+        SPLIT=splits > 1, DOT=dot_dtype(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
+    )
+    return AttentionLaunch(Launch(_cache_attention_kernel, grid, args, meta), out, partial, lse)

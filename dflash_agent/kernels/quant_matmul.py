@@ -14,6 +14,11 @@ memory-bandwidth roofline rather than at the tensor cores' rate.
 The packed fields of a block are read in "planes" of bytes that are contiguous in memory (for Q4_0 the
 low and the high nibbles of the same 16 bytes). A dot product does not care about element order, so each
 plane is multiplied with the matching strided slice of x instead of re-interleaving weights in registers.
+K-quant super-blocks are taken one 32-value sub-block at a time (its bytes, its scale and min as per-row
+scalars), so only a [BLOCK_N, 32] tile of dequantized weights is live: a whole 256-value super-block at once
+needed 255 registers for the Q6_K GEMV and spilled 824 bytes per thread in the verify tile (sm_89).
+`dflash-agent bench --kernels` compiles every launch the engine makes for sm_86 / 89 / 90 / 120 and checks
+registers, spills and shared memory against launch_shape's budgets.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .triton_support import dot_dtype
+from .triton_support import Launch, dot_dtype
 
 _T = GGMLQuantizationType
 
@@ -33,8 +38,6 @@ _T = GGMLQuantizationType
 _CODES = {_T.Q4_0: 0, _T.Q5_0: 1, _T.Q8_0: 2, _T.Q4_K: 3, _T.Q5_K: 4, _T.Q6_K: 5}
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_CODES)
 
-# Blocks per K step: eight 32-wide blocks (256 values) for the simple formats, one super-block for K-quants.
-_MAX_BLOCKS_PER_STEP = 8
 DECODE_ROWS = 1
 VERIFY_ROWS = 16
 
@@ -44,15 +47,25 @@ class LaunchShape:
     block_m: int
     block_n: int
     num_warps: int
+    # 32-value blocks per K step of the simple formats (Q4_0, Q5_0, Q8_0), at most; K-quants step one
+    # 256-value super-block at a time
+    blocks: int
 
 
 def launch_shape(m: int) -> LaunchShape:
-    """Tile sizes by number of activation rows. Chosen from first principles (unmeasured: no GPU here)."""
+    """Tile sizes by number of activation rows (unmeasured on a GPU: none here), held to the compile budgets of
+    `dflash-agent bench --kernels` on sm_86 / 89 / 90 / 120: the decode GEMV at <= 80 registers per thread
+    (six 4-warp programs per SM), nothing spilled anywhere, shared memory within 80 KB.
+
+    The GEMV takes 256 values of a simple format per step (more loads in flight per iteration); the tl.dot
+    tiles take 128, because the dequantized [BLOCK_N, values] float32 tile beside the tensor-core operands is
+    what spilled at 256 (Q4_0 / Q8_0 prefill).
+    """
     if m <= DECODE_ROWS:
-        return LaunchShape(1, 16, 4)
+        return LaunchShape(1, 16, 4, 8)
     if m <= VERIFY_ROWS:
-        return LaunchShape(16, 32, 4)
-    return LaunchShape(64, 64, 8)
+        return LaunchShape(16, 32, 4, 4)
+    return LaunchShape(64, 64, 8, 4)
 
 
 @triton.jit
@@ -124,81 +137,75 @@ def _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.
 
 
 @triton.jit
-def _k_scale_min(scales, s):
-    # eight 6-bit (scale, min) pairs in 12 bytes (gguf-py's Q4_K.get_scale_min); scales [BN, NB] pointers,
-    # s [S] sub-block indices -> ([BN, NB, S], [BN, NB, S]) as float32
-    p = scales[:, :, None]
-    low = (s < 4)[None, None, :]
-    a = tl.load(p + s[None, None, :])
-    b = tl.load(p + (s + 4)[None, None, :])
-    c = tl.load(p + tl.where(s >= 4, s - 4, s)[None, None, :])
-    sc = tl.where(low, a & 63, (b & 15) | ((c >> 2) & 48))
-    mn = tl.where(low, b & 63, (b >> 4) | ((a >> 2) & 48))
+def _k_scale_min(scales, S: tl.constexpr):
+    # sub-block S's 6-bit (scale, min) of the eight packed in 12 bytes (gguf-py's Q4_K.get_scale_min);
+    # scales [BN] pointers -> ([BN], [BN]) float32
+    if S < 4:
+        sc = tl.load(scales + S) & 63
+        mn = tl.load(scales + S + 4) & 63
+    else:
+        b = tl.load(scales + S + 4)
+        sc = (b & 15) | ((tl.load(scales + S - 4) >> 2) & 48)
+        mn = (b >> 4) | ((tl.load(scales + S) >> 2) & 48)
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
-def _k_affine(q, d, dmin, sc, mn):
-    # Q4_K/Q5_K value: (d * sc) * q - dmin * mn; q [BN, NB, 4, 32], the rest [BN, NB(, 4)]
-    scale = (d[:, :, None] * sc)[:, :, :, None]
-    offset = (dmin[:, :, None] * mn)[:, :, :, None]
-    return q.to(tl.float32) * scale - offset
-
-
-@triton.jit
-def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-                FIVE_BITS: tl.constexpr, ONE_ROW: tl.constexpr, DOT: tl.constexpr):
-    # Q4_K (144 bytes): fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes. Sub-block s = 2g + h (g < 4)
-    # holds values 32s..32s+31 in the h-th nibbles of bytes 32g..32g+31. Q5_K (176 bytes) adds 32 bytes
-    # before the nibbles whose bit s is the 5th bit of value i of sub-block s.
+def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, ONE_ROW: tl.constexpr,
+                DOT: tl.constexpr):
+    # Super-block b of each row. Q4_K (144 bytes): fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes;
+    # sub-block s = 2g + h (g < 4) holds values 32s..32s+31 in the h-th nibbles of bytes 32g..32g+31. Q5_K
+    # (176 bytes) adds 32 bytes before the nibbles whose bit s is the 5th bit of value i of sub-block s.
+    # One 32-value sub-block at a time: the fewest values live at once (registers, not spills).
     TS: tl.constexpr = 176 if FIVE_BITS else 144
     QS: tl.constexpr = 48 if FIVE_BITS else 16
-    g = tl.arange(0, 4)
     i = tl.arange(0, 32)
-    base = w_rows[:, None] + (blk * TS)[None, :]
-    q = tl.load(base[:, :, None, None] + QS + (g * 32)[None, None, :, None] + i[None, None, None, :])
-    d = _half(h_rows, blk[None, :] * (TS // 2))
-    dmin = _half(h_rows, blk[None, :] * (TS // 2) + 1)
-    k = tl.reshape(blk[:, None, None] * 256 + (g * 64)[None, :, None] + i[None, None, :], (NB * 128,))
+    base = w_rows + b * TS
+    d = tl.load(h_rows + b * (TS // 2)).to(tl.float32)
+    dmin = tl.load(h_rows + b * (TS // 2) + 1).to(tl.float32)
     if FIVE_BITS:
-        qh = tl.load(base[:, :, None] + 16 + i[None, None, :])[:, :, None, :]
-    for h in tl.static_range(2):
-        s = 2 * g + h
-        sc, mn = _k_scale_min(base + 4, s)
-        q_h = (q >> (4 * h)) & 15
-        if FIVE_BITS:
-            q_h = q_h | (((qh >> s[None, None, :, None]) & 1) << 4)
-        w = tl.reshape(_k_affine(q_h, d, dmin, sc, mn), (BN, NB * 128))
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, k + 32 * h), w, ONE_ROW, DOT)
+        qh = tl.load(base[:, None] + 16 + i[None, :])
+    for g in tl.static_range(4):
+        q = tl.load(base[:, None] + (QS + g * 32) + i[None, :])
+        for h in tl.static_range(2):
+            sc, mn = _k_scale_min(base + 4, 2 * g + h)
+            q_h = (q >> (4 * h)) & 15
+            if FIVE_BITS:
+                q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
+            w = q_h.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
+            k = b * 256 + (g * 64 + h * 32) + i
+            acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, ONE_ROW, DOT)
     return acc
 
 
 @triton.jit
-def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               ONE_ROW: tl.constexpr, DOT: tl.constexpr):
+def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, ONE_ROW: tl.constexpr, DOT: tl.constexpr):
     # 210 bytes: 128 low-nibble bytes ql, 64 bytes of 2-bit highs qh, 16 int8 scales, fp16 d.
     # Value j = 128g + 64h + 32u + i (g, h, u < 2, i < 32): low = nibble h of ql[64g + 32u + i],
     # high = bits 2(2h + u) of qh[32g + i], scale = scales[j // 16]; value = d * scale * (q - 32).
-    # c = 2g + u runs over the four 32-byte runs of ql; h picks the plane.
-    c = tl.arange(0, 4)
+    # One 32-value run at a time, as in _q45_k_step.
     i = tl.arange(0, 32)
-    g, u = c // 2, c % 2
-    base = (w_rows[:, None] + (blk * 210)[None, :])[:, :, None, None]
-    ql = tl.load(base + (c * 32)[None, None, :, None] + i[None, None, None, :])
-    qh = tl.load(base + 128 + (g * 32)[None, None, :, None] + i[None, None, None, :])
-    d = _half(h_rows, blk[None, :] * 105 + 104)[:, :, None, None]
-    k = tl.reshape(blk[:, None, None] * 256 + (g * 128 + u * 32)[None, :, None] + i[None, None, :], (NB * 128,))
-    for h in tl.static_range(2):
-        scale_at = (g * 8 + u * 2 + h * 4)[None, None, :, None] + (i // 16)[None, None, None, :]
-        sc = tl.load(base + 192 + scale_at).to(tl.int8, bitcast=True).to(tl.float32)
-        shift = (h * 4 + u * 2)[None, None, :, None]
-        q = ((ql >> (4 * h)) & 15) | (((qh >> shift) & 3) << 4)
-        w = tl.reshape((q.to(tl.float32) - 32.0) * (d * sc), (BN, NB * 128))
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, k + 64 * h), w, ONE_ROW, DOT)
+    base = w_rows + b * 210
+    d = tl.load(h_rows + b * 105 + 104).to(tl.float32)[:, None]
+    for g in tl.static_range(2):
+        qh = tl.load(base[:, None] + (128 + g * 32) + i[None, :])
+        for u in tl.static_range(2):
+            ql = tl.load(base[:, None] + (g * 64 + u * 32) + i[None, :])
+            for h in tl.static_range(2):
+                at = base + (192 + g * 8 + h * 4 + u * 2)  # the run's two scales: values i < 16, i >= 16
+                sc_lo = tl.load(at).to(tl.int8, bitcast=True).to(tl.float32)
+                sc_hi = tl.load(at + 1).to(tl.int8, bitcast=True).to(tl.float32)
+                sc = tl.where((i < 16)[None, :], sc_lo[:, None], sc_hi[:, None])
+                q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
+                w = (q.to(tl.float32) - 32.0) * (d * sc)
+                k = b * 256 + (g * 128 + h * 64 + u * 32) + i
+                acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, ONE_ROW, DOT)
     return acc
 
 
-@triton.jit
+# M varies with every prompt chunk and speculative block: not specializing on it (== 1, divisible by 16)
+# keeps one compiled kernel per launch shape instead of a recompile for each kind of M.
+@triton.jit(do_not_specialize=["M"])
 def _quant_matmul_kernel(
     x_ptr, w_ptr, h_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, row_bytes,
@@ -227,20 +234,20 @@ def _quant_matmul_kernel(
         elif FORMAT == 2:
             acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, ONE_ROW, DOT)
         elif FORMAT == 3:
-            acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, False, ONE_ROW, DOT)
+            acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, ONE_ROW, DOT)
         elif FORMAT == 4:
-            acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, True, ONE_ROW, DOT)
+            acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, ONE_ROW, DOT)
         else:
-            acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, ONE_ROW, DOT)
+            acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, ONE_ROW, DOT)
     y = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _blocks_per_step(qtype: GGMLQuantizationType, k: int) -> int:
+def _blocks_per_step(qtype: GGMLQuantizationType, k: int, most: int) -> int:
     block, _ = GGML_QUANT_SIZES[qtype]
     if block == 256:
         return 1
-    nb = _MAX_BLOCKS_PER_STEP
+    nb = most
     while (k // block) % nb:
         nb //= 2
     return nb
@@ -249,10 +256,26 @@ def _blocks_per_step(qtype: GGMLQuantizationType, k: int) -> int:
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., out_features] in x's dtype, where `raw` holds W [out_features, K] as packed
     GGUF blocks (uint8, contiguous, on x's device)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], out_features, device=x.device, dtype=x.dtype)
+    launch = quant_matmul_launch(x2, raw, qtype, y)
+    if launch is not None:
+        launch()
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
+                        y: torch.Tensor) -> Launch | None:
+    """The launch writing y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking the operands; None
+    when M = 0. Shared by `quant_matmul` and the compile report (meta tensors are enough for the latter)."""
     if qtype not in _CODES:
         supported = ", ".join(t.name for t in sorted(SUPPORTED_TYPES, key=lambda t: t.value))
         raise ValueError(f"no packed matmul kernel for {qtype.name} (supported: {supported})")
-    k = x.shape[-1]
+    m, k = x.shape
+    out_features = y.shape[1]
     block, type_size = GGML_QUANT_SIZES[qtype]
     if k % block:
         raise ValueError(f"{qtype.name} rows need a multiple of {block} values, got {k}")
@@ -262,21 +285,14 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
                          f"[{out_features}, {k}] weight, got {raw.numel()} {raw.dtype}")
     if raw.device != x.device:
         raise ValueError(f"weight on {raw.device}, activations on {x.device}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     if m == 0:
-        return y.reshape(*x.shape[:-1], out_features)
+        return None
     shape = launch_shape(m)
     grid = (triton.cdiv(out_features, shape.block_n), triton.cdiv(m, shape.block_m))
     # The fp16 scales are read through a half view of the same bytes (every scale sits at an even offset).
-    _quant_matmul_kernel[grid](
-        x2, raw, raw.view(torch.float16), y,
-        m, out_features, k, x2.stride(0), y.stride(0), row_bytes,
-        FORMAT=_CODES[qtype], BLOCK_VALUES=block, NB=_blocks_per_step(qtype, k),
-        BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
-        num_warps=shape.num_warps,
+    return Launch(
+        _quant_matmul_kernel, grid,
+        (x, raw, raw.view(torch.float16), y, m, out_features, k, x.stride(0), y.stride(0), row_bytes),
+        dict(FORMAT=_CODES[qtype], BLOCK_VALUES=block, NB=_blocks_per_step(qtype, k, shape.blocks),
+             BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype), num_warps=shape.num_warps),
     )
-    return y.reshape(*x.shape[:-1], out_features)

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, built by the function that also runs it, so a compile report (kernels.compile_check)
+    sees exactly the arguments, constexprs and warps the engine's launches use."""
+
+    kernel: Any  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict[str, Any] = field(default_factory=dict)  # constexprs by name, num_warps, num_stages
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.meta)
 
 
 def interpreting() -> bool:
