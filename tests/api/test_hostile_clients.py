@@ -89,6 +89,7 @@ def test_tokenizing_runs_off_the_event_loop(server_url):
     answers: list[httpx.Response] = []
     thread = threading.Thread(target=lambda: answers.append(
         httpx.post(f"{server_url}/tokenize", json={"content": text}, timeout=300)))
+    started = time.monotonic()
     thread.start()
     gaps = []
     while thread.is_alive():
@@ -97,8 +98,10 @@ def test_tokenizing_runs_off_the_event_loop(server_url):
         gaps.append(time.monotonic() - t)
         time.sleep(0.01)
     thread.join()
+    elapsed = time.monotonic() - started
     assert answers[0].status_code == 200 and len(answers[0].json()["tokens"]) > 50_000
-    assert len(gaps) > 3 and max(gaps) < 0.25 * sum(gaps) + 0.2, gaps
+    # Tokenizing on the loop (or holding the GIL) would hold one /health for nearly the whole request.
+    assert len(gaps) >= 2 and max(gaps) < 0.6 * elapsed, (gaps, elapsed)
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])

@@ -2,6 +2,7 @@
 and transcript. The model is a scripted OpenAI-compatible server (`--server`), or the embedded model."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -142,6 +143,7 @@ def test_run_with_a_server_never_imports_torch(repo, tmp_path):
         "    except SystemExit as stop:\n"
         "        code = stop.code\n"
         "print('exit', code, 'torch' in sys.modules, 'dflash_agent.engine.engine' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.stdout.strip().splitlines()[-1] == "exit 0 False False", proc.stdout + proc.stderr
