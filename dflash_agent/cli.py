@@ -24,7 +24,7 @@ from .engine.quant import UnsupportedTensorType
 from .engine.sampling import SamplingParams, StopCriteria
 from .engine.speculative import SpecConfig
 from .engine.tokenizer import TokenizerError
-from .engine.weights import ModelLoadError, default_drafter
+from .engine.weights import WEIGHTS, ModelLoadError, default_drafter
 
 log = logging.getLogger("dflash_agent")
 
@@ -49,6 +49,11 @@ def model_options(f):
     f = click.option("--spec-block", type=click.IntRange(2, 17), default=None,
                      help="Fixed speculative block size (anchor + drafts), e.g. for benchmarks; default adaptive.")(f)
     f = click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding: no drafter, no prompt lookup.")(f)
+    f = click.option("--weights", type=click.Choice(WEIGHTS), default="packed", show_default=True,
+                     help="GGUF weights: packed (Triton kernels on CUDA, int4/int8 kernels on the CPU: fast) or "
+                          "exact (dequantized at load: bit-exact with gguf-py, slower).")(f)
+    f = click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads [default: the physical cores].")(f)
     return f
 
 
@@ -57,14 +62,14 @@ kv_cache_option = click.option(
     help="KV cache storage: auto (the model's dtype) or q8 (8-bit, about half the memory: longer contexts).")
 
 
-def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, progress=True,
-                **engine_options) -> Engine:
+def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights="packed",
+                threads=None, progress=True, **engine_options) -> Engine:
     """The engine a command's model options describe; `engine_options` go to `Engine.load` as they are."""
     if no_spec and (draft or spec_block):
         raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
     spec = SpecConfig(enabled=not no_spec, block=spec_block)
     return Engine.load(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
-                       spec=spec, draft_quant=draft_quant, **engine_options)
+                       spec=spec, draft_quant=draft_quant, weights=weights, threads=threads, **engine_options)
 
 
 def user_errors(f):
@@ -128,11 +133,11 @@ def main(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @kv_cache_option
 @user_errors
-def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, max_tokens, temperature,
-             top_p, top_k, min_p, seed, stop, as_json, kv_cache):
+def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
+             max_tokens, temperature, top_p, top_k, min_p, seed, stop, as_json, kv_cache):
     """Raw completion of PROMPT (no chat template), streamed to stdout."""
     started = time.perf_counter()
-    engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec,
+    engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
                          progress=not as_json, kv_dtype=kv_cache)
     load_ms = (time.perf_counter() - started) * 1e3
     request = GenerateRequest(
