@@ -58,6 +58,7 @@ def embedded():
     return path, open_checkpoint(path)
 
 
+@pytest.mark.timeout(3600)  # two full forwards with 262144-wide logits over 2048 tokens: long on a shared 2-core box
 def test_fidelity_against_the_exact_path(embedded, capsys):
     path, ckpt = embedded
     tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf)
