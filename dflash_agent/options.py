@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from .engine.types import WEIGHTS
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -36,6 +38,11 @@ def model_options(f):
     f = click.option("--spec-block", type=click.IntRange(2, 17), default=None,
                      help="Fixed speculative block size (anchor + drafts), e.g. for benchmarks; default adaptive.")(f)
     f = click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding: no drafter, no prompt lookup.")(f)
+    f = click.option("--weights", type=click.Choice(WEIGHTS), default="auto", show_default=True,
+                     help="GGUF weights: auto (packed Triton kernels on CUDA, exact on the CPU), packed (also torch's "
+                          "int4/int8 kernels on the CPU) or exact (dequantized at load: bit-exact with gguf-py).")(f)
+    f = click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads [default: the physical cores].")(f)
     return f
 
 
@@ -44,8 +51,8 @@ kv_cache_option = click.option(
     help="KV cache storage: auto (the model's dtype) or q8 (8-bit, about half the memory: longer contexts).")
 
 
-def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, progress=True,
-                **engine_options) -> Engine:
+def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights="auto",
+                threads=None, progress=True, **engine_options) -> Engine:
     """The engine a command's model options describe; `engine_options` go to `Engine.load` as they are."""
     if no_spec and (draft or spec_block):
         raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
@@ -53,7 +60,7 @@ def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, 
 
     spec = SpecConfig(enabled=not no_spec, block=spec_block)
     return Engine.load(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
-                       spec=spec, draft_quant=draft_quant, **engine_options)
+                       spec=spec, draft_quant=draft_quant, weights=weights, threads=threads, **engine_options)
 
 
 def user_errors(f):

@@ -49,8 +49,9 @@ class _Server(uvicorn.Server):
               help="gemma4, gemma3 or a .jinja file instead of the checkpoint's own template.")
 @click.option("--no-access-log", is_flag=True, help="No log line per request (method, path, status, seconds).")
 @mcp_serve_options
-def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, api_key, alias,
-          no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, mcp_repo, mcp_expose_tools,
+def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
+          api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, mcp_repo,
+          mcp_expose_tools,
           mcp_read_only) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
@@ -60,7 +61,7 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     failure: list[str] = []
 
     def load():
-        return load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec,
+        return load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
                            prefix_cache=not no_prefix_cache, kv_dtype=kv_cache)
 
     def on_load_error(message: str) -> None:

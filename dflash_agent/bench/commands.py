@@ -26,6 +26,11 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one "
               "[default: the model's bundled drafter].")
 @click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
+@click.option("--llama-cpp", "llama_cpp", default=None, metavar="DIR",
+              help="The CPU bench's llama.cpp column: a directory with llama-bench [default: $LLAMA_CPP_BIN, PATH].")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: the physical cores].")
+@click.option("--fidelity", is_flag=True,
+              help="Packed CPU weights against exact ones instead: teacher-forced top-1 agreement and KL.")
 @click.option("--http", is_flag=True, help="Server overhead instead: streamed tok/s through HTTP vs the bare engine.")
 @click.option("--synthetic", type=click.Choice(SYNTHETIC_MODELS), default=None,
               help="The GPU path at these real shapes with random weights: decode vs roofline, verify, drafter.")
@@ -47,12 +52,18 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
                    "prefix.json, kernels.json].")
 @user_errors
-def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, http, synthetic, quant,
-          kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, fidelity,
+          http, synthetic, quant, kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
     logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    if fidelity:
+        from .fidelity import report as fidelity_report
+        from .fidelity import run_fidelity
+
+        fidelity_report(run_fidelity(model, 1024), out or Path("bench-results/fidelity.json"))
+        return
     if kernels:
         if spec or draft or spec_block or http or synthetic or quant or prefix or turns or target_tokens or ctx_size \
                 or plan_only or gpu_memory:
@@ -101,4 +112,5 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         raise click.UsageError("--draft and --spec-block need --spec")
     from .cpu import report, run_cpu_bench
 
-    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype), out or Path("bench-results/cpu.json"))
+    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype, llama_cpp, threads),
+           out or Path("bench-results/cpu.json"))

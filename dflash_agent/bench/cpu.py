@@ -1,4 +1,5 @@
-"""Prefill and decode speed of this engine against transformers on the same checkpoint and dtype, in one run."""
+"""Prefill and decode speed of this engine (packed weights, the default, and exact) against transformers and,
+when a build is at hand, llama.cpp on the same checkpoint, prompt length and threads, in one run, alternating."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import asyncio
 import inspect
 import json
 import logging
+import os
+import shutil
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,15 +38,44 @@ class BenchResult:
     prompt_tokens: int
     decode_tokens: int
     repeats: int
-    ours: Speed
+    ours: Speed  # packed weights (the CPU default)
+    exact: Speed  # dequantized float32 weights (--weights exact)
     transformers: Speed
+    llama_cpp: Speed | None = None  # None: no llama.cpp build was found
+    llama_cpp_note: str = ""
 
     @property
     def ratios(self) -> Speed:
-        return Speed(
-            self.ours.prefill_tok_s / self.transformers.prefill_tok_s,
-            self.ours.decode_tok_s / self.transformers.decode_tok_s,
-        )
+        """Ours against transformers."""
+        return _ratio(self.ours, self.transformers)
+
+
+def _ratio(a: Speed, b: Speed) -> Speed:
+    return Speed(a.prefill_tok_s / b.prefill_tok_s, a.decode_tok_s / b.decode_tok_s)
+
+
+def llama_bench_binary(directory: str | None) -> Path | None:
+    """llama-bench in `directory`, else in $LLAMA_CPP_BIN, else on PATH."""
+    for d in (directory, os.environ.get("LLAMA_CPP_BIN")):
+        if d:
+            candidate = Path(d).expanduser() / "llama-bench"
+            if not candidate.is_file():
+                raise ValueError(f"no llama-bench in {d}")
+            return candidate
+    found = shutil.which("llama-bench")
+    return Path(found) if found else None
+
+
+def _llama_cpp(binary: Path, gguf: Path, prompt_tokens: int, decode_tokens: int, threads: int) -> tuple[float, float]:
+    """(prefill seconds, decode tok/s) from one llama-bench run of pp and tg on the same file and threads."""
+    out = subprocess.run(
+        [str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(decode_tokens), "-t", str(threads),
+         "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    rows = json.loads(out)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
+    return prompt_tokens / pp, tg
 
 
 def code_prompt(engine: Engine, n_tokens: int) -> list[int]:
@@ -82,13 +115,18 @@ def _theirs(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]
 
 
 def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens: int = 64,
-                  repeats: int = 3, dtype: str = "float32") -> BenchResult:
+                  repeats: int = 3, dtype: str = "float32", llama_cpp: str | None = None,
+                  threads: int | None = None) -> BenchResult:
     from transformers import AutoModelForCausalLM
 
+    llama_bench = llama_bench_binary(llama_cpp)
     # Every round prefills the same prompt: without the prefix cache, so each one is measured in full;
     # and decodes plainly, as transformers does (bench --spec measures speculation).
-    engine = Engine.load(model, device="cpu", dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 8,
-                         prefix_cache=False, spec=SpecConfig(enabled=False))
+    engines = {weights: Engine.load(model, device="cpu", dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 8,
+                                    prefix_cache=False, spec=SpecConfig(enabled=False), weights=weights,
+                                    threads=threads, progress=False)
+               for weights in ("packed", "exact")}
+    engine = engines["packed"]
     torch_dtype = engine.model.dtype
     path = resolve_model_path(model)
     log.info("loading the transformers reference from %s", path)
@@ -97,22 +135,32 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
     else:
         reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
     prompt = code_prompt(engine, prompt_tokens)
-    ours, theirs = [], []
-    for i in range(repeats + 1):  # the first round warms both up and is not counted
+    threads = torch.get_num_threads()
+    samples: dict[str, list] = {"packed": [], "exact": [], "transformers": [], "llama.cpp": []}
+    is_gguf = path.suffix == ".gguf"
+    note = "" if llama_bench and is_gguf else (
+        "llama.cpp runs GGUF files only" if llama_bench else
+        "no llama.cpp build found: pass --llama-cpp DIR or set LLAMA_CPP_BIN to a directory with llama-bench")
+    for i in range(repeats + 1):  # the first round warms every contender up and is not counted
         log.info("round %d/%d", i, repeats)
-        o, t = _ours(engine, prompt, decode_tokens), _theirs(reference, prompt, decode_tokens)
+        round_ = {w: _ours(e, prompt, decode_tokens) for w, e in engines.items()}
+        round_["transformers"] = _theirs(reference, prompt, decode_tokens)
+        if llama_bench and is_gguf:
+            round_["llama.cpp"] = _llama_cpp(llama_bench, path, len(prompt), decode_tokens, threads)
         if i:
-            ours.append(o)
-            theirs.append(t)
-    engine.close()
+            for name, value in round_.items():
+                samples[name].append(value)
+    for e in engines.values():
+        e.close()
 
     def speed(samples: list[tuple[float, float]]) -> Speed:
         return Speed(len(prompt) / statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
 
     return BenchResult(
-        model=str(path.name), device="cpu", dtype=str(torch_dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+        model=str(path.name), device="cpu", dtype=str(torch_dtype).removeprefix("torch."), threads=threads,
         prompt_tokens=len(prompt), decode_tokens=decode_tokens, repeats=repeats,
-        ours=speed(ours), transformers=speed(theirs),
+        ours=speed(samples["packed"]), exact=speed(samples["exact"]), transformers=speed(samples["transformers"]),
+        llama_cpp=speed(samples["llama.cpp"]) if samples["llama.cpp"] else None, llama_cpp_note=note,
     )
 
 
@@ -120,21 +168,31 @@ def report(result: BenchResult, out: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result.model} on {result.device}, {result.dtype}, {result.threads} threads, "
-                        f"prompt {result.prompt_tokens} tokens, decode {result.decode_tokens}")
+    table = Table(title=f"{result.model} on {result.device}, {result.dtype} activations, {result.threads} threads, "
+                        f"prompt {result.prompt_tokens} tokens, decode {result.decode_tokens}, medians of "
+                        f"{result.repeats}")
+    contenders = {"dflash-agent (packed)": result.ours, "dflash-agent (exact)": result.exact,
+                  "transformers": result.transformers}
+    if result.llama_cpp is not None:
+        contenders["llama.cpp"] = result.llama_cpp
     table.add_column("")
-    for name in ("dflash-agent", "transformers", "ratio"):
+    for name in contenders:
         table.add_column(name, justify="right")
-    ratios = result.ratios
-    table.add_row("prefill tok/s", f"{result.ours.prefill_tok_s:.1f}", f"{result.transformers.prefill_tok_s:.1f}",
-                  f"{ratios.prefill_tok_s:.2f}x")
-    table.add_row("decode tok/s", f"{result.ours.decode_tok_s:.1f}", f"{result.transformers.decode_tok_s:.1f}",
-                  f"{ratios.decode_tok_s:.2f}x")
-    Console().print(table)
+    for name in ("x exact", "x transformers") + (("x llama.cpp",) if result.llama_cpp else ()):
+        table.add_column(f"packed {name}", justify="right")
+    baselines = [result.exact, result.transformers] + ([result.llama_cpp] if result.llama_cpp else [])
+    for field, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
+        mine = getattr(result.ours, field)
+        table.add_row(label, *(f"{getattr(s, field):.1f}" for s in contenders.values()),
+                      *(f"{mine / getattr(b, field):.2f}x" for b in baselines))
+    console = Console()
+    console.print(table)
+    if result.llama_cpp_note:
+        console.print(f"note: {result.llama_cpp_note}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(asdict(result) | {"ratios": asdict(ratios)}, indent=2))
+        ratios = {"vs_exact": asdict(_ratio(result.ours, result.exact)), "vs_transformers": asdict(result.ratios)}
+        if result.llama_cpp:
+            ratios["vs_llama_cpp"] = asdict(_ratio(result.ours, result.llama_cpp))
+        out.write_text(json.dumps(asdict(result) | {"ratios": ratios}, indent=2))
         Console(stderr=True).print(f"wrote {out}")
-
-
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,7 +24,7 @@ from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reus
 from .sampling import Sampler, StopStringFilter
 from .speculative import LengthController, RequestDecoder, SpecConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .types import ErrorEvent, FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
+from .types import WEIGHTS, ErrorEvent, FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
 from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -85,14 +86,23 @@ class Engine:
         draft_quant: str | None = None,
         prefix_cache: bool = True,
         kv_dtype: str = "auto",
+        weights: str = "auto",
+        threads: int | None = None,
     ) -> Engine:
         """draft: a DFlash drafter checkpoint; None takes the model's bundled one, if it has one
         and speculation is on (spec.enabled).
         prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
-        kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values)."""
+        kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
+        weights: "auto" (GGUF matrices stay packed where Triton runs, on CUDA; dequantized on the CPU),
+        "packed" (also on the CPU, through torch's int4 / int8 kernels, engine.packed_linear) or "exact"
+        (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors checkpoints always load exactly.
+        threads: CPU threads (default: the physical cores)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
+        if weights not in WEIGHTS:
+            raise ValueError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
+        set_threads(threads)
         if draft is None and (spec is None or spec.enabled):
             bundled = default_drafter(model)
             draft = str(bundled) if bundled is not None else None
@@ -111,7 +121,8 @@ class Engine:
                                      planned_drafter)
         else:
             n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter)
-        net = build_model(ckpt, torch_device, torch_dtype, progress=progress)
+        net = build_model(ckpt, torch_device, torch_dtype, progress=progress, packed=False if weights == "exact" else None,
+                          repack_cpu=weights == "packed")
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter = None
         if draft is not None:
@@ -253,6 +264,32 @@ class Engine:
         timings.draft_n, timings.draft_n_accepted = decoder.stats.drafted, decoder.stats.accepted
         usage = Usage(len(req.prompt_ids), len(generated), cached_tokens=reuse.tokens)
         job.emit(FinalEvent(finish, usage, timings, matched, decoder.stats))
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, not hardware threads: a second thread on a core only competes for its
+    vector units. Linux's /proc/cpuinfo names each CPU's core; elsewhere, every CPU counts."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    try:
+        cores, cpu = set(), None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "processor":
+                cpu, package = int(value), "0"
+            elif key == "physical id":
+                package = value
+            elif key == "core id" and cpu in cpus:
+                cores.add((package, value))
+        return len(cores) or len(cpus)
+    except (OSError, ValueError):
+        return len(cpus) or 1
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads or physical_cores())
 
 
 def _rate(n: int, ms: float) -> float:

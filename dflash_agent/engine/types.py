@@ -8,6 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# How GGUF matrices load (Engine.load's `weights`): auto = packed where Triton runs (CUDA), exact elsewhere;
+# packed = also torch's int4 / int8 kernels on the CPU; exact = dequantized at load.
+WEIGHTS = ("auto", "exact", "packed")
+
 
 @dataclass(frozen=True)
 class SamplingParams:

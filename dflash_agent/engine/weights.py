@@ -205,17 +205,22 @@ def _open_hf(path: Path) -> Checkpoint:
 # --- building the model ------------------------------------------------------------------------------------------
 
 
+
+
 def build_model(
     ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype, progress: bool = True,
-    packed: bool | None = None,
+    packed: bool | None = None, repack_cpu: bool = False,
 ) -> GemmaModel:
     """Convert every tensor to `dtype` on `device` and load it; shows a progress bar on a terminal.
 
     packed (default: on CUDA): GGUF matrices of the types the Triton kernels read stay in their blocks
     (engine.packed_linear); everything else is dequantized at load, as on the CPU.
+    repack_cpu: on the CPU, those matrices are also repacked once for torch's int4 / int8 CPU kernels
+    (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the exact reference.
     """
     if packed is None:
-        packed = torch.device(device).type == "cuda"
+        packed = torch.device(device).type == "cuda" or repack_cpu
+    repack_cpu = repack_cpu and torch.device(device).type == "cpu"
     model = GemmaModel(ckpt.config, device=device)
     expected = dict(model.state_dict(keep_vars=True))
     missing = sorted(set(expected) - set(ckpt.tensors))
@@ -234,6 +239,12 @@ def build_model(
         if tuple(tensor.shape) != want:
             raise ModelLoadError(f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
         state[name] = tensor
+    if repack_cpu:
+        head = "embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
+        for name, tensor in state.items():
+            if isinstance(tensor, PackedWeight):
+                tensor.repack_for_cpu(head=name == head)
+        _release_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 
@@ -245,6 +256,18 @@ def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device, pa
         # Dequantize once at load, in float32, then cast.
         source = source.to(device).dequantize(torch.float32)
     return source.to(device=device, dtype=dtype)
+
+
+def _release_freed_memory() -> None:
+    """Repacking frees thousands of dequantized slices, and glibc keeps most of that heap (about 470 MiB on
+    the embedded model) instead of returning it; hand it back. A no-op off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _progress(items, description: str, enabled: bool) -> Iterator:

@@ -86,7 +86,8 @@ def train_drafter(target_spec, out, data_dir, corpus, corpus_glob, sequences, ev
     corpus = tuple(str(Path(c).expanduser().resolve()) for c in corpus) or (str(default_corpus()),)
     corpus_files(corpus, corpus_glob)
 
-    engine = Engine.load(target_spec, device=device, ctx_size=16, progress=True, spec=SpecConfig(enabled=False))
+    engine = Engine.load(target_spec, device=device, ctx_size=16, progress=True, spec=SpecConfig(enabled=False),
+                         weights="exact")  # the trainer backpropagates through the LM head
     engine.close()  # only its model and tokenizer are used
     model, tokenizer = engine.model, engine.tokenizer
     target = TargetParts.of(model)

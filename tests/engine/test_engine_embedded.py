@@ -20,7 +20,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=512, progress=False)
+    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=512, progress=False, weights="exact")
     yield eng
     eng.close()
 

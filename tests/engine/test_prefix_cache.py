@@ -320,7 +320,7 @@ def test_bad_kv_dtype(pair):
 
 @pytest.fixture(scope="module")
 def embedded():
-    engine = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=1024, progress=False)
+    engine = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=1024, progress=False, weights="exact")
     yield engine
     engine.close()
 
