@@ -4,7 +4,6 @@ fidelity against the exact path on the embedded model, and speculation that stay
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from dflash_agent.bench.fidelity import compare, texts
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.packed_linear import PLANE_TYPES, CpuInt4, CpuInt8, PackedWeight
-from dflash_agent.engine.quant import PackedTensor
 from dflash_agent.engine.speculative import SpecConfig
 from dflash_agent.engine.tokenizer import Tokenizer
 from dflash_agent.engine.weights import EMBEDDED_DRAFTER, build_model, open_checkpoint, resolve_model_path
@@ -91,8 +89,8 @@ def _greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
                           "packed kernels turns some of those into one-ulp input changes; near-ties then flip "
                           "(first divergence at token 17 on json.decoder)", strict=False)
 def test_speculation_is_lossless_on_the_packed_path():
-    import json.decoder
     import inspect
+    import json.decoder
 
     block = json.loads((EMBEDDED_DRAFTER / "config.json").read_text())["block_size"]
     spec = Engine.load("embedded", device="cpu", ctx_size=1024, progress=False, spec=SpecConfig(block=block),
