@@ -7,7 +7,7 @@ import torch
 
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
 from dflash_agent.engine.model import ContextOverflowError
-from dflash_agent.engine.sampling import SamplingParams, StopCriteria
+from dflash_agent.engine import SamplingParams, StopCriteria
 
 PROMPTS = [
     "def fibonacci(n):",
