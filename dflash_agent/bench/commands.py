@@ -35,6 +35,9 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--synthetic", type=click.Choice(SYNTHETIC_MODELS), default=None,
               help="The GPU path at these real shapes with random weights: decode vs roofline, verify, drafter.")
 @click.option("--quant", type=click.Choice(SYNTHETIC_QUANTS), default=None, help="With --synthetic [Q4_0].")
+@click.option("--gpu-check", is_flag=True,
+              help="On a machine with a GPU: the CUDA tests compiled for it and the synthetic gemma4-31b benchmark, "
+                   "one table (bench-results/gpu-check.json); exit 1 if a step fails.")
 @click.option("--kernels", is_flag=True,
               help="Compile report instead (no GPU needed): registers, spills and shared memory of every Triton "
                    "launch for gemma4-31b on sm_86/89/90/120, against the budgets; exit 1 if one is broken.")
@@ -53,11 +56,22 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
                    "prefix.json, kernels.json].")
 @user_errors
 def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, fidelity,
-          http, synthetic, quant, kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
+          http, synthetic, quant, gpu_check, kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
     logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    if gpu_check:
+        if spec or draft or spec_block or http or synthetic or quant or kernels or prefix or fidelity or ctx_size \
+                or plan_only or gpu_memory or as_json:
+            raise click.UsageError("--gpu-check takes only --out")
+        from .gpu_check import run_gpu_check
+
+        text, passed = run_gpu_check(out or Path("bench-results/gpu-check.json"))
+        click.echo(text)
+        if not passed:
+            sys.exit(1)
+        return
     if fidelity:
         from .fidelity import report as fidelity_report
         from .fidelity import run_fidelity

@@ -1,0 +1,93 @@
+"""`dflash-agent bench --gpu-check`: the one command to run first on a machine with a GPU.
+
+It runs two things and reports them in one table, with JSON in `bench-results/gpu-check.json`:
+- the tests that exercise the CUDA path, compiled for the device rather than interpreted: the kernels against their
+  PyTorch references, the packed model, CUDA graphs, and the CUDA-only engine tests. It runs them from a checkout,
+  because the wheel carries no tests;
+- the synthetic Gemma 4 31B benchmark at each quantization (decode against the roofline, verify, the drafter, peak
+  memory), with each result's own JSON and plot written beside it.
+
+Without a GPU it refuses with one line. `bench --kernels` is what a CPU machine can check instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GPU_TESTS = (
+    "tests/kernels",
+    "tests/engine/test_cuda_graphs.py",
+    "tests/engine/test_packed_linear.py",
+    "tests/engine/test_quant.py",
+    "tests/engine/test_grammar.py",
+    "tests/engine/test_memory_plan.py",
+)
+MODEL = "gemma4-31b"
+
+
+@dataclass
+class Step:
+    name: str
+    ok: bool
+    seconds: float
+    detail: str
+
+
+def _gpu_tests(repo: Path) -> Step:
+    tests = [t for t in GPU_TESTS if (repo / t).exists()]
+    if not tests:
+        return Step("GPU tests", False, 0.0, f"no tests/ under {repo}: run --gpu-check from a checkout")
+    log.info("running the GPU tests: %s", " ".join(tests))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled for the device
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=repo,
+                          env=env, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    detail = "; ".join([*(lines[-1:] or ["no output"]), *failures[:20]])
+    return Step("GPU tests", done.returncode == 0, time.perf_counter() - started, detail)
+
+
+def _synthetic(quant: str) -> Step:
+    from .synthetic import report, run_synthetic_bench
+
+    log.info("synthetic %s %s benchmark", MODEL, quant)
+    started = time.perf_counter()
+    try:
+        result = run_synthetic_bench(MODEL, quant, None)
+    except Exception as exc:  # a failed step is a finding of the check, reported beside the others
+        log.debug("the synthetic benchmark failed", exc_info=True)
+        return Step(f"synthetic {quant}", False, time.perf_counter() - started, f"{type(exc).__name__}: {exc}")
+    result.command = f"dflash-agent bench --synthetic {MODEL} --quant {quant}"
+    text = report(result, Path(f"bench-results/synthetic-{MODEL}-{quant}.json"), as_json=False)
+    return Step(f"synthetic {quant}", all(result.goals.values()), time.perf_counter() - started, text)
+
+
+def run_gpu_check(out: Path, repo: Path | None = None) -> tuple[str, bool]:
+    """(the table to print, whether every step passed)."""
+    import torch
+
+    from .synthetic import QUANTS
+
+    if not torch.cuda.is_available():
+        raise ValueError("--gpu-check needs a CUDA GPU and this machine has none; without one, "
+                         "`dflash-agent bench --kernels` checks the kernels' compile budgets")
+    device = torch.cuda.get_device_name()
+    steps = [_gpu_tests(repo or Path(__file__).resolve().parents[2]), *(_synthetic(quant) for quant in QUANTS)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                               "steps": [asdict(step) for step in steps]}, indent=2))
+    lines = [f"GPU check on {device} (torch {torch.__version__}), {out}"]
+    for step in steps:
+        lines.append(f"[{'ok' if step.ok else 'FAIL'}] {step.name} ({step.seconds:.0f} s)")
+        lines.extend(f"    {line}" for line in step.detail.splitlines())
+    return "\n".join(lines), all(step.ok for step in steps)

@@ -1,0 +1,23 @@
+"""`bench --gpu-check`: the first command on a machine with a GPU; without one, a one-line refusal."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
+def test_gpu_check_without_a_gpu_says_what_to_run_instead():
+    done = subprocess.run([sys.executable, "-m", "dflash_agent", "bench", "--gpu-check"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --gpu-check needs a CUDA GPU and this machine has none; without one, "
+        "`dflash-agent bench --kernels` checks the kernels' compile budgets"]
+
+
+def test_gpu_check_takes_no_other_benchmark():
+    done = subprocess.run([sys.executable, "-m", "dflash_agent", "bench", "--gpu-check", "--spec"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--gpu-check takes only --out" in done.stderr
