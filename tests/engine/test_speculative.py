@@ -224,7 +224,7 @@ def test_quantized_drafter_stays_close(pair, mode):
 
 def test_stop_token_and_string_inside_a_block(pair):
     """A stop met in the middle of an accepted block ends the output exactly where plain decoding ends it."""
-    from dflash_agent.engine.sampling import StopCriteria
+    from dflash_agent.engine import StopCriteria
 
     _, _, target, drafter, _ = pair
     prompt = _prompts(20)[8]
