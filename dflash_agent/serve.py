@@ -10,7 +10,7 @@ import click
 import uvicorn
 
 from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
-from .api.lifecycle import access_log
+from .api.lifecycle import access_log, request_log
 from .api.service import ServerSettings, ServerState
 from .mcp.http import MCPPlugin, mcp_serve_options
 from .options import kv_cache_option, load_engine, model_options
@@ -47,12 +47,14 @@ class _Server(uvicorn.Server):
               show_default=True, help="Largest request body accepted (413 above).")
 @click.option("--chat-template", default=None,
               help="gemma4, gemma3 or a .jinja file instead of the checkpoint's own template.")
-@click.option("--no-access-log", is_flag=True, help="No log line per request (method, path, status, seconds).")
+@click.option("--no-access-log", is_flag=True,
+              help="No log line per request (method, path, status, seconds; tokens and speed of a generation).")
+@click.option("--log-requests", is_flag=True,
+              help="Log each request's headers (secrets redacted) and body: what a client sends.")
 @mcp_serve_options
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-          api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, mcp_repo,
-          mcp_expose_tools,
-          mcp_read_only) -> None:
+          api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, log_requests,
+          mcp_repo, mcp_expose_tools, mcp_read_only) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
     if no_spec and (draft or spec_block):
@@ -81,6 +83,8 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     server = _Server(config, app.state.server)
     if not no_access_log:
         logging.getLogger(access_log.name).setLevel(logging.INFO)
+    if log_requests:
+        logging.getLogger(request_log.name).setLevel(logging.INFO)
     click.echo(f"dflash-agent: serving on http://{host}:{port} (loading {model}; /health says 503 until ready)",
                err=True)
     try:

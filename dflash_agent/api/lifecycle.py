@@ -13,6 +13,10 @@ from typing import Any
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 access_log = logging.getLogger("dflash_agent.api.access")
+# What each client sends (`serve --log-requests`): the way to see a new client's dialect. Off by default, since
+# bodies carry whole conversations.
+request_log = logging.getLogger("dflash_agent.api.requests")
+_SECRET_HEADERS = {b"authorization", b"x-api-key", b"cookie", b"proxy-authorization"}
 
 
 def with_lifecycle(app: ASGIApp) -> ASGIApp:
@@ -53,11 +57,16 @@ class _Request:
         self._complete = False
         self._watcher: asyncio.Task | None = None
         self._disconnect: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._body: list[bytes] | None = [] if request_log.isEnabledFor(logging.INFO) else None
 
     async def receive(self) -> Message:
         if self._body_read:
             return await asyncio.shield(self._disconnect)
         message = await self._receive()
+        if self._body is not None and message["type"] == "http.request":
+            self._body.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                self._log_body()
         if message["type"] == "http.disconnect":
             self._body_read = True
             self._client_left(message)
@@ -86,6 +95,13 @@ class _Request:
         self.gone = True
         if self.status is None and self.handler is not None:
             self.handler.cancel()
+
+    def _log_body(self) -> None:
+        headers = {name.decode("latin-1"): "<redacted>" if name.lower() in _SECRET_HEADERS else value.decode("latin-1")
+                   for name, value in self.scope.get("headers", [])}
+        body = b"".join(self._body or []).decode("utf-8", errors="replace")
+        request_log.info("%s %s headers=%s body=%s", self.scope["method"], self.scope["path"], headers, body)
+        self._body = None
 
     def stop_watching(self) -> None:
         if self._watcher is not None:

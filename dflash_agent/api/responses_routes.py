@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from litestar import Router, get, post
 from litestar.datastructures import State
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 
 from ..chat.chat_format import ChatOptions, LoadedModel, stream_chat
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
@@ -150,7 +150,7 @@ async def create_response(data: JSONBody[ResponsesRequest], state: State) -> dic
 
 
 @get("/v1/responses/{response_id:str}", summary="A stored response (OpenAI Responses API)")
-async def retrieve_response(response_id: str, state: State) -> dict:
+async def retrieve_response(response_id: FromPath[str], state: State) -> dict:
     state.server.ready()
     try:
         return _store(state).get(response_id)[1]

@@ -21,6 +21,8 @@ from .errors import APIError, context_overflow
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+# A child of the access log, so `serve` turns both on and --no-access-log both off.
+generation_log = logging.getLogger("dflash_agent.api.access.generation")
 
 HEARTBEAT = object()  # yielded by Generation.events() when nothing happened for a while
 
@@ -96,6 +98,7 @@ class Generation:
             async for event in source:
                 if isinstance(event, FinalEvent):
                     self._metrics.observe(self._endpoint, event)
+                    _log_generation(self._endpoint, event)
                 self._buffer.put_nowait(event)
         except asyncio.CancelledError:  # the client went away: the engine stops at its next step
             self._metrics.requests.labels(self._endpoint, "cancelled").inc()
@@ -135,6 +138,15 @@ class Generation:
         if not self._task.done():
             self._buffer.put_nowait(_Failure(error))
             self._task.cancel()
+
+
+def _log_generation(endpoint: str, final: FinalEvent) -> None:
+    t = final.timings
+    generation_log.info(
+        "%s: prompt %d tokens (%d from the prefix cache, %d prefilled in %.2f s), %d generated in %.2f s "
+        "(%.1f tok/s), finish %s", endpoint, final.usage.prompt_tokens, final.usage.cached_tokens, t.prompt_n,
+        t.prompt_ms / 1e3, final.usage.completion_tokens, t.predicted_ms / 1e3, t.predicted_per_second,
+        final.finish_reason)
 
 
 @dataclass

@@ -153,3 +153,23 @@ def test_every_request_leaves_an_access_log_line(server_url, caplog):
     assert any('"GET /nope HTTP/1.1" 404 ' in m for m in lines), lines
     assert any('"POST /v1/completions HTTP/1.1" 400 ' in m for m in lines), lines
     assert any('"POST /v1/completions HTTP/1.1" 499 client disconnected' in m for m in lines), lines
+
+
+def test_a_generation_logs_its_tokens_and_speed(server_url, caplog):
+    caplog.set_level(logging.INFO, logger="dflash_agent.api.access")
+    httpx.post(f"{server_url}/v1/completions", json={"prompt": COUNT, "max_tokens": 3, "temperature": 0},
+               timeout=120).raise_for_status()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash_agent.api.access.generation"]
+    assert any(m.startswith("completions: prompt ") and "3 generated" in m and "finish length" in m
+               for m in lines), lines
+
+
+def test_log_requests_shows_what_a_client_sent_with_its_secrets_redacted(server_url, caplog):
+    caplog.set_level(logging.INFO, logger="dflash_agent.api.requests")
+    body = {"prompt": "a marker 7f3a", "max_tokens": 1}
+    httpx.post(f"{server_url}/v1/completions", json=body, timeout=120,
+               headers={"Authorization": "Bearer s3cret", "User-Agent": "probe/1.0"})
+    [line] = [r.getMessage() for r in caplog.records if r.name == "dflash_agent.api.requests"]
+    assert line.startswith("POST /v1/completions headers=")
+    assert "probe/1.0" in line and "s3cret" not in line and "<redacted>" in line
+    assert json.loads(line.split(" body=", 1)[1]) == body

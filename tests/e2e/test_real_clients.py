@@ -1,10 +1,12 @@
-"""Real coding assistants against a live server with the embedded model: Codex CLI (`@openai/codex`, the
-Responses API) and Claude Code (`@anthropic-ai/claude-code`, the Messages API). The model is a tiny base
-model, so these check that each client's protocol cycle completes, not the answer.
+"""Real coding assistants against a live server: Codex CLI (`@openai/codex`, the Responses API) and Claude Code
+(`@anthropic-ai/claude-code`, the Messages API), each unmodified, run as a user runs them.
 
-They run when the client is installed (`npm install -g @openai/codex @anthropic-ai/claude-code`) and
-DFLASH_AGENT_REAL_CLIENTS=1 is set: on a 2-core CPU a run prefills Codex's 8K-token or Claude Code's 27K-token
-first prompt and takes several minutes."""
+- With a scripted model (tests/e2e/scripted_engine.py): the client's whole cycle of a tool call, the tool's
+  result sent back, and a final answer, through the real tokenizer, template, tool syntax and routes. These run
+  whenever the client is installed (`npm install -g @openai/codex @anthropic-ai/claude-code`) and take seconds.
+- With the embedded model: the same first prompt prefilled and answered for real. They also need
+  DFLASH_AGENT_REAL_CLIENTS=1: on a 2-core CPU a run prefills Codex's 8K-token or Claude Code's 27K-token first
+  prompt and takes many minutes, and the 270M base model may not end its turn on such a prompt."""
 
 from __future__ import annotations
 
@@ -17,13 +19,45 @@ import pytest
 
 from dflash_agent.api.background import live_server
 from dflash_agent.engine.engine import Engine
+from tests.e2e.scripted_engine import ScriptedEngine, fenced_call
 
 TIMEOUT_S = 1800
+MARKER = "marker_7f3a.py"  # a file only a listing of the repo can tell the model about
+ANSWER = f"The files here are README.md and {MARKER}."
+RESULT = '```tool_result\n{"name": '  # a tool's result as chat/gemma3_tools.py writes it back
 
 
 def _wanted(binary: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(shutil.which(binary) is None or os.environ.get("DFLASH_AGENT_REAL_CLIENTS") != "1",
                               reason=f"{binary} not installed or DFLASH_AGENT_REAL_CLIENTS not 1")
+
+
+def _installed(binary: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(shutil.which(binary) is None, reason=f"{binary} not installed")
+
+
+def _lister(prompt: str) -> str:
+    """Lists the repo with the client's own shell tool, then answers from what came back."""
+    if RESULT in prompt:
+        return ANSWER
+    if "## exec_command" in prompt:  # Codex
+        return "Listing the files.\n" + fenced_call("exec_command", {"cmd": "ls"})
+    if "## Bash" in prompt:  # Claude Code
+        return "Listing the files.\n" + fenced_call("Bash", {"command": "ls", "description": "List files"})
+    return "OK."  # a client's side request (a title, a quota probe)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    engine = None
+
+    def load():
+        nonlocal engine
+        engine = ScriptedEngine(Engine.load(progress=False), _lister)
+        return engine
+
+    with live_server(load) as url:
+        yield url, engine
 
 
 @pytest.fixture(scope="module")
@@ -36,34 +70,65 @@ def server_url():
 def repo(tmp_path):
     work = tmp_path / "repo"
     work.mkdir()
-    (work / "hello.py").write_text("print('hi')\n")
+    (work / MARKER).write_text("print('hi')\n")
     (work / "README.md").write_text("# demo\n")
     return work
 
 
-@_wanted("codex")
-def test_codex_exec_completes(server_url, repo, tmp_path):
-    home = tmp_path / "codex-home"
+def _codex(url: str, repo, home, timeout_s: float) -> subprocess.CompletedProcess:
     home.mkdir()
     (home / "config.toml").write_text(
         'model = "gemma"\nmodel_provider = "dflash"\n\n[model_providers.dflash]\nname = "dflash-agent"\n'
-        f'base_url = "{server_url}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 3600000\n')
-    result = subprocess.run(["codex", "exec", "--skip-git-repo-check", "list the files here"], check=False, cwd=repo,
-                            env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+        f'base_url = "{url}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 3600000\n')
+    return subprocess.run(["codex", "exec", "--skip-git-repo-check", "list the files here"], check=False, cwd=repo,
+                          env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout_s)
+
+
+def _claude(url: str, repo, config, timeout_s: float) -> subprocess.CompletedProcess:
+    config.mkdir()
+    env = {**os.environ, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "unused",
+           "CLAUDE_CONFIG_DIR": str(config), "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "DISABLE_TELEMETRY": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "API_TIMEOUT_MS": str(int(timeout_s * 1000))}
+    return subprocess.run(["claude", "-p", "list the files here", "--output-format", "json"], check=False,
+                          cwd=repo, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=timeout_s)
+
+
+@_installed("codex")
+def test_codex_exec_runs_a_tool_and_answers(scripted, repo, tmp_path):
+    url, engine = scripted
+    before = len(engine.prompts)
+    result = _codex(url, repo, tmp_path / "codex-home", 300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ANSWER in result.stdout, result.stdout[-3000:]
+    prompts = engine.prompts[before:]
+    assert len(prompts) >= 2
+    # ls ran in Codex's sandbox, and its output came back as a function_call_output the template rendered.
+    assert MARKER in prompts[-1].split(RESULT, 1)[1], prompts[-1][-2000:]
+
+
+@_installed("claude")
+def test_claude_code_runs_a_tool_and_answers(scripted, repo, tmp_path):
+    url, engine = scripted
+    before = len(engine.prompts)
+    result = _claude(url, repo, tmp_path / "claude-config", 300)
+    answer = json.loads(result.stdout)
+    assert answer["is_error"] is False, answer
+    assert answer["result"] == ANSWER, answer
+    # The tool_use went out, and its tool_result (run or refused by Claude Code's permissions) came back.
+    assert any(RESULT in p for p in engine.prompts[before:])
+
+
+@_wanted("codex")
+def test_codex_exec_completes(server_url, repo, tmp_path):
+    result = _codex(server_url, repo, tmp_path / "codex-home", TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ERROR" not in result.stderr
 
 
 @_wanted("claude")
 def test_claude_code_print_mode_is_not_an_error(server_url, repo, tmp_path):
-    config = tmp_path / "claude-config"
-    config.mkdir()
-    env = {**os.environ, "ANTHROPIC_BASE_URL": server_url, "ANTHROPIC_AUTH_TOKEN": "unused",
-           "CLAUDE_CONFIG_DIR": str(config), "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "DISABLE_TELEMETRY": "1",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "API_TIMEOUT_MS": str(TIMEOUT_S * 1000)}
-    result = subprocess.run(["claude", "-p", "list the files here", "--output-format", "json"], check=False,
-                            cwd=repo, env=env,
-                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+    result = _claude(server_url, repo, tmp_path / "claude-config", TIMEOUT_S)
     answer = json.loads(result.stdout)
     assert answer["is_error"] is False, answer

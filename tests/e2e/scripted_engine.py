@@ -1,0 +1,38 @@
+"""The embedded engine with the model's words replaced by a script: a test double for what a 270M model cannot do
+on a coding assistant's prompt (call a tool, read its result, end its turn). Everything else is real: the
+tokenizer, the chat template and tool syntax, the HTTP routes, and the client under test. It records every prompt
+it was given, rendered, so a test can check what came back from the client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from dflash_agent.engine import Engine, FinalEvent, GenerateRequest, TokenEvent, Timings, Usage
+
+
+def fenced_call(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call in the Gemma 3 syntax the chat layer teaches the embedded model."""
+    return "```tool_call\n" + json.dumps({"name": name, "arguments": arguments}) + "\n```"
+
+
+class ScriptedEngine:
+    """`reply(prompt_text)` says what the model answers to a rendered prompt."""
+
+    def __init__(self, engine: Engine, reply: Callable[[str], str]) -> None:
+        self._engine, self._reply = engine, reply
+        self.prompts: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
+        prompt = self._engine.tokenizer.decode(request.prompt_ids)
+        self.prompts.append(prompt)
+        text = self._reply(prompt)
+        ids = self._engine.tokenizer.encode(text, add_bos=False)
+        if request.on_prefix is not None:
+            request.on_prefix(0)
+        yield TokenEvent(ids, text)
+        yield FinalEvent("stop", Usage(len(request.prompt_ids), len(ids)), Timings(prompt_n=len(request.prompt_ids)))
