@@ -86,7 +86,7 @@ def _codex(url: str, repo, home, timeout_s: float) -> subprocess.CompletedProces
 
 
 def _claude(url: str, repo, config, timeout_s: float) -> subprocess.CompletedProcess:
-    config.mkdir()
+    config.mkdir(exist_ok=True)
     env = {**os.environ, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": "unused",
            "CLAUDE_CONFIG_DIR": str(config), "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "API_TIMEOUT_MS": str(int(timeout_s * 1000))}
@@ -118,6 +118,29 @@ def test_claude_code_runs_a_tool_and_answers(scripted, repo, tmp_path):
     assert answer["result"] == ANSWER, answer
     # The tool_use went out, and its tool_result (run or refused by Claude Code's permissions) came back.
     assert any(RESULT in p for p in engine.prompts[before:])
+
+
+@_installed("claude")
+def test_a_second_claude_code_run_is_served_from_the_prefix_cache(repo, tmp_path):
+    """Each prompt really prefilled (about 19K tokens on the first request, a minute or more on a CPU), the answers
+    scripted: Claude Code's prompts must stay stable across runs for the cache to serve the second."""
+    engine = None
+
+    def load():
+        nonlocal engine
+        engine = ScriptedEngine(Engine.load(progress=False), _lister, prefill=True)
+        return engine
+
+    with live_server(load) as url:
+        # One user's config for both runs: a fresh config is a first start, whose prompt differs from the start on.
+        first = _claude(url, repo, tmp_path / "config", TIMEOUT_S)
+        assert json.loads(first.stdout)["is_error"] is False, first.stdout
+        before = len(engine.usages)
+        second = _claude(url, repo, tmp_path / "config", TIMEOUT_S)
+        assert json.loads(second.stdout)["result"] == ANSWER, second.stdout
+    usages = engine.usages[before:]
+    prompt, cached = sum(u.prompt_tokens for u in usages), sum(u.cached_tokens for u in usages)
+    assert prompt > 10_000 and cached / prompt > 0.9, usages
 
 
 @_wanted("codex")
