@@ -23,7 +23,7 @@ import torch
 from ..kernels.attention import cache_attention
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, KeyPositions, _LayerStep, _rope_key, rotate
+from .model import ForwardOutput, GemmaModel, KeyPositions, _LayerStep, _rope_key, rope_tables, rotate
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class TargetStepGraphs:
         model, cache = self.model, self.cache
         assert cache is not None
         x = model.embed_tokens.weight[g.ids] * torch.tensor(model.config.embed_scale, dtype=model.dtype)
-        tables = {key: model._cos_sin(inv_freq, g.pos) for key, inv_freq in model._inv_freq.items()}
+        tables = {key: rope_tables(inv_freq, g.pos, model.dtype) for key, inv_freq in model._inv_freq.items()}
         ring_slots = g.pos % cache.ring_slots
         g.ring.index_copy_(0, ring_slots, g.pos)
         full = (g.pos, None, True, KeyPositions(g.pos, None, None))
@@ -165,9 +165,7 @@ class DraftStepGraph:
         drafter, cache, T = self.drafter, self.cache, self.block
         config = drafter.config
         heads, d = config.num_heads, config.head_dim
-        freqs = self.pos[:, None].float() * drafter.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(drafter.dtype), emb.sin().to(drafter.dtype)
+        cos, sin = drafter.rope(self.pos)
         last = self.pos[-1:].expand(T)
         x = self.embeds
         for i, layer in enumerate(drafter.layers):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .errors import DrafterError
-from .model import RMSNorm, rotate
+from .model import RMSNorm, rope_tables, rotate
 from .quant_linear import quantize_linear_weights
 
 log = logging.getLogger(__name__)
@@ -249,11 +249,9 @@ class Drafter(nn.Module):
     def new_cache(self, max_len: int) -> DrafterCache:
         return DrafterCache(self.config, max_len, self.device, self.dtype)
 
-    def _cos_sin(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + length, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [T, head_dim] at positions [T]."""
+        return rope_tables(self.inv_freq, positions, self.dtype)
 
     @torch.inference_mode()
     def append_context(self, features: torch.Tensor, cache: DrafterCache) -> None:
@@ -263,7 +261,7 @@ class Drafter(nn.Module):
         if start + C > cache.max_len:
             raise ValueError(f"the drafter cache holds {cache.max_len} tokens, {start + C} asked for")
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
-        cos, sin = self._cos_sin(start, C)
+        cos, sin = self.rope(torch.arange(start, start + C, device=self.device))
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(ctx, cos, sin)
             cache.k[i][start : start + C] = k
@@ -274,7 +272,7 @@ class Drafter(nn.Module):
     def draft(self, block_embeds: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
         """Hidden states [T, H] for a block at positions cache.length..; the cache is read, not written."""
         T, start = block_embeds.shape[0], cache.length
-        cos, sin = self._cos_sin(start, T)
+        cos, sin = self.rope(torch.arange(start, start + T, device=self.device))
         q_pos = torch.arange(start, start + T, device=self.device)[:, None]
         k_pos = torch.arange(start + T, device=self.device)[None, :]
         x = block_embeds.to(self.dtype)

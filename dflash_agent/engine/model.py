@@ -54,6 +54,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [T, 2 * len(inv_freq)] for `rotate` at positions [T], computed in float32."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
@@ -228,7 +235,7 @@ class GemmaModel(nn.Module):
         pos = torch.arange(start, start + T, device=self.device)
         full_step, sliding_step = self._plan(cache, pos)
         x = self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
-        tables = {key: self._cos_sin(inv_freq, pos) for key, inv_freq in self._inv_freq.items()}
+        tables = {key: rope_tables(inv_freq, pos, self.dtype) for key, inv_freq in self._inv_freq.items()}
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
             step = sliding_step if layer_kv.sliding else full_step
@@ -254,11 +261,6 @@ class GemmaModel(nn.Module):
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def _cos_sin(self, inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos[:, None].float() * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def _plan(self, cache: KVCache, pos: torch.Tensor) -> tuple[tuple, tuple]:
         """Slots to write and masks for full and sliding layers; computed once, shared by all layers."""

@@ -68,13 +68,6 @@ def block_mask(config: DrafterConfig, layer: int, anchors: torch.Tensor, block_s
     return torch.cat((context, own), dim=1)
 
 
-def rope(drafter: Drafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, head_dim] at arbitrary positions (the drafter's NeoX RoPE)."""
-    freqs = positions.float()[:, None] * drafter.inv_freq.to(positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(drafter.dtype), emb.sin().to(drafter.dtype)
-
-
 def forward_blocks(drafter: Drafter, features: torch.Tensor, block_embeds: torch.Tensor,
                    anchors: torch.Tensor) -> torch.Tensor:
     """Hidden states [A*B, H] of A blocks at once.
@@ -87,8 +80,8 @@ def forward_blocks(drafter: Drafter, features: torch.Tensor, block_embeds: torch
     B = block_embeds.shape[0] // A
     context_len = int(anchors.max())
     ctx = drafter.hidden_norm(drafter.fc(features[:context_len].to(drafter.dtype)))
-    ctx_cos, ctx_sin = rope(drafter, torch.arange(context_len, device=features.device))
-    q_cos, q_sin = rope(drafter, block_positions(anchors, B).reshape(-1))
+    ctx_cos, ctx_sin = drafter.rope(torch.arange(context_len, device=features.device))
+    q_cos, q_sin = drafter.rope(block_positions(anchors, B).reshape(-1))
     x = block_embeds.to(drafter.dtype)
     masks: dict[tuple, torch.Tensor] = {}
     for i, layer in enumerate(drafter.layers):

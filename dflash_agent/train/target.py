@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.config import LayerSpec
-from ..engine.model import Attention, DecoderLayer, GemmaModel, rotate
+from ..engine.model import Attention, DecoderLayer, GemmaModel, _rope_key, rope_tables, rotate
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +94,7 @@ class BatchGenerator:
         keys = torch.arange(end, device=model.device)
         causal = keys[None, :] <= pos[:, None]
         masks = {False: causal, True: causal & (pos[:, None] - keys[None, :] < cfg.sliding_window)}
-        tables = {}
-        for key, inv_freq in self._inv_freq.items():
-            freqs = pos[:, None].float() * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            tables[key] = (emb.cos().to(model.dtype), emb.sin().to(model.dtype))
+        tables = {key: rope_tables(inv_freq, pos, model.dtype) for key, inv_freq in self._inv_freq.items()}
         width = cfg.hidden_size
         for i, (layer, spec) in enumerate(zip(model.layers, cfg.layers)):
             x = _layer(layer, x, *tables[_rope_key(spec)], k_cache[i], v_cache[i], start, masks[spec.sliding])
@@ -139,7 +134,3 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
         enable_gqa=keys.shape[2] != attn.num_heads,
     )
     return attn.o_proj(out.transpose(1, 2).reshape(n, T, attn.num_heads * d))
-
-
-def _rope_key(spec: LayerSpec) -> tuple:
-    return (spec.head_dim, spec.rope_theta, spec.rope_angles, spec.rope_factor)
