@@ -2,7 +2,8 @@
 
 A 31B target step launches about a thousand kernels (60 layers of matmuls, norms, RoPE and attention);
 replaying them as one graph takes the CPU's launch overhead out of decoding. Graphs need fixed shapes and
-no host synchronisation, so a captured step plans differently from GemmaModel.forward:
+no host synchronisation, so a captured step runs the same layers (GemmaModel.layers_forward) with a
+different plan:
 - positions live in a device buffer, and blocks are padded up to a bucket size (1, 2, 4, 8, 16 tokens);
 - full-attention layers attend their whole preallocated cache: the attention kernel skips slots past the
   last query by position (kernels.attention), and the rings' slot -> position map is updated on the device.
@@ -23,7 +24,7 @@ import torch
 from ..kernels.attention import cache_attention
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, KeyPositions, _LayerStep, _rope_key, rope_tables, rotate
+from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, StepPlan, rotate
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +113,14 @@ class TargetStepGraphs:
         # GemmaModel.forward with the plan made on the device (see the module doc)
         model, cache = self.model, self.cache
         assert cache is not None
-        x = model.embed_tokens.weight[g.ids] * torch.tensor(model.config.embed_scale, dtype=model.dtype)
-        tables = {key: rope_tables(inv_freq, g.pos, model.dtype) for key, inv_freq in model._inv_freq.items()}
         ring_slots = g.pos % cache.ring_slots
         g.ring.index_copy_(0, ring_slots, g.pos)
-        full = (g.pos, None, True, KeyPositions(g.pos, None, None))
-        sliding = (ring_slots, None, True, KeyPositions(g.pos, g.ring, model.config.sliding_window))
-        captured: dict[int, torch.Tensor] = {}
-        for i, (layer, layer_kv) in enumerate(zip(model.layers, cache.layers)):
-            cos, sin = tables[_rope_key(model.config.layers[i])]
-            x = layer(x, cos, sin, _LayerStep(layer_kv, None, *(sliding if layer_kv.sliding else full)))
-            if i in capture:
-                captured[i] = x
+        plan = StepPlan(
+            g.pos,
+            full=LayerPlan("kernel", g.pos, positions=KeyPositions(g.pos, None, None)),
+            sliding=LayerPlan("kernel", ring_slots, positions=KeyPositions(g.pos, g.ring, model.config.sliding_window)),
+        )
+        x, captured = model.layers_forward(model.embed(g.ids), plan, cache.layers, capture)
         return model.logits(x[g.rows]), captured
 
 
