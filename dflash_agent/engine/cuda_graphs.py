@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.attention import cache_attention
-from .drafter import Drafter, DrafterCache
+from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, StepPlan, rotate
+from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -159,21 +158,10 @@ class DraftStepGraph:
         return self.tokens.clone()
 
     def _step(self) -> torch.Tensor:
-        drafter, cache, T = self.drafter, self.cache, self.block
-        config = drafter.config
-        heads, d = config.num_heads, config.head_dim
-        cos, sin = drafter.rope(self.pos)
-        last = self.pos[-1:].expand(T)
-        x = self.embeds
-        for i, layer in enumerate(drafter.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = rotate(attn.q_norm(attn.q_proj(h).view(T, heads, d)), cos, sin)
-            k, v = attn.context_kv(h, cos, sin)
-            cache.k[i].index_copy_(0, self.pos, k)
-            cache.v[i].index_copy_(0, self.pos, v)
-            mask_pos = self.pos if config.causal[i] else last
-            out = cache_attention(q, cache.k[i], cache.v[i], mask_pos, None, config.window[i], d**-0.5)
-            x = x + attn.o_proj(out.reshape(T, heads * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return drafter.logits(drafter.norm(x)[1:], self.head_weight).argmax(-1)
+        drafter, cache, config = self.drafter, self.cache, self.drafter.config
+        last = self.pos[-1:].expand(self.block)
+        plans = [DraftLayerPlan("cache", cache.k[i], cache.v[i], slots=self.pos, window=config.window[i],
+                                query_positions=self.pos if config.causal[i] else last)
+                 for i in range(config.num_layers)]
+        hidden = drafter.layers_forward(self.embeds, drafter.rope(self.pos), plans)
+        return drafter.logits(hidden[1:], self.head_weight).argmax(-1)

@@ -7,16 +7,16 @@ anchors from a sequence and runs all A blocks as one [A*B] query set over one ke
 inference: context strictly before its anchor (within the window on sliding layers) and its own
 block (causal on sliding layers, bidirectional on full ones). Blocks never see each other.
 
-Built from the inference drafter's own modules (`Drafter.layers`, `fc`, norms), so a trained
-drafter is the same network the engine runs; tests check this forward row for row against
-`Drafter.draft`.
+It runs the inference drafter's own forward (`Drafter.layers_forward`, with each layer's context keys
+projected from the features and this mask), so a trained drafter is the same network the engine runs;
+tests check this forward row for row against `Drafter.draft`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..engine.drafter import Drafter, DrafterConfig
+from ..engine.drafter import Drafter, DrafterConfig, DraftLayerPlan
 
 
 def sample_anchors(length: int, prompt_len: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -82,14 +82,12 @@ def forward_blocks(drafter: Drafter, features: torch.Tensor, block_embeds: torch
     ctx = drafter.hidden_norm(drafter.fc(features[:context_len].to(drafter.dtype)))
     ctx_cos, ctx_sin = drafter.rope(torch.arange(context_len, device=features.device))
     q_cos, q_sin = drafter.rope(block_positions(anchors, B).reshape(-1))
-    x = block_embeds.to(drafter.dtype)
     masks: dict[tuple, torch.Tensor] = {}
+    plans = []
     for i, layer in enumerate(drafter.layers):
         kind = (drafter.config.causal[i], drafter.config.window[i])
         if kind not in masks:
             masks[kind] = block_mask(drafter.config, i, anchors, B, context_len)
-        mask = masks[kind]
         ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
-        x = x + layer.self_attn(layer.input_layernorm(x), q_cos, q_sin, ctx_k, ctx_v, mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x)
+        plans.append(DraftLayerPlan("concat", ctx_k, ctx_v, masks[kind]))
+    return drafter.layers_forward(block_embeds.to(drafter.dtype), (q_cos, q_sin), plans)

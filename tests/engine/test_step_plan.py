@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_agent.engine.drafter import DraftLayerPlan
 from dflash_agent.engine.kv_cache import LayerKV
 from dflash_agent.engine.model import KeyPositions, LayerPlan, StepPlan
 from dflash_agent.engine.weights import build_model
@@ -21,6 +22,9 @@ def test_plans_refuse_fields_their_mode_does_not_take() -> None:
         LayerPlan("kernel", pos)  # the kernel masks by positions
     with pytest.raises(ValueError, match="kernel"):
         LayerPlan("cache", pos, positions=KeyPositions(pos, None, None))
+    cache = torch.zeros(8, 1, 4)
+    with pytest.raises(ValueError, match="slots"):
+        DraftLayerPlan("cache", cache, cache, query_positions=pos)
 
 
 @pytest.mark.parametrize("T", [12, 20])  # a block the rings' slack covers ("cache"), and a longer one ("prefill")
