@@ -2,7 +2,8 @@
 
 A 31B target step launches about a thousand kernels (60 layers of matmuls, norms, RoPE and attention);
 replaying them as one graph takes the CPU's launch overhead out of decoding. Graphs need fixed shapes and
-no host synchronisation, so a captured step plans differently from GemmaModel.forward:
+no host synchronisation, so a captured step runs the same layers (GemmaModel.layers_forward) with a
+different plan:
 - positions live in a device buffer, and blocks are padded up to a bucket size (1, 2, 4, 8, 16 tokens);
 - full-attention layers attend their whole preallocated cache: the attention kernel skips slots past the
   last query by position (kernels.attention), and the rings' slot -> position map is updated on the device.
@@ -20,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.attention import cache_attention
-from .drafter import Drafter, DrafterCache
+from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, KeyPositions, _LayerStep, _rope_key, rotate
+from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +112,14 @@ class TargetStepGraphs:
         # GemmaModel.forward with the plan made on the device (see the module doc)
         model, cache = self.model, self.cache
         assert cache is not None
-        x = model.embed_tokens.weight[g.ids] * torch.tensor(model.config.embed_scale, dtype=model.dtype)
-        tables = {key: model._cos_sin(inv_freq, g.pos) for key, inv_freq in model._inv_freq.items()}
         ring_slots = g.pos % cache.ring_slots
         g.ring.index_copy_(0, ring_slots, g.pos)
-        full = (g.pos, None, True, KeyPositions(g.pos, None, None))
-        sliding = (ring_slots, None, True, KeyPositions(g.pos, g.ring, model.config.sliding_window))
-        captured: dict[int, torch.Tensor] = {}
-        for i, (layer, layer_kv) in enumerate(zip(model.layers, cache.layers)):
-            cos, sin = tables[_rope_key(model.config.layers[i])]
-            x = layer(x, cos, sin, _LayerStep(layer_kv, None, *(sliding if layer_kv.sliding else full)))
-            if i in capture:
-                captured[i] = x
+        plan = StepPlan(
+            g.pos,
+            full=LayerPlan("kernel", g.pos, positions=KeyPositions(g.pos, None, None)),
+            sliding=LayerPlan("kernel", ring_slots, positions=KeyPositions(g.pos, g.ring, model.config.sliding_window)),
+        )
+        x, captured = model.layers_forward(model.embed(g.ids), plan, cache.layers, capture)
         return model.logits(x[g.rows]), captured
 
 
@@ -162,23 +158,10 @@ class DraftStepGraph:
         return self.tokens.clone()
 
     def _step(self) -> torch.Tensor:
-        drafter, cache, T = self.drafter, self.cache, self.block
-        config = drafter.config
-        heads, d = config.num_heads, config.head_dim
-        freqs = self.pos[:, None].float() * drafter.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(drafter.dtype), emb.sin().to(drafter.dtype)
-        last = self.pos[-1:].expand(T)
-        x = self.embeds
-        for i, layer in enumerate(drafter.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = rotate(attn.q_norm(attn.q_proj(h).view(T, heads, d)), cos, sin)
-            k, v = attn.context_kv(h, cos, sin)
-            cache.k[i].index_copy_(0, self.pos, k)
-            cache.v[i].index_copy_(0, self.pos, v)
-            mask_pos = self.pos if config.causal[i] else last
-            out = cache_attention(q, cache.k[i], cache.v[i], mask_pos, None, config.window[i], d**-0.5)
-            x = x + attn.o_proj(out.reshape(T, heads * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return drafter.logits(drafter.norm(x)[1:], self.head_weight).argmax(-1)
+        drafter, cache, config = self.drafter, self.cache, self.drafter.config
+        last = self.pos[-1:].expand(self.block)
+        plans = [DraftLayerPlan("cache", cache.k[i], cache.v[i], slots=self.pos, window=config.window[i],
+                                query_positions=self.pos if config.causal[i] else last)
+                 for i in range(config.num_layers)]
+        hidden = drafter.layers_forward(self.embeds, drafter.rope(self.pos), plans)
+        return drafter.logits(hidden[1:], self.head_weight).argmax(-1)

@@ -13,15 +13,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from ..kernels.attention import cache_attention
 from .errors import DrafterError
-from .model import RMSNorm, rotate
+from .model import RMSNorm, rope_tables, rotate
 from .quant_linear import quantize_linear_weights
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,43 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+@dataclass(frozen=True)
+class DraftLayerPlan:
+    """How one drafter layer's block queries attend during one forward.
+
+    mode "concat" (eager drafts, training): SDPA over the layer's context keys followed by the block's own,
+    with `mask` (None: every key visible). mode "cache" (CUDA graphs): the block's keys are written into the
+    layer's drafter cache at `slots` (just past the context) and kernels.attention reads the whole cache,
+    slot j visible to query i iff j <= query_positions[i] and within `window`.
+    """
+
+    mode: Literal["concat", "cache"]
+    keys: torch.Tensor  # [C, kv_heads, head_dim]; concat: the context's keys; cache: the layer's whole cache
+    values: torch.Tensor
+    mask: torch.Tensor | None = None  # concat: [T, C + T] bool, True = visible
+    slots: torch.Tensor | None = None  # cache: [T] the slots the block's keys are written to
+    query_positions: torch.Tensor | None = None  # cache: [T] the position each query masks slots by
+    window: int | None = None  # cache: sliding window (concat layers put theirs in the mask)
+
+    def __post_init__(self) -> None:
+        if self.mode == "cache" and (self.slots is None or self.query_positions is None):
+            raise ValueError("a 'cache' draft layer plan needs slots and query positions")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the block's queries q [T, heads, d], its keys and values k / v [T, kv_heads, d]."""
+        if self.mode == "cache":
+            assert self.slots is not None and self.query_positions is not None
+            self.keys.index_copy_(0, self.slots, k)
+            self.values.index_copy_(0, self.slots, v)
+            return cache_attention(q, self.keys, self.values, self.query_positions, None, self.window, scale)
+        keys, values = torch.cat((self.keys, k)), torch.cat((self.values, v))
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=self.mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1],
+        )
+        return out.transpose(0, 1)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -176,28 +214,11 @@ class DrafterAttention(nn.Module):
         k = rotate(self.k_norm(self.k_proj(ctx).view(T, -1, self.head_dim)), cos, sin)
         return k, self.v_proj(ctx).view(T, -1, self.head_dim)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: DraftLayerPlan) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
         q = rotate(self.q_norm(self.q_proj(x).view(T, self.num_heads, d)), cos, sin)
         k, v = self.context_kv(x, cos, sin)
-        keys, values = torch.cat((ctx_k, k)), torch.cat((ctx_v, v))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=mask,
-            scale=d**-0.5,
-            enable_gqa=keys.shape[1] != self.num_heads,
-        )
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * d))
+        return self.o_proj(plan.attend(q, k, v, d**-0.5).reshape(T, self.num_heads * d))
 
 
 class DrafterMLP(nn.Module):
@@ -219,6 +240,10 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset=0.0)
         self.mlp = DrafterMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: DraftLayerPlan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Drafter(nn.Module):
@@ -249,11 +274,9 @@ class Drafter(nn.Module):
     def new_cache(self, max_len: int) -> DrafterCache:
         return DrafterCache(self.config, max_len, self.device, self.dtype)
 
-    def _cos_sin(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + length, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [T, head_dim] at positions [T]."""
+        return rope_tables(self.inv_freq, positions, self.dtype)
 
     @torch.inference_mode()
     def append_context(self, features: torch.Tensor, cache: DrafterCache) -> None:
@@ -263,7 +286,7 @@ class Drafter(nn.Module):
         if start + C > cache.max_len:
             raise ValueError(f"the drafter cache holds {cache.max_len} tokens, {start + C} asked for")
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
-        cos, sin = self._cos_sin(start, C)
+        cos, sin = self.rope(torch.arange(start, start + C, device=self.device))
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(ctx, cos, sin)
             cache.k[i][start : start + C] = k
@@ -274,15 +297,20 @@ class Drafter(nn.Module):
     def draft(self, block_embeds: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
         """Hidden states [T, H] for a block at positions cache.length..; the cache is read, not written."""
         T, start = block_embeds.shape[0], cache.length
-        cos, sin = self._cos_sin(start, T)
-        q_pos = torch.arange(start, start + T, device=self.device)[:, None]
+        pos = torch.arange(start, start + T, device=self.device)
         k_pos = torch.arange(start + T, device=self.device)[None, :]
-        x = block_embeds.to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            mask = self._mask(i, q_pos, k_pos)
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, cache.k[i][:start], cache.v[i][:start], mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        plans = [DraftLayerPlan("concat", cache.k[i][:start], cache.v[i][:start], self._mask(i, pos[:, None], k_pos))
+                 for i in range(self.config.num_layers)]
+        return self.layers_forward(block_embeds.to(self.dtype), self.rope(pos), plans)
+
+    def layers_forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plans: list[DraftLayerPlan]
+    ) -> torch.Tensor:
+        """The drafter layers and final norm over block embeddings x [T, H] with RoPE tables (cos, sin) at
+        the block's positions: the one forward that eager drafts, the CUDA-graph draft (engine.cuda_graphs)
+        and training (train.blocks) run."""
+        for layer, plan in zip(self.layers, plans, strict=True):
+            x = layer(x, *rope, plan)
         return self.norm(x)
 
     def _mask(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:

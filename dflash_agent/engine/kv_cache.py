@@ -40,7 +40,9 @@ def dequantize_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LayerKV:
-    k: torch.Tensor  # [slots, num_kv_heads, head_dim]; full layers: slot == position; int8 when quantized
+    # [slots, num_kv_heads, head_dim]; full layers: slot == position; int8 when quantized. train.target batches
+    # unquantized caches as [rows, slots, num_kv_heads, head_dim].
+    k: torch.Tensor
     v: torch.Tensor
     sliding: bool
     k_scale: torch.Tensor | None = None  # [slots, num_kv_heads, head_dim / block] in the model dtype, or None
@@ -54,8 +56,9 @@ class LayerKV:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k_scale is None or self.v_scale is None:
-            self.k[slots] = k
-            self.v[slots] = v
+            # slot-major after any leading batch dimension (train.target's batched caches)
+            self.k[..., slots, :, :] = k
+            self.v[..., slots, :, :] = v
             return
         block = self.k.shape[-1] // self.k_scale.shape[-1]
         self.k[slots], self.k_scale[slots] = quantize_q8(k, block)
@@ -63,7 +66,7 @@ class LayerKV:
 
     def read(self, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [:end] (all slots when end is None), in the model's dtype."""
-        k, v = (self.k, self.v) if end is None else (self.k[:end], self.v[:end])
+        k, v = (self.k, self.v) if end is None else (self.k[..., :end, :, :], self.v[..., :end, :, :])
         if self.k_scale is None or self.v_scale is None:
             return k, v
         ks, vs = (self.k_scale, self.v_scale) if end is None else (self.k_scale[:end], self.v_scale[:end])

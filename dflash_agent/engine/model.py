@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.attention import cache_attention
 from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
 from .errors import ContextOverflowError
@@ -48,10 +50,19 @@ class RMSNorm(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX-style RoPE (dim i pairs with i + d/2); x [T, heads, d], cos/sin [T, d]."""
+    """NeoX-style RoPE (dim i pairs with i + d/2); x [..., T, heads, d], cos/sin [T, d]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_tables(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [T, 2 * len(inv_freq)] for `rotate` at positions [T], computed in float32."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class Attention(nn.Module):
@@ -71,27 +82,18 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(d, eps, offset, with_weight=False) if config.v_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "_LayerStep"
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan
     ) -> torch.Tensor:
-        T, d = x.shape[0], self.spec.head_dim
-        q = rotate(self.q_norm(self.q_proj(x).view(T, self.num_heads, d)), cos, sin)
-        k_raw = self.k_proj(x).view(T, -1, d)
-        v = k_raw if self.v_proj is None else self.v_proj(x).view(T, -1, d)
+        """x [..., T, hidden] (a leading batch dimension needs a batched kv and an SDPA plan)."""
+        lead, d = x.shape[:-1], self.spec.head_dim
+        q = rotate(self.q_norm(self.q_proj(x).view(*lead, self.num_heads, d)), cos, sin)
+        k_raw = self.k_proj(x).view(*lead, -1, d)
+        v = k_raw if self.v_proj is None else self.v_proj(x).view(*lead, -1, d)
         k = rotate(self.k_norm(k_raw), cos, sin)
         if self.v_norm is not None:
             v = self.v_norm(v)
-        if kv.positions is not None:  # CUDA: the Triton kernel reads the cache in place, masking by position
-            return self.o_proj(kv.attend(q, k, v, self.scale).reshape(T, self.num_heads * d))
-        keys, values = kv.keys_values(k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=kv.mask,
-            scale=self.scale,
-            enable_gqa=keys.shape[1] != self.num_heads,
-        )
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * d))
+        out = plan.attend(kv, q, k, v, self.scale)
+        return self.o_proj(out.reshape(*lead, self.num_heads * d))
 
 
 class MLP(nn.Module):
@@ -117,8 +119,10 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
         self.register_buffer("layer_scalar", torch.empty(1) if config.layer_scalar else None)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "_LayerStep") -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv, plan))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
@@ -135,42 +139,60 @@ class KeyPositions:
     window: int | None  # sliding window; None for full attention
 
 
-@dataclass
-class _LayerStep:
-    """How one layer reads and writes the cache during one forward."""
+@dataclass(frozen=True)
+class LayerPlan:
+    """How the layers of one kind (full or sliding) write and read their cache during one forward.
 
-    kv: LayerKV
-    end: int | None  # full layers read slots [:end] (attention stays O(context), not O(max_len)); rings all
-    write_slots: torch.Tensor  # cache slots for the last `len(write_slots)` new tokens
-    mask: torch.Tensor | None  # [T, keys] bool, True = visible
-    # Write first and attend the cache (decode, verify); otherwise attend cache + new keys, then write (prefill).
-    write_first: bool
-    positions: KeyPositions | None = None  # set on write-first steps where the attention kernel runs
+    mode "kernel": write the new keys, then kernels.attention reads the cache in place, masking by `positions`.
+    mode "cache": write the new keys, then SDPA over the cache's slots [:end] with `mask` (decode, verify).
+    mode "prefill": SDPA over slots [:end] followed by the new keys, then write the last len(slots) new keys
+    (a block longer than a ring's slack would overwrite keys its own first queries still need).
+    """
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write k/v, then attend the cache in place with kernels.attention; [T, heads, head_dim]."""
-        from ..kernels.attention import cache_attention
+    mode: Literal["kernel", "cache", "prefill"]
+    slots: torch.Tensor  # cache slots of the last len(slots) new tokens
+    end: int | None = None  # full layers read slots [:end] (attention stays O(context), not O(max_len)); None: all
+    mask: torch.Tensor | None = None  # [T, keys] bool, True = visible; None: every key (SDPA modes)
+    positions: KeyPositions | None = None  # the kernel's masking (mode "kernel" only)
 
-        assert self.positions is not None and self.write_first
-        self.kv.write(self.write_slots, k, v)
-        n = self.end  # None: every slot (rings, and CUDA graphs' preallocated full caches)
-        pos = self.positions
-        return cache_attention(
-            q, self.kv.k[:n], self.kv.v[:n], pos.query, pos.key, pos.window, scale,
-            None if self.kv.k_scale is None else self.kv.k_scale[:n],
-            None if self.kv.v_scale is None else self.kv.v_scale[:n],
-            contiguous=pos.key is None and n is not None,
+    def __post_init__(self) -> None:
+        if (self.mode == "kernel") != (self.positions is not None):
+            raise ValueError("key positions go with the 'kernel' mode, and only with it")
+
+    def attend(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of queries q [..., T, heads, d] over kv and the new k / v, writing these into kv."""
+        if self.mode == "kernel":
+            assert self.positions is not None
+            kv.write(self.slots, k, v)
+            n, pos = self.end, self.positions
+            return cache_attention(
+                q, kv.k[:n], kv.v[:n], pos.query, pos.key, pos.window, scale,
+                None if kv.k_scale is None else kv.k_scale[:n],
+                None if kv.v_scale is None else kv.v_scale[:n],
+                contiguous=pos.key is None and n is not None,
+            )
+        if self.mode == "cache":
+            kv.write(self.slots, k, v)
+            keys, values = kv.read(self.end)
+        else:
+            cached_k, cached_v = kv.read(self.end)
+            keys, values = torch.cat((cached_k, k), dim=-3), torch.cat((cached_v, v), dim=-3)
+            n = self.slots.shape[0]
+            kv.write(self.slots, k[..., -n:, :, :], v[..., -n:, :, :])
+        out = F.scaled_dot_product_attention(
+            q.transpose(-3, -2), keys.transpose(-3, -2), values.transpose(-3, -2),
+            attn_mask=self.mask, scale=scale, enable_gqa=keys.shape[-2] != q.shape[-2],
         )
+        return out.transpose(-3, -2)
 
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.write_slots.shape[0]
-        if self.write_first:
-            self.kv.write(self.write_slots, k, v)
-            return self.kv.read(self.end)
-        cached_k, cached_v = self.kv.read(self.end)
-        keys, values = torch.cat((cached_k, k)), torch.cat((cached_v, v))
-        self.kv.write(self.write_slots, k[-n:], v[-n:])
-        return keys, values
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward's positions and cache plan, made once and shared by every layer."""
+
+    positions: torch.Tensor  # [T] positions of the new tokens (RoPE)
+    full: LayerPlan
+    sliding: LayerPlan
 
 
 class GemmaModel(nn.Module):
@@ -225,23 +247,32 @@ class GemmaModel(nn.Module):
             out = self.step_graphs.replay(ids, cache, logits_at, capture)
             if out is not None:
                 return out
-        pos = torch.arange(start, start + T, device=self.device)
-        full_step, sliding_step = self._plan(cache, pos)
-        x = self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
-        tables = {key: self._cos_sin(inv_freq, pos) for key, inv_freq in self._inv_freq.items()}
-        captured: dict[int, torch.Tensor] = {}
-        for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
-            step = sliding_step if layer_kv.sliding else full_step
-            cos, sin = tables[_rope_key(self.config.layers[i])]
-            x = layer(x, cos, sin, _LayerStep(layer_kv, None if layer_kv.sliding else end, *step))
-            if i in capture:
-                captured[i] = x
+        plan = self._plan(cache, torch.arange(start, end, device=self.device))
+        x, captured = self.layers_forward(self.embed(ids), plan, cache.layers, capture)
         cache.length = end
         if logits_at is None:
             logits_at = torch.tensor([T - 1], device=self.device)
         if logits_at.numel() == 0:
             return ForwardOutput(None, captured)
         return ForwardOutput(self.logits(x[logits_at]), captured)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Scaled input embeddings of token ids [..., T] -> [..., T, hidden]."""
+        return self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
+
+    def layers_forward(
+        self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over embeddings x [..., T, hidden]: the one layer loop that eager steps, CUDA-graph
+        steps (engine.cuda_graphs) and training-data generation (train.target) run. Returns the last layer's
+        output and the outputs of the layers in `capture`."""
+        tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, spec, layer_kv) in enumerate(zip(self.layers, self.config.layers, kv, strict=True)):
+            x = layer(x, *tables[_rope_key(spec)], layer_kv, plan.sliding if layer_kv.sliding else plan.full)
+            if i in capture:
+                captured[i] = x
+        return x, captured
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -255,18 +286,14 @@ class GemmaModel(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _cos_sin(self, inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos[:, None].float() * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-
-    def _plan(self, cache: KVCache, pos: torch.Tensor) -> tuple[tuple, tuple]:
-        """Slots to write and masks for full and sliding layers; computed once, shared by all layers."""
+    def _plan(self, cache: KVCache, pos: torch.Tensor) -> StepPlan:
+        """The eager plan of new tokens at positions pos; advances the rings' slot -> position map."""
         T, start, end = pos.shape[0], int(pos[0]), int(pos[-1]) + 1
-        q = pos[:, None]
-        kernel = triton_runs(pos)
-        full_mask = None if T == 1 or kernel else torch.arange(end, device=pos.device)[None, :] <= q
-        full_step = (pos, full_mask, True, KeyPositions(pos, None, None) if kernel else None)
+        q, kernel = pos[:, None], triton_runs(pos)
+        if kernel:
+            full = LayerPlan("kernel", pos, end, positions=KeyPositions(pos, None, None))
+        else:
+            full = LayerPlan("cache", pos, end, None if T == 1 else torch.arange(end, device=pos.device)[None, :] <= q)
 
         window, slots = self.config.sliding_window, cache.ring_slots
         old_pos = cache.ring_pos
@@ -274,19 +301,18 @@ class GemmaModel(nn.Module):
         new_pos = old_pos.clone()
         new_pos[written % slots] = written
         if T <= slots - window + 1 and kernel:
-            sliding_step = (written % slots, None, True, KeyPositions(pos, new_pos, window))
+            sliding = LayerPlan("kernel", written % slots, positions=KeyPositions(pos, new_pos, window))
         elif T <= slots - window + 1:
             k_pos = new_pos[None, :]
-            mask = (k_pos >= 0) & (k_pos <= q) & (k_pos > q - window)
-            sliding_step = (written % slots, mask, True)
+            sliding = LayerPlan("cache", written % slots, mask=(k_pos >= 0) & (k_pos <= q) & (k_pos > q - window))
         else:
             old = old_pos[None, :]
             old_mask = (old >= 0) & (old < start) & (old > q - window)
             k_new = pos[None, :]
             new_mask = (k_new <= q) & (k_new > q - window)
-            sliding_step = (written % slots, torch.cat((old_mask, new_mask), dim=1), False)
+            sliding = LayerPlan("prefill", written % slots, mask=torch.cat((old_mask, new_mask), dim=1))
         cache.ring_pos = new_pos
-        return full_step, sliding_step
+        return StepPlan(pos, full, sliding)
 
 
 def _rope_key(spec: LayerSpec) -> tuple:

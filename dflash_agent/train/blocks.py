@@ -7,16 +7,16 @@ anchors from a sequence and runs all A blocks as one [A*B] query set over one ke
 inference: context strictly before its anchor (within the window on sliding layers) and its own
 block (causal on sliding layers, bidirectional on full ones). Blocks never see each other.
 
-Built from the inference drafter's own modules (`Drafter.layers`, `fc`, norms), so a trained
-drafter is the same network the engine runs; tests check this forward row for row against
-`Drafter.draft`.
+It runs the inference drafter's own forward (`Drafter.layers_forward`, with each layer's context keys
+projected from the features and this mask), so a trained drafter is the same network the engine runs;
+tests check this forward row for row against `Drafter.draft`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..engine.drafter import Drafter, DrafterConfig
+from ..engine.drafter import Drafter, DrafterConfig, DraftLayerPlan
 
 
 def sample_anchors(length: int, prompt_len: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -68,13 +68,6 @@ def block_mask(config: DrafterConfig, layer: int, anchors: torch.Tensor, block_s
     return torch.cat((context, own), dim=1)
 
 
-def rope(drafter: Drafter, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, head_dim] at arbitrary positions (the drafter's NeoX RoPE)."""
-    freqs = positions.float()[:, None] * drafter.inv_freq.to(positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(drafter.dtype), emb.sin().to(drafter.dtype)
-
-
 def forward_blocks(drafter: Drafter, features: torch.Tensor, block_embeds: torch.Tensor,
                    anchors: torch.Tensor) -> torch.Tensor:
     """Hidden states [A*B, H] of A blocks at once.
@@ -87,16 +80,14 @@ def forward_blocks(drafter: Drafter, features: torch.Tensor, block_embeds: torch
     B = block_embeds.shape[0] // A
     context_len = int(anchors.max())
     ctx = drafter.hidden_norm(drafter.fc(features[:context_len].to(drafter.dtype)))
-    ctx_cos, ctx_sin = rope(drafter, torch.arange(context_len, device=features.device))
-    q_cos, q_sin = rope(drafter, block_positions(anchors, B).reshape(-1))
-    x = block_embeds.to(drafter.dtype)
+    ctx_cos, ctx_sin = drafter.rope(torch.arange(context_len, device=features.device))
+    q_cos, q_sin = drafter.rope(block_positions(anchors, B).reshape(-1))
     masks: dict[tuple, torch.Tensor] = {}
+    plans = []
     for i, layer in enumerate(drafter.layers):
         kind = (drafter.config.causal[i], drafter.config.window[i])
         if kind not in masks:
             masks[kind] = block_mask(drafter.config, i, anchors, B, context_len)
-        mask = masks[kind]
         ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
-        x = x + layer.self_attn(layer.input_layernorm(x), q_cos, q_sin, ctx_k, ctx_v, mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x)
+        plans.append(DraftLayerPlan("concat", ctx_k, ctx_v, masks[kind]))
+    return drafter.layers_forward(block_embeds.to(drafter.dtype), (q_cos, q_sin), plans)

@@ -1,0 +1,51 @@
+"""The typed step plans and the one layer loop they drive (GemmaModel.layers_forward).
+
+A leading batch dimension (train.target's rows) runs each row exactly as the one-sequence forward does,
+whichever attention mode that forward plans; plans whose fields contradict their mode are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_agent.engine.drafter import DraftLayerPlan
+from dflash_agent.engine.kv_cache import LayerKV
+from dflash_agent.engine.model import KeyPositions, LayerPlan, StepPlan
+from dflash_agent.engine.weights import build_model
+from tests.engine.test_packed_linear import VOCAB, tiny_packed_checkpoint
+
+
+def test_plans_refuse_fields_their_mode_does_not_take() -> None:
+    pos = torch.arange(3)
+    with pytest.raises(ValueError, match="kernel"):
+        LayerPlan("kernel", pos)  # the kernel masks by positions
+    with pytest.raises(ValueError, match="kernel"):
+        LayerPlan("cache", pos, positions=KeyPositions(pos, None, None))
+    cache = torch.zeros(8, 1, 4)
+    with pytest.raises(ValueError, match="slots"):
+        DraftLayerPlan("cache", cache, cache, query_positions=pos)
+
+
+@pytest.mark.parametrize("T", [12, 20])  # a block the rings' slack covers ("cache"), and a longer one ("prefill")
+def test_batched_rows_match_one_sequence_forwards(T: int) -> None:
+    model = build_model(tiny_packed_checkpoint(), "cpu", torch.float32, progress=False)
+    cfg, rows = model.config, 3
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (rows, T))
+    kv = []
+    for spec in cfg.layers:
+        shape = (rows, T, spec.num_kv_heads, spec.head_dim)
+        kv.append(LayerKV(torch.zeros(shape), torch.zeros(shape), spec.sliding))
+    pos = torch.arange(T)
+    causal = pos[None, :] <= pos[:, None]
+    window = causal & (pos[:, None] - pos[None, :] < cfg.sliding_window)
+    plan = StepPlan(pos, full=LayerPlan("cache", pos, T, causal), sliding=LayerPlan("cache", pos, T, window))
+    with torch.inference_mode():
+        hidden, captured = model.layers_forward(model.embed(ids), plan, kv, capture=(0,))
+        batched = model.logits(hidden)
+    assert hidden.shape == (rows, T, cfg.hidden_size)
+    for r in range(rows):
+        want = model(ids[r], model.new_cache(32), logits_at=torch.arange(T), capture=(0,))
+        torch.testing.assert_close(batched[r], want.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(captured[0][r], want.captured[0], atol=1e-5, rtol=1e-5)
