@@ -2,7 +2,8 @@
 `TYPE_CHECKING` blocks included): imports only go down.
 
     kernels <- engine <- chat <- agent <- mcp,   chat <- api,   tools <- agent / mcp (tools knows no model),
-    options (shared command options) <- the `commands` modules, serve and cli;  cli <- __main__ only.
+    options (shared command options) <- the `commands` modules, serve and cli;  cli <- __main__ only;
+    errors (the UserError base) below them all.
 
 `api` and `mcp` do not import each other; `serve` is the one place that wires them together. `bench` and `train`
 are tooling on top of the engine (`bench` may drive the HTTP API in-process).
@@ -19,11 +20,12 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # layer -> the layers it may import directly; what those may import it may import too (down is down).
 DEPENDS: dict[str, set[str]] = {
-    "kernels": set(),
+    "errors": set(),  # UserError, the base every layer's user-facing errors share
+    "kernels": {"errors"},
     "engine": {"kernels"},
     "templates": set(),  # package data: the bundled chat templates
     "chat": {"engine", "templates"},
-    "tools": set(),
+    "tools": {"errors"},
     "agent": {"chat", "tools"},
     "mcp": {"agent", "tools"},
     "api": {"chat"},

@@ -38,7 +38,7 @@ from dflash_agent.chat.gemma4_syntax import (
     ReadOutcome,
     find_marker,
 )
-from dflash_agent.chat.types import ToolCall
+from dflash_agent.chat.types import ChatError, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +103,6 @@ class _Transcript:
         self._calls: list[tuple[str, str, list[str]]] = []  # id, name, argument fragments
         self._pending: list[Delta] = []
         self.finished = False
-
-    @property
-    def call_count(self) -> int:
-        return len(self._calls)
 
     def text(self, text: str) -> None:
         if text:
@@ -480,4 +476,4 @@ def make_parser(family: str, *, id_factory: Callable[[], str] = random_call_id,
         return Gemma4OutputParser(id_factory=id_factory, max_calls=max_calls)
     if family == "gemma3":
         return FencedToolCallParser(id_factory=id_factory, max_calls=max_calls)
-    raise ValueError(f"no output parser for model family {family!r}")
+    raise ChatError(f"no output parser for model family {family!r}")

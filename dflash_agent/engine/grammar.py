@@ -182,7 +182,7 @@ class GrammarCompiler:
         if bad:
             raise ValueError(f"stop id {bad[0]} is outside the vocabulary (size {vocab_size})")
         if not stop_ids:
-            raise ValueError("a grammar needs at least one stop token; the tokenizer has none")
+            raise GrammarError("a grammar needs at least one stop token; the tokenizer has none")
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_ids = stop_ids

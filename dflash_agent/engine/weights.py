@@ -205,8 +205,6 @@ def _open_hf(path: Path) -> Checkpoint:
 # --- building the model ------------------------------------------------------------------------------------------
 
 
-
-
 def build_model(
     ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype, progress: bool = True,
     packed: bool | None = None, repack_cpu: bool = False,
@@ -216,7 +214,8 @@ def build_model(
     packed (default: on CUDA): GGUF matrices of the types the Triton kernels read stay in their blocks
     (engine.packed_linear); everything else is dequantized at load, as on the CPU.
     repack_cpu: on the CPU, those matrices are also repacked once for torch's int4 / int8 CPU kernels
-    (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the exact reference.
+    (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the
+    exact reference.
     """
     if packed is None:
         packed = torch.device(device).type == "cuda" or repack_cpu
@@ -226,7 +225,8 @@ def build_model(
     missing = sorted(set(expected) - set(ckpt.tensors))
     unexpected = sorted(set(ckpt.tensors) - set(expected))
     if missing:
-        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        more = " ..." if len(missing) > 5 else ""
+        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}{more}")
     if unexpected:
         raise ModelLoadError(
             f"{ckpt.path}: tensors this {ckpt.config.family} text decoder does not use: "
