@@ -86,6 +86,7 @@ def user_errors(f):
             report_error(exc)
             sys.exit(1)
 
+    wrapper.reports_errors = True  # tests/test_cli_errors.py checks every command has it
     return wrapper
 
 

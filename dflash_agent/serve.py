@@ -13,7 +13,7 @@ from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
 from .api.lifecycle import access_log
 from .api.service import ServerSettings, ServerState
 from .mcp.http import MCPPlugin, mcp_serve_options
-from .options import check_spec_options, kv_cache_option, load_engine, model_options, report_error
+from .options import check_spec_options, kv_cache_option, load_engine, model_options, report_error, user_errors
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class _Server(uvicorn.Server):
               help="gemma4, gemma3 or a .jinja file instead of the checkpoint's own template.")
 @click.option("--no-access-log", is_flag=True, help="No log line per request (method, path, status, seconds).")
 @mcp_serve_options
+@user_errors
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
           api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, mcp_repo,
           mcp_expose_tools,

@@ -67,6 +67,14 @@ def test_click_usage_errors_stay_clicks(command):
     assert "--no-spec cannot be combined" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_every_command_reports_errors_the_same_way():
+    ctx = cli.main.make_context("dflash-agent", ["generate", "x"], resilient_parsing=True)
+    names = cli.main.list_commands(ctx)
+    assert {"generate", "prompt", "serve", "run", "chat", "mcp", "bench", "train-drafter"} <= set(names)
+    bare = [name for name in names if not getattr(cli.main.get_command(ctx, name).callback, "reports_errors", False)]
+    assert bare == []
+
+
 def test_report_error_on_a_background_failure(capsys):
     # `serve` and `mcp` load the model in the background and report its failure through report_error.
     report_error(engine.MemoryPlanError("the largest context that fits is 4096 tokens (--ctx-size 4096)"))
