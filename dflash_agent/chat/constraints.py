@@ -42,16 +42,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dflash_agent.chat.gemma3_tools import TOOL_CALL_FENCE
-from dflash_agent.chat.gemma4_syntax import (
+from ..engine import GrammarCompiler, GrammarError, TokenGrammar
+from .gemma3_tools import TOOL_CALL_FENCE
+from .gemma4_syntax import (
     CALL_PREFIX,
     STRING_DELIM,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
 )
-from dflash_agent.chat.types import ChatError, Tool
-
-from ..engine import GrammarCompiler, GrammarError, TokenGrammar
+from .types import ChatError, Tool
 
 __all__ = ["response_format_grammar", "tool_call_grammar"]
 

@@ -119,7 +119,7 @@ def _open_gguf(path: Path) -> Checkpoint:
     try:
         gguf = read_gguf(path)
     except GGUFError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     fields = dict(gguf.fields)
     arch = fields.get("general.architecture")
     if "token_embd.weight" in gguf.tensors:
@@ -133,7 +133,7 @@ def _open_gguf(path: Path) -> Checkpoint:
             source=str(path),
         )
     except ConfigError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
     for t in gguf.tensors.values():
         ours = _gguf_name(t.name)
@@ -174,7 +174,7 @@ def _open_hf(path: Path) -> Checkpoint:
     try:
         config = ModelConfig.from_hf_dir(path)
     except ConfigError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
