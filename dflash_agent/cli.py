@@ -10,15 +10,11 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from .engine import FinalEvent, GenerateRequest, SamplingParams, StopCriteria
+from .engine import GenerateRequest, SamplingParams, StopCriteria, TokenEvent
 from .options import kv_cache_option, load_engine, model_options, user_errors
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class LazyGroup(click.Group):
@@ -81,7 +77,8 @@ def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_bl
         stop=StopCriteria(strings=tuple(stop)),
         max_tokens=max_tokens,
     )
-    text, ids, final = asyncio.run(_collect(engine, request, stream=not as_json))
+    result = asyncio.run(engine.complete(request, on_token=None if as_json else _write))
+    final = result.final
     engine.close()
     if as_json:
         stats = {
@@ -97,8 +94,8 @@ def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_bl
                                for k, v in final.spec.by_source.items()},
         }
         click.echo(json.dumps({
-            "text": text,
-            "token_ids": ids,
+            "text": result.text,
+            "token_ids": result.ids,
             "finish_reason": final.finish_reason,
             "timings": asdict(final.timings),
             "stats": stats,
@@ -107,18 +104,9 @@ def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_bl
         click.echo()
 
 
-async def _collect(engine: Engine, request: GenerateRequest, stream: bool) -> tuple[str, list[int], FinalEvent]:
-    parts: list[str] = []
-    ids: list[int] = []
-    async for event in engine.generate(request):
-        if isinstance(event, FinalEvent):
-            return "".join(parts), ids, event
-        parts.append(event.text_delta)
-        ids.extend(event.ids)
-        if stream:
-            sys.stdout.write(event.text_delta)
-            sys.stdout.flush()
-    raise RuntimeError("the engine ended a stream without a final event")
+def _write(event: TokenEvent) -> None:
+    sys.stdout.write(event.text_delta)
+    sys.stdout.flush()
 
 
 @main.command()

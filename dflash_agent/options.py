@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from functools import wraps
+from importlib.metadata import PackageNotFoundError, metadata
 from typing import TYPE_CHECKING
 
 import click
 
 from .engine.types import WEIGHTS
+from .errors import UserError
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-# Errors a user can cause and fix (every engine, chat and training error is a ValueError; a missing or
+# Errors a user can cause and fix (every engine, chat, tools and training error is a UserError; a missing or
 # unreadable file an OSError); anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, OSError)
+USER_ERRORS = (UserError, OSError)
 
 
 def model_options(f):
@@ -51,11 +54,17 @@ kv_cache_option = click.option(
     help="KV cache storage: auto (the model's dtype) or q8 (8-bit, about half the memory: longer contexts).")
 
 
+def check_spec_options(no_spec: bool, draft: str | None, spec_block: int | None) -> None:
+    """Also called before the load by the commands that load in the background (`serve`, `mcp`), so the mistake
+    is told at once."""
+    if no_spec and (draft or spec_block):
+        raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
+
+
 def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights="auto",
                 threads=None, progress=True, **engine_options) -> Engine:
     """The engine a command's model options describe; `engine_options` go to `Engine.load` as they are."""
-    if no_spec and (draft or spec_block):
-        raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
+    check_spec_options(no_spec, draft, spec_block)
     from .engine import Engine, SpecConfig  # here, not at the top: a remote-only command never loads torch
 
     spec = SpecConfig(enabled=not no_spec, block=spec_block)
@@ -64,16 +73,44 @@ def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, 
 
 
 def user_errors(f):
-    """One line on stderr and exit 1 for a user's mistake; the traceback only with --verbose."""
+    """A command's failures, told apart: a user's mistake is one line on stderr (its traceback only with
+    --verbose), a bug its traceback and a line asking to report it; both exit 1."""
 
     @wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
-        except USER_ERRORS as exc:
-            if logging.getLogger().isEnabledFor(logging.DEBUG):
-                raise
-            click.echo(f"error: {exc}", err=True)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise  # click's own: usage errors and exits it prints itself
+        except Exception as exc:
+            report_error(exc)
             sys.exit(1)
 
+    wrapper.reports_errors = True  # tests/test_cli_errors.py checks every command has it
     return wrapper
+
+
+def report_error(exc: BaseException) -> None:
+    """Print `exc` on stderr as the user should see it (see `user_errors`)."""
+    if isinstance(exc, click.ClickException):  # raised off click's own path (a background load)
+        click.echo(f"error: {exc.format_message()}", err=True)
+        return
+    if isinstance(exc, USER_ERRORS) and not logging.getLogger().isEnabledFor(logging.DEBUG):
+        click.echo(f"error: {exc}", err=True)
+        return
+    traceback.print_exception(exc)
+    if not isinstance(exc, USER_ERRORS):
+        click.echo(f"error: this is a bug in dflash-agent, not something you did; please report it {_report_to()} "
+                   "with the traceback above and the command you ran.", err=True)
+
+
+def _report_to() -> str:
+    """Where bugs go: the project's URL from its metadata (pyproject's [project.urls]) where it has one."""
+    try:
+        urls = metadata("dflash-agent").get_all("Project-URL") or []
+    except PackageNotFoundError:
+        urls = []
+    found = dict(url.split(", ", 1) for url in urls if ", " in url)
+    url = next((found[k] for k in ("Issues", "Bug Tracker", "Homepage", "Repository", "Source") if k in found),
+               next(iter(found.values()), None))
+    return f"at {url}" if url else "to the dflash-agent maintainers"

@@ -13,7 +13,7 @@ from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
 from .api.lifecycle import access_log, request_log
 from .api.service import ServerSettings, ServerState
 from .mcp.http import MCPPlugin, mcp_serve_options
-from .options import kv_cache_option, load_engine, model_options
+from .options import check_spec_options, kv_cache_option, load_engine, model_options, report_error, user_errors
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +52,22 @@ class _Server(uvicorn.Server):
 @click.option("--log-requests", is_flag=True,
               help="Log each request's headers (secrets redacted) and body: what a client sends.")
 @mcp_serve_options
+@user_errors
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
           api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, log_requests,
           mcp_repo, mcp_expose_tools, mcp_read_only) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
-    if no_spec and (draft or spec_block):
-        raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
+    check_spec_options(no_spec, draft, spec_block)
     settings = ServerSettings(alias=alias, api_key=api_key, max_queue=max_queue, chat_template=chat_template)
-    failure: list[str] = []
+    failure: list[Exception] = []
 
     def load():
         return load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
                            prefix_cache=not no_prefix_cache, kv_dtype=kv_cache)
 
-    def on_load_error(message: str) -> None:
-        failure.append(message)
+    def on_load_error(exc: Exception) -> None:
+        failure.append(exc)
         server.should_exit = True
 
     if mcp_expose_tools and mcp_repo is None:
@@ -92,7 +92,7 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     except KeyboardInterrupt:
         pass  # uvicorn has shut down cleanly and re-raises the Ctrl-C it caught: a normal stop
     if failure:
-        click.echo(f"error: {failure[0]}", err=True)
+        report_error(failure[0])
         sys.exit(1)
     if not server.started:
         sys.exit(1)  # uvicorn has said why (port in use, bad address)

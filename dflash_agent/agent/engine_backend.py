@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import aclosing
 from dataclasses import asdict
 
 from ..chat.chat_format import ChatFormat, ChatOptions, stream_chat
@@ -25,18 +26,17 @@ class EngineBackend:
         parser = prepared.parser()
         request_id = f"agent-{id(self):x}-{next(self._ids)}"
         final: FinalEvent | None = None
+        # Closing the stream when the turn ends early (cancelled, or on_delta raised) frees the engine at once.
+        events = stream_chat(self.engine, prepared, parser, self.sampling, options.max_tokens, request_id=request_id)
         try:
-            async for event in stream_chat(self.engine, prepared, parser, self.sampling, options.max_tokens,
-                                           request_id=request_id):
-                if isinstance(event, FinalEvent):
-                    final = event
-                else:
-                    on_delta(event)
+            async with aclosing(events):
+                async for event in events:
+                    if isinstance(event, FinalEvent):
+                        final = event
+                    else:
+                        on_delta(event)
         except ContextOverflowError as exc:
             raise ContextFull(str(exc)) from None
-        finally:
-            if final is None:  # cancelled (or failed) mid-stream: free the engine now
-                self.engine.cancel(request_id)
         parsed = parser.result()
         return AssistantTurn(parsed.content, parsed.reasoning, parsed.tool_calls, final.finish_reason, final.usage,
                              asdict(final.timings))

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from ..chat.parser import Delta
@@ -194,12 +194,12 @@ class Agent:
             usage.cached_tokens += turn.usage.cached_tokens
             self._append(Message(role="assistant", content=[TextPart(turn.content)] if turn.content else [],
                                  reasoning=turn.reasoning, tool_calls=turn.tool_calls),
-                         step=step, finish_reason=turn.finish_reason, usage=_usage_dict(turn.usage),
+                         step=step, finish_reason=turn.finish_reason, usage=asdict(turn.usage),
                          timings=turn.timings)
             self.on_event(TurnEnd(step, turn))
             for call in turn.tool_calls:
                 await self._call_tool(step, call, turn.bad_arguments.get(call.id))
-            self.on_event(StepEnd(step, cfg.max_steps, Usage(**_usage_dict(usage))))
+            self.on_event(StepEnd(step, cfg.max_steps, replace(usage)))
             if not turn.tool_calls:
                 # Cut off by a token limit is not an answer.
                 return ("max_tokens" if turn.finish_reason == "length" else "answered"), turn.content
@@ -244,10 +244,5 @@ class Agent:
 
     def _record_end(self, outcome: str, usage: Usage, started: float, **extra: Any) -> None:
         if self.transcript is not None:
-            self.transcript.event("end", outcome=outcome, steps=self._steps, usage=_usage_dict(usage),
+            self.transcript.event("end", outcome=outcome, steps=self._steps, usage=asdict(usage),
                                   seconds=round(time.monotonic() - started, 3), **extra)
-
-
-def _usage_dict(usage: Usage) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "cached_tokens": usage.cached_tokens}

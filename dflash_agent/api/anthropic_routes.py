@@ -87,7 +87,8 @@ def _message(out: ParsedOutput, final: FinalEvent, message_id: str, model: str,
         content.append(TextBlock(out.content))
     content += [ToolUseBlock(c.id, c.name, c.arguments) for c in out.tool_calls]
     reason, sequence = _stop_reason(final, bool(out.tool_calls), stop)
-    return MessageResponse(message_id, model, content, reason, sequence, MessageUsage.of(final), timings=Timings.of(final))
+    return MessageResponse(message_id, model, content, reason, sequence, MessageUsage.of(final),
+                           timings=Timings.of(final))
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:

@@ -147,7 +147,7 @@ def _not_found_or_error(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                plugins: Callable[[ServerState], Sequence[InitPluginProtocol]] = lambda server: (),
-               on_load_error: Callable[[str], None] | None = None) -> Litestar:
+               on_load_error: Callable[[Exception], None] | None = None) -> Litestar:
     """`load` builds the engine; it runs in a thread after startup, so /health answers 503 meanwhile.
     `plugins(server)` adds routes and lifespans that serve the same model (`serve` mounts MCP at /mcp).
     `on_load_error` hears why a load failed (serve exits)."""
@@ -183,7 +183,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
 
 
 async def _load(server: ServerState, load: Callable[[], Engine],
-                on_load_error: Callable[[str], None] | None) -> None:
+                on_load_error: Callable[[Exception], None] | None) -> None:
     try:
         engine = await asyncio.to_thread(load)
         await asyncio.to_thread(server.attach, engine)
@@ -192,4 +192,4 @@ async def _load(server: ServerState, load: Callable[[], Engine],
         log.debug("the model failed to load", exc_info=True)
         server.load_error = str(exc)
         if on_load_error is not None:
-            on_load_error(str(exc))
+            on_load_error(exc)

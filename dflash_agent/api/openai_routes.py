@@ -99,8 +99,8 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) 
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(data.temperature, data.top_p, data.top_k, data.min_p, data.seed)
-    max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens,
-                                param="max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens")
+    param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
+    max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens, param=param)
     stop = stop_strings(data.stop)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     parser = prepared.parser()
@@ -149,7 +149,8 @@ async def _chat_chunks(generation: Generation, request_id: str, created: int, mo
                 call = ToolCallDelta(event.index, FunctionDelta(event.name, ""), id=event.id, type="function")
                 yield chunk(ChoiceDelta(tool_calls=[call]))
             elif isinstance(event, ToolCallArgsDelta):
-                yield chunk(ChoiceDelta(tool_calls=[ToolCallDelta(event.index, FunctionDelta(arguments=event.fragment))]))
+                call = ToolCallDelta(event.index, FunctionDelta(arguments=event.fragment))
+                yield chunk(ChoiceDelta(tool_calls=[call]))
             elif isinstance(event, FinalEvent):
                 yield chunk(ChoiceDelta(), _finish_reason(event, called), timings=Timings.of(event))
                 if include_usage:

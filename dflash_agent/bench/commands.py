@@ -56,7 +56,8 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
                    "prefix.json, kernels.json].")
 @user_errors
 def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, fidelity,
-          http, synthetic, quant, gpu_check, kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory, as_json, out):
+          http, synthetic, quant, gpu_check, kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory,
+          as_json, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine import EMBEDDED, Engine, FinalEvent, GenerateRequest, SpecConfig
+from ..engine import EMBEDDED, Engine, GenerateRequest, SpecConfig
 from ..engine.weights import resolve_model_path
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def llama_bench_binary(directory: str | None) -> Path | None:
         if d:
             candidate = Path(d).expanduser() / "llama-bench"
             if not candidate.is_file():
-                raise ValueError(f"no llama-bench in {d}")
+                raise UserError(f"no llama-bench in {d}")
             return candidate
     found = shutil.which("llama-bench")
     return Path(found) if found else None
@@ -88,14 +89,7 @@ def code_prompt(engine: Engine, n_tokens: int) -> list[int]:
 
 def _ours(engine: Engine, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
     """(prefill seconds, decode tok/s) through the engine's own request path."""
-
-    async def once() -> FinalEvent:
-        async for event in engine.generate(GenerateRequest(prompt, max_tokens=decode_tokens)):
-            if isinstance(event, FinalEvent):
-                return event
-        raise RuntimeError("no final event")
-
-    final = asyncio.run(once())
+    final = asyncio.run(engine.complete(GenerateRequest(prompt, max_tokens=decode_tokens))).final
     return final.timings.prompt_ms / 1e3, final.timings.predicted_per_second
 
 

@@ -18,6 +18,7 @@ import torch
 from ..engine.model import GemmaModel
 from ..engine.tokenizer import Tokenizer
 from ..engine.weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def texts(tokenizer: Tokenizer, tokens: int) -> dict[str, list[int]]:
     for name, text in (("code", code), ("prose", prose)):
         ids = tokenizer.encode(text, add_bos=True)
         if len(ids) < tokens:
-            raise ValueError(f"the {name} text has {len(ids)} tokens, fewer than {tokens}")
+            raise UserError(f"the {name} text has {len(ids)} tokens, fewer than {tokens}")
         out[name] = ids[:tokens]
     return out
 
@@ -81,7 +82,7 @@ def run_fidelity(model: str = EMBEDDED, tokens: int = 1024) -> list[Fidelity]:
     path = resolve_model_path(model)
     ckpt = open_checkpoint(path)
     if ckpt.format != "gguf":
-        raise ValueError(f"{path} is not a GGUF file: only GGUF weights have a packed CPU path")
+        raise UserError(f"{path} is not a GGUF file: only GGUF weights have a packed CPU path")
     tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf)
     exact = build_model(ckpt, "cpu", torch.float32, progress=False)
     packed = build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True)

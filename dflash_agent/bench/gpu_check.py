@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..errors import UserError
+
 log = logging.getLogger(__name__)
 
 GPU_TESTS = (
@@ -79,8 +81,8 @@ def run_gpu_check(out: Path, repo: Path | None = None) -> tuple[str, bool]:
     from .synthetic import QUANTS
 
     if not torch.cuda.is_available():
-        raise ValueError("--gpu-check needs a CUDA GPU and this machine has none; without one, "
-                         "`dflash-agent bench --kernels` checks the kernels' compile budgets")
+        raise UserError("--gpu-check needs a CUDA GPU and this machine has none; without one, "
+                        "`dflash-agent bench --kernels` checks the kernels' compile budgets")
     device = torch.cuda.get_device_name()
     steps = [_gpu_tests(repo or Path(__file__).resolve().parents[2]), *(_synthetic(quant) for quant in QUANTS)]
     out.parent.mkdir(parents=True, exist_ok=True)

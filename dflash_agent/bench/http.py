@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from ..api.background import live_server
-from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig, TokenEvent
+from ..engine import Engine, GenerateRequest, SpecConfig, TokenEvent
 from .cpu import code_prompt
 
 log = logging.getLogger(__name__)
@@ -41,20 +41,16 @@ def _decode_rate(first: float, last: float, tokens: int) -> float:
 
 
 def _engine_run(engine: Engine, prompt: list[int], decode_tokens: int) -> tuple[float, int]:
-    async def once() -> tuple[float, int]:
-        first = last = 0.0
-        n = 0
-        request = GenerateRequest(prompt, max_tokens=decode_tokens, cache_prompt=False)
-        async for event in engine.generate(request):
-            if isinstance(event, TokenEvent) and event.ids:
-                last = time.perf_counter()
-                first = first or last
-                n += len(event.ids)
-            elif isinstance(event, FinalEvent):
-                n = event.usage.completion_tokens
-        return _decode_rate(first, last, n), n
+    seen = [0.0, 0.0]  # when the first and the last token arrived
 
-    return asyncio.run(once())
+    def on_token(event: TokenEvent) -> None:
+        if event.ids:
+            seen[1] = time.perf_counter()
+            seen[0] = seen[0] or seen[1]
+
+    request = GenerateRequest(prompt, max_tokens=decode_tokens, cache_prompt=False)
+    n = asyncio.run(engine.complete(request, on_token)).final.usage.completion_tokens
+    return _decode_rate(seen[0], seen[1], n), n
 
 
 def _http_run(url: str, prompt: list[int], decode_tokens: int) -> tuple[float, int]:
@@ -76,7 +72,8 @@ def _http_run(url: str, prompt: list[int], decode_tokens: int) -> tuple[float, i
     return _decode_rate(first, last, n), n
 
 
-def run_http_bench(model: str, prompt_tokens: int, decode_tokens: int, repeats: int, dtype: str = "auto") -> HttpBenchResult:
+def run_http_bench(model: str, prompt_tokens: int, decode_tokens: int, repeats: int,
+                   dtype: str = "auto") -> HttpBenchResult:
     # Speculation off: its adaptive controller would make two runs of one prompt differ in work.
     engine = Engine.load(model, dtype=dtype, spec=SpecConfig(enabled=False))
     prompt = code_prompt(engine, prompt_tokens)

@@ -24,6 +24,7 @@ from ..chat.chat_format import ChatFormat
 from ..chat.types import Conversation, Message, TextPart, Tool, ToolCall
 from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig, TokenEvent, Tokenizer
 from ..engine.prefix_cache import PrefixCacheConfig
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def build_session(chat: ChatFormat, turns: int, target_tokens: int) -> list[list
     tokenizer = chat.tokenizer
     tools = _tool_turns()
     if turns - 1 > len(tools):
-        raise ValueError(f"the session has at most {len(tools) + 1} turns")
+        raise UserError(f"the session has at most {len(tools) + 1} turns")
 
     def render(messages: list[Message]) -> list[int]:
         return chat.prepare(Conversation(messages, TOOLS)).prompt_ids
@@ -179,21 +180,16 @@ def build_session(chat: ChatFormat, turns: int, target_tokens: int) -> list[list
 
 def _first_token(engine: Engine, prompt: list[int]) -> tuple[float, list[int], FinalEvent]:
     """(ms to the first generated token, the output ids, the final event)."""
+    first: list[float] = []
 
-    async def once() -> tuple[float, list[int], FinalEvent]:
-        started = time.perf_counter()
-        first, ids = None, []
-        async for event in engine.generate(GenerateRequest(prompt, max_tokens=DECODE_TOKENS)):
-            if isinstance(event, TokenEvent):
-                if first is None and event.ids:
-                    first = time.perf_counter()
-                ids.extend(event.ids)
-            else:
-                end = first if first is not None else time.perf_counter()
-                return (end - started) * 1e3, ids, event
-        raise RuntimeError("the engine ended a stream without a final event")
+    def on_token(event: TokenEvent) -> None:
+        if not first and event.ids:
+            first.append(time.perf_counter())
 
-    return asyncio.run(once())
+    started = time.perf_counter()
+    result = asyncio.run(engine.complete(GenerateRequest(prompt, max_tokens=DECODE_TOKENS), on_token))
+    end = first[0] if first else time.perf_counter()
+    return (end - started) * 1e3, result.ids, result.final
 
 
 def run_prefix_bench(
@@ -201,7 +197,7 @@ def run_prefix_bench(
     device: str = "auto",
 ) -> PrefixBenchResult:
     if ctx_size is not None and ctx_size <= target_tokens:
-        raise ValueError(f"--ctx-size {ctx_size} cannot hold a session growing to {target_tokens} tokens")
+        raise UserError(f"--ctx-size {ctx_size} cannot hold a session growing to {target_tokens} tokens")
     base = Engine.load(model, device=device, dtype=dtype, ctx_size=16, prefix_cache=False,
                        spec=SpecConfig(enabled=False))  # only its model and tokenizer are used
     base.close()
@@ -209,10 +205,10 @@ def run_prefix_bench(
     needed = len(prompts[-1]) + DECODE_TOKENS + 1
     n_ctx = ctx_size or needed
     if n_ctx < needed:
-        raise ValueError(f"the session needs a context of {needed} tokens; --ctx-size is {n_ctx}")
+        raise UserError(f"the session needs a context of {needed} tokens; --ctx-size is {n_ctx}")
     if n_ctx > base.model.config.max_position_embeddings:
-        raise ValueError(f"the session needs {n_ctx} tokens but {model} holds "
-                         f"{base.model.config.max_position_embeddings}")
+        raise UserError(f"the session needs {n_ctx} tokens but {model} holds "
+                        f"{base.model.config.max_position_embeddings}")
     log.info("session of %d turns, %d to %d prompt tokens, context %d", turns, len(prompts[0]), len(prompts[-1]),
              n_ctx)
     reuse = Engine(base.model, base.tokenizer, n_ctx, base.model_name, prefix_cache=PrefixCacheConfig())

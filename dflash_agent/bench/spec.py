@@ -52,13 +52,7 @@ def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
 
 
 def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:
-    async def once() -> FinalEvent:
-        async for event in engine.generate(GenerateRequest(prompt, max_tokens=decode_tokens)):
-            if isinstance(event, FinalEvent):
-                return event
-        raise RuntimeError("no final event")
-
-    return asyncio.run(once())
+    return asyncio.run(engine.complete(GenerateRequest(prompt, max_tokens=decode_tokens))).final
 
 
 def run_spec_bench(

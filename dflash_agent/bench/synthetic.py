@@ -41,6 +41,7 @@ from ..engine.memory_plan import (
     weight_bytes,
 )
 from ..engine.model import GemmaModel
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def quant_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantizationTy
     llama.cpp's use_more_bits picks, and for the embedding.
     """
     if quant not in QUANTS:
-        raise ValueError(f"unknown quantization {quant!r} ({', '.join(QUANTS)})")
+        raise UserError(f"unknown quantization {quant!r} ({', '.join(QUANTS)})")
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
     n_layers = config.num_layers
     v_layers = [i for i, spec in enumerate(config.layers) if not spec.k_eq_v]
@@ -147,7 +148,7 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if unit not in units or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"cannot read {text!r} as a memory size (e.g. 24GiB, 24GB, 24000MiB)")
+        raise UserError(f"cannot read {text!r} as a memory size (e.g. 24GiB, 24GB, 24000MiB)")
     return int(value * units[unit])
 
 
@@ -295,12 +296,12 @@ def _kv_bytes_read(cache, context: int) -> int:
 def run_synthetic_bench(model: str, quant: str, ctx_size: int | None, draft_quant: str | None = DRAFT_QUANT,
                         iters: int = 20) -> SyntheticResult:
     if model not in MODELS:
-        raise ValueError(f"unknown synthetic model {model!r} ({', '.join(MODELS)})")
+        raise UserError(f"unknown synthetic model {model!r} ({', '.join(MODELS)})")
     if quant not in QUANTS:
-        raise ValueError(f"unknown quantization {quant!r} ({', '.join(QUANTS)})")
+        raise UserError(f"unknown quantization {quant!r} ({', '.join(QUANTS)})")
     if not torch.cuda.is_available():
-        raise ValueError("bench --synthetic needs a CUDA GPU (--plan-only --gpu-memory SIZE prints the memory plan "
-                         "without one)")
+        raise UserError("bench --synthetic needs a CUDA GPU (--plan-only --gpu-memory SIZE prints the memory plan "
+                        "without one)")
     return measure(model, gemma4_31b_config(), gemma4_31b_drafter_config(), quant, ctx_size or DEFAULT_CTX,
                    draft_quant, torch.device("cuda"), iters)
 
@@ -467,12 +468,12 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
             as_json: bool, out: Path | None) -> str:
     """`bench --synthetic ...`: validate the options, run the plan or the benchmark, return what to print."""
     if model is None:
-        raise ValueError("--quant, --ctx-size, --plan-only, --gpu-memory and --json go with --synthetic")
+        raise UserError("--quant, --ctx-size, --plan-only, --gpu-memory and --json go with --synthetic")
     quant = quant or QUANTS[0]
     ctx = ctx_size or DEFAULT_CTX
     if plan_only:
         if gpu_memory is None:
-            raise ValueError("--plan-only needs --gpu-memory (e.g. 24GiB): the memory to plan for")
+            raise UserError("--plan-only needs --gpu-memory (e.g. 24GiB): the memory to plan for")
         budget = parse_size(gpu_memory)
         config = gemma4_31b_config()
         weights = synthetic_weight_bytes(config, quant)
@@ -485,7 +486,7 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
         return (f"{model} {quant} + {DRAFT_QUANT} drafter\n{plan.describe()}\n"
                 f"  largest context that fits: {largest} tokens")
     if gpu_memory is not None:
-        raise ValueError("--gpu-memory goes with --plan-only (the benchmark plans for the GPU's own free memory)")
+        raise UserError("--gpu-memory goes with --plan-only (the benchmark plans for the GPU's own free memory)")
     result = run_synthetic_bench(model, quant, ctx_size)
     result.command = shlex.join(["dflash-agent", *sys.argv[1:]])
     return report(result, out or Path(f"bench-results/synthetic-{model}-{quant}.json"), as_json)

@@ -20,9 +20,9 @@ from ..engine import (
 )
 from .constraints import MAX_PARALLEL_CALLS, response_format_grammar, tool_call_grammar
 from .gemma4_syntax import TOOL_RESPONSE_OPEN, TURN_CLOSE
-from .parser import Delta, OutputParser, ParsedOutput, make_parser
+from .parser import Delta, OutputParser, make_parser
 from .template import ChatTemplate, render_and_encode, select_template
-from .types import Conversation
+from .types import ChatError, Conversation
 
 # Tokens that end an assistant turn, by family; their ids come from the tokenizer.
 _TURN_END_PIECES = {"gemma4": (TURN_CLOSE, TOOL_RESPONSE_OPEN), "gemma3": ("<end_of_turn>",)}
@@ -54,7 +54,7 @@ class PreparedChat:
 class ChatFormat:
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, family: str, vocab_size: int) -> None:
         if family not in _TURN_END_PIECES:
-            raise ValueError(f"no chat format for model family {family!r}")
+            raise ChatError(f"no chat format for model family {family!r}")
         self.tokenizer = tokenizer
         self.template = template
         self.family = family
@@ -93,8 +93,6 @@ class ChatFormat:
         return PreparedChat(text, ids, grammar, self.stop_ids, self.family, max_calls)
 
 
-
-
 async def stream_chat(
     engine: Engine,
     prepared: PreparedChat,
@@ -112,28 +110,15 @@ async def stream_chat(
         prepared.prompt_ids, sampling or SamplingParams(), StopCriteria(prepared.stop_ids, stop), max_tokens,
         prepared.grammar, request_id, cache_prompt, on_prefix,
     )
-    async for event in engine.generate(request):
-        if isinstance(event, FinalEvent):
-            for delta in parser.finish():
+    async with engine.stream(request) as events:  # closing this generator cancels the request at once
+        async for event in events:
+            if isinstance(event, FinalEvent):
+                for delta in parser.finish():
+                    yield delta
+                yield event
+                return
+            for delta in parser.feed(event.text_delta):
                 yield delta
-            yield event
-            return
-        for delta in parser.feed(event.text_delta):
-            yield delta
-
-
-async def complete_chat(
-    engine: Engine, prepared: PreparedChat, sampling: SamplingParams | None = None, max_tokens: int | None = None,
-    stop: tuple[str, ...] = (),
-) -> tuple[ParsedOutput, FinalEvent]:
-    """The whole answer at once: (content / reasoning / tool calls, the engine's FinalEvent)."""
-    parser = prepared.parser()
-    final = None
-    async for event in stream_chat(engine, prepared, parser, sampling, max_tokens, stop):
-        if isinstance(event, FinalEvent):
-            final = event
-    assert final is not None
-    return parser.result(), final
 
 
 @dataclass(frozen=True)

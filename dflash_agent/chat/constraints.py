@@ -42,16 +42,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dflash_agent.chat.gemma3_tools import TOOL_CALL_FENCE
-from dflash_agent.chat.gemma4_syntax import (
+from ..engine import GrammarCompiler, GrammarError, TokenGrammar
+from .gemma3_tools import TOOL_CALL_FENCE
+from .gemma4_syntax import (
     CALL_PREFIX,
     STRING_DELIM,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
 )
-from dflash_agent.chat.types import ChatError, Tool
-
-from ..engine import GrammarCompiler, GrammarError, TokenGrammar
+from .types import ChatError, Tool
 
 __all__ = ["response_format_grammar", "tool_call_grammar"]
 
@@ -78,7 +77,7 @@ def tool_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[To
     `parallel`: allow several calls when any tool may be called.
     Raises ChatError for a choice that names no tool or a schema that cannot be compiled."""
     if family not in FAMILIES:
-        raise ValueError(f"no tool-call grammar for model family {family!r} (known: {', '.join(FAMILIES)})")
+        raise ChatError(f"no tool-call grammar for model family {family!r} (known: {', '.join(FAMILIES)})")
     chosen = _chosen_tools(tools, tool_choice)
     if chosen is None:
         return None
@@ -164,7 +163,7 @@ def _gemma4_calls(compiler: GrammarCompiler, tools: Sequence[Tool], parallel: bo
     try:
         open_id, close_id, quote_id = (compiler.token_id(p) for p in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, STRING_DELIM))
     except GrammarError as exc:
-        raise ValueError(f"not a Gemma 4 tokenizer: {exc}") from exc
+        raise ChatError(f"not a Gemma 4 tokenizer: {exc}") from exc
     rules = _Rules()
     syntax = _Gemma4Syntax(rules, quote_id, avoid=(STRING_DELIM,))
     alternatives = [_lit(tool.name) + " " + _arguments(syntax, rules, tool, i) for i, tool in enumerate(tools)]
@@ -446,7 +445,7 @@ def _avoiding(rules: _Rules, patterns: Sequence[str], end: str) -> str:
 # --- JSON schema -> rules ---------------------------------------------------------------------
 
 
-class _SchemaError(ValueError):
+class _SchemaError(ChatError):
     pass
 
 
@@ -689,7 +688,8 @@ def _bounded_number(integer: bool, low: int, high: int, frac_high: int, frac_neg
     those whose whole range of fractions fits (so a bound of 2.5 allows 2 but not 2.3). No exponent."""
     alternatives = _integer_range(low, high)
     if not integer:
-        alternatives += [f"({' | '.join(part)}) {_FRACTION}" for part in [_digits_range(max(0, low), frac_high)] if part]
+        part = _digits_range(max(0, low), frac_high)
+        alternatives += [f"({' | '.join(part)}) {_FRACTION}"] if part else []
         negative = _digits_range(max(1, -high), frac_neg_high)
         if negative:
             alternatives.append(f'"-" ({" | ".join(negative)}) {_FRACTION}')

@@ -25,8 +25,8 @@ from typing import Protocol
 
 import msgspec
 
-from dflash_agent.chat.gemma3_tools import TOOL_CALL_FENCE
-from dflash_agent.chat.gemma4_syntax import (
+from .gemma3_tools import TOOL_CALL_FENCE
+from .gemma4_syntax import (
     CALL_PREFIX,
     CHANNEL_CLOSE,
     CHANNEL_OPEN,
@@ -38,9 +38,9 @@ from dflash_agent.chat.gemma4_syntax import (
     ReadOutcome,
     find_marker,
 )
-from dflash_agent.chat.types import ToolCall
+from .types import ChatError, ToolCall
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 # --- deltas and result ------------------------------------------------------------------------
@@ -103,10 +103,6 @@ class _Transcript:
         self._calls: list[tuple[str, str, list[str]]] = []  # id, name, argument fragments
         self._pending: list[Delta] = []
         self.finished = False
-
-    @property
-    def call_count(self) -> int:
-        return len(self._calls)
 
     def text(self, text: str) -> None:
         if text:
@@ -244,7 +240,7 @@ class Gemma4OutputParser:
             if self._handler == self._text:
                 self._handler = self._label
             else:
-                logger.debug("ignoring %s inside reasoning", marker)
+                log.debug("ignoring %s inside reasoning", marker)
         elif marker == CHANNEL_CLOSE and self._handler == self._reasoning:
             self._handler = self._text
         elif marker == TOOL_CALL_OPEN:
@@ -252,7 +248,7 @@ class Gemma4OutputParser:
         elif marker in END_MARKERS:
             self._handler = self._ended
         else:
-            logger.debug("dropping stray %s", marker)
+            log.debug("dropping stray %s", marker)
         return True
 
     def _label(self, final: bool) -> bool:
@@ -286,11 +282,11 @@ class Gemma4OutputParser:
             return False
         if final and _CALL_HEADER_PREFIX.fullmatch(self._buf):
             # A call cut by the token limit before its arguments: tool syntax, never content.
-            logger.debug("dropping a tool call cut before its arguments: %r", self._buf[:80])
+            log.debug("dropping a tool call cut before its arguments: %r", self._buf[:80])
             self._buf = ""
             self._handler = self._text
             return True
-        logger.debug("not a tool call header after %s: %r", TOOL_CALL_OPEN, self._buf[:80])
+        log.debug("not a tool call header after %s: %r", TOOL_CALL_OPEN, self._buf[:80])
         self._out.text(TOOL_CALL_OPEN)
         self._handler = self._text
         return True
@@ -307,7 +303,7 @@ class Gemma4OutputParser:
         if outcome is ReadOutcome.NEED_MORE and not final:
             return False
         if outcome is ReadOutcome.INVALID:
-            logger.debug("malformed tool call arguments at %r; rest is content", self._buf[:80])
+            log.debug("malformed tool call arguments at %r; rest is content", self._buf[:80])
         self._out.arguments(self._args.close())
         self._args = None
         self._buf = self._buf.removeprefix(TOOL_CALL_CLOSE)
@@ -326,7 +322,7 @@ class Gemma4OutputParser:
 
     def _ended(self, final: bool) -> bool:
         if self._buf.strip():
-            logger.debug("ignoring text after the end of the message: %r", self._buf[:80])
+            log.debug("ignoring text after the end of the message: %r", self._buf[:80])
         self._buf = ""
         return False
 
@@ -442,10 +438,10 @@ class FencedToolCallParser:
         call = self._read_call(body)
         if call is None and not closed:
             # A block the output ended inside (the token limit cut it): tool syntax, never content.
-            logger.debug("dropping an unfinished tool_call block: %r", body[:80])
+            log.debug("dropping an unfinished tool_call block: %r", body[:80])
             return
         if call is None:
-            logger.debug("tool_call block is not a valid call; kept as content: %r", body[:80])
+            log.debug("tool_call block is not a valid call; kept as content: %r", body[:80])
             self._out.text("".join(lines))
             return
         name, arguments = call
@@ -480,4 +476,4 @@ def make_parser(family: str, *, id_factory: Callable[[], str] = random_call_id,
         return Gemma4OutputParser(id_factory=id_factory, max_calls=max_calls)
     if family == "gemma3":
         return FencedToolCallParser(id_factory=id_factory, max_calls=max_calls)
-    raise ValueError(f"no output parser for model family {family!r}")
+    raise ChatError(f"no output parser for model family {family!r}")

@@ -7,10 +7,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..errors import UserError
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class ChatError(ValueError):
+class ChatError(UserError):
     """A request the chat layer cannot render or honour; the API layer answers it with a 400.
     `param` names the offending field the way the client spelled it (`messages[2].content`)."""
 

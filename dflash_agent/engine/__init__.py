@@ -2,8 +2,11 @@
 
 ```python
 engine = Engine.load(model="embedded", draft=None, ...)
-async for event in engine.generate(GenerateRequest(prompt_ids, SamplingParams(...), StopCriteria(...))):
-    ...  # TokenEvent(ids, text_delta) ... FinalEvent(finish_reason, usage, timings)
+request = GenerateRequest(prompt_ids, SamplingParams(...), StopCriteria(...))
+result = await engine.complete(request)  # GenerateResult(text, ids, final: FinalEvent(finish_reason, usage, timings))
+async with engine.stream(request) as events:  # leaving the block cancels the request
+    async for event in events:
+        ...  # TokenEvent(ids, text_delta) ... FinalEvent(finish_reason, usage, timings)
 engine.cancel(request_id)
 ```
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..errors import UserError
 from .errors import (
     ConfigError,
     ContextOverflowError,
@@ -25,6 +29,8 @@ from .errors import (
     GrammarError,
     MemoryPlanError,
     ModelLoadError,
+    OptionError,
+    RequestError,
     TokenizerError,
     UnsupportedTensorType,
 )
@@ -32,6 +38,7 @@ from .types import (
     ErrorEvent,
     FinalEvent,
     GenerateRequest,
+    GenerateResult,
     SamplingParams,
     SpecStats,
     StopCriteria,
@@ -61,10 +68,11 @@ _LAZY = {
 
 __all__ = [
     "ConfigError", "ContextOverflowError", "DrafterError", "GGUFError", "GrammarError", "MemoryPlanError",
-    "ModelLoadError", "TokenizerError", "UnsupportedTensorType",
-    "ErrorEvent", "FinalEvent", "GenerateRequest", "SamplingParams", "SpecStats", "StopCriteria", "Timings",
-    "TokenEvent", "Usage",
-    "Engine", "DEFAULT_CTX", "SpecConfig", "Tokenizer", "GrammarCompiler", "TokenGrammar", "EMBEDDED", "default_drafter",
+    "ModelLoadError", "OptionError", "RequestError", "TokenizerError", "UnsupportedTensorType", "UserError",
+    "ErrorEvent", "FinalEvent", "GenerateRequest", "GenerateResult", "SamplingParams", "SpecStats", "StopCriteria",
+    "Timings", "TokenEvent", "Usage",
+    "Engine", "DEFAULT_CTX", "SpecConfig", "Tokenizer", "GrammarCompiler", "TokenGrammar", "EMBEDDED",
+    "default_drafter",
 ]
 
 

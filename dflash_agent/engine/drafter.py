@@ -372,8 +372,8 @@ def load_drafter(
     expected = {name: p.shape for name, p in drafter.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise DrafterError(f"{path}: the checkpoint lacks {missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1
-                           else f"{path}: the checkpoint lacks {missing[0]}")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DrafterError(f"{path}: the checkpoint lacks {missing[0]}{more}")
     for name, shape in expected.items():
         if state[name].shape != shape:
             raise DrafterError(f"{path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,14 +18,15 @@ import torch
 
 from .cuda_graphs import enable_cuda_graphs
 from .drafter import Drafter, load_drafter
-from .kv_cache import KV_DTYPES
+from .errors import OptionError, RequestError
+from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reuse
 from .sampling import Sampler, StopStringFilter
 from .speculative import LengthController, RequestDecoder, SpecConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .types import WEIGHTS, ErrorEvent, FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
+from .types import WEIGHTS, ErrorEvent, FinalEvent, GenerateRequest, GenerateResult, Timings, TokenEvent, Usage
 from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -96,12 +98,12 @@ class Engine:
         kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
         weights: "auto" (GGUF matrices stay packed where Triton runs, on CUDA; dequantized on the CPU),
         "packed" (also on the CPU, through torch's int4 / int8 kernels, engine.packed_linear) or "exact"
-        (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors checkpoints always load exactly.
+        (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors
+        checkpoints always load exactly.
         threads: CPU threads (default: the physical cores)."""
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
+        check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
         if weights not in WEIGHTS:
-            raise ValueError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
+            raise OptionError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
         set_threads(threads)
         if draft is None and (spec is None or spec.enabled):
             bundled = default_drafter(model)
@@ -121,8 +123,8 @@ class Engine:
                                      planned_drafter)
         else:
             n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter)
-        net = build_model(ckpt, torch_device, torch_dtype, progress=progress, packed=False if weights == "exact" else None,
-                          repack_cpu=weights == "packed")
+        net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
+                          packed=False if weights == "exact" else None, repack_cpu=weights == "packed")
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter = None
         if draft is not None:
@@ -137,16 +139,24 @@ class Engine:
                    prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """Queue the request and yield its events; raises ContextOverflowError / ValueError for bad requests."""
+        """Queue the request and yield its events; raises ContextOverflowError / RequestError for bad requests.
+        Prefer `complete` or `stream`, which cancel the request when their consumer stops."""
         self._validate(request)
         if not request.request_id:
             request.request_id = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = _Job(request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+
+        def emit(event: TokenEvent | FinalEvent | ErrorEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the consumer's loop has closed (it left early): nobody is left to read
+                pass
+
+        job = _Job(request, emit)
         with self._lock:
             if request.request_id in self._jobs:
-                raise ValueError(f"request id {request.request_id!r} is already running")
+                raise RequestError(f"request id {request.request_id!r} is already running")
             self._jobs[request.request_id] = job
         self._queue.put(job)
         try:
@@ -160,6 +170,38 @@ class Engine:
         finally:
             # A consumer that stops reading (client disconnect) cancels its generation.
             job.cancelled.set()
+
+    @asynccontextmanager
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[AsyncIterator[TokenEvent | FinalEvent]]:
+        """`generate` for a consumer that reads events as they come: however the block is left (the final event
+        read, an early break, an exception, a cancelled task), the generation ends then and frees the engine.
+
+        ```python
+        async with engine.stream(request) as events:
+            async for event in events: ...
+        ```"""
+        events = self.generate(request)
+        try:
+            yield events
+        finally:
+            # A generator left suspended is only closed when collected; closing it now cancels the job.
+            await events.aclose()
+
+    async def complete(self, request: GenerateRequest,
+                       on_token: Callable[[TokenEvent], None] | None = None) -> GenerateResult:
+        """The whole generation (text, ids, final event); `on_token` sees each token event as it arrives.
+        Cancelled with its task, like `stream`."""
+        parts: list[str] = []
+        ids: list[int] = []
+        async with self.stream(request) as events:
+            async for event in events:
+                if isinstance(event, FinalEvent):
+                    return GenerateResult("".join(parts), ids, event)
+                parts.append(event.text_delta)
+                ids.extend(event.ids)
+                if on_token is not None:
+                    on_token(event)
+        raise RuntimeError("the engine ended a stream without a final event")
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -180,15 +222,15 @@ class Engine:
 
     def _validate(self, request: GenerateRequest) -> None:
         if not request.prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         vocab = self.model.config.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of range (vocabulary of {vocab})")
+            raise RequestError(f"token id {bad[0]} is out of range (vocabulary of {vocab})")
         if len(request.prompt_ids) >= self.n_ctx:
             raise ContextOverflowError(len(request.prompt_ids) + 1, self.n_ctx)
         if request.max_tokens is not None and request.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {request.max_tokens}")
+            raise RequestError(f"max_tokens must be >= 0, got {request.max_tokens}")
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -288,7 +330,7 @@ def physical_cores() -> int:
 
 def set_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+        raise OptionError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads or physical_cores())
 
 
@@ -300,9 +342,9 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+        raise OptionError("--device cuda was asked for but no CUDA GPU is available")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"unknown device {device!r} (auto, cpu, cuda)")
+        raise OptionError(f"unknown device {device!r} (auto, cpu, cuda)")
     return torch.device(device)
 
 
@@ -314,5 +356,5 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
         # CPUs without native bf16 run float32 faster; GPUs want bf16.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
+        raise OptionError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
     return _DTYPES[dtype]

@@ -1,43 +1,53 @@
 """The engine's errors: what a caller can cause and fix. Torch-free, so a remote-only client can catch them.
 
-Each is a ValueError, the kind the API layer answers with a 400 and the CLI with one line."""
+Each is a `UserError` (a ValueError): the CLI prints it as one line."""
 
 from __future__ import annotations
 
+from ..errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """The checkpoint's configuration is missing something or describes an unsupported model."""
 
 
-class GGUFError(ValueError):
+class GGUFError(UserError):
     """A file that is not a readable GGUF; the message names the file."""
 
 
-class UnsupportedTensorType(ValueError):
+class UnsupportedTensorType(UserError):
     """A GGUF tensor type this engine cannot dequantize; the message names it and the supported ones."""
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model could not be found or read; the message says which file and why."""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """The tokenizer files are missing, corrupt, or do not describe a tokenizer."""
 
 
-class DrafterError(ValueError):
+class DrafterError(UserError):
     """A drafter checkpoint we cannot load or that does not fit the target."""
 
 
-class GrammarError(ValueError):
+class GrammarError(UserError):
     """A schema or grammar that cannot be compiled; the message includes xgrammar's reason."""
 
 
-class MemoryPlanError(ValueError):
+class MemoryPlanError(UserError):
     """A context length (or a model) that does not fit the GPU; the message says what would."""
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(UserError):
     def __init__(self, needed: int, n_ctx: int) -> None:
         super().__init__(f"the sequence needs {needed} tokens but the context holds {n_ctx}")
         self.needed, self.n_ctx = needed, n_ctx
+
+
+class OptionError(UserError):
+    """An `Engine.load` option this engine or machine cannot take (device, dtype, threads, KV cache type...)."""
+
+
+class RequestError(UserError):
+    """A generation request the engine cannot run: an empty prompt, a token outside the vocabulary, bad sampling."""

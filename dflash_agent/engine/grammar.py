@@ -32,7 +32,7 @@ from .tokenizer import Tokenizer
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarMatcher", "TokenGrammar"]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # Distinct grammars kept compiled per compiler; tool schemas repeat across an agent's turns.
 DEFAULT_CACHE_SIZE = 64
@@ -182,7 +182,7 @@ class GrammarCompiler:
         if bad:
             raise ValueError(f"stop id {bad[0]} is outside the vocabulary (size {vocab_size})")
         if not stop_ids:
-            raise ValueError("a grammar needs at least one stop token; the tokenizer has none")
+            raise GrammarError("a grammar needs at least one stop token; the tokenizer has none")
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_ids = stop_ids
@@ -272,7 +272,7 @@ class GrammarCompiler:
                                      stop_token_ids=sorted(self._stop_ids), add_prefix_space=False)
             # Our LRU above is the cache; xgrammar's own would grow without bound.
             compiler = self._compilers[named] = xgr.GrammarCompiler(info, cache_enabled=False)
-            logger.debug("grammar tokenizer view with %d named special tokens", len(named))
+            log.debug("grammar tokenizer view with %d named special tokens", len(named))
         return compiler
 
 

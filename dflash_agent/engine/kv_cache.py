@@ -12,11 +12,17 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .errors import OptionError
 
 # A forward of up to this many tokens may be rolled back (a speculative block plus its bonus token).
 DEFAULT_SLACK = 16
 
 KV_DTYPES = ("auto", "q8")  # auto: the model's dtype
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise OptionError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
 
 
 Q8_BLOCK = 32  # values per scale, as llama.cpp's q8_0: one scale per head row flattens rows with outliers
@@ -102,8 +108,7 @@ class KVCache:
         slack: int = DEFAULT_SLACK,
         kv_dtype: str = "auto",
     ) -> None:
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
+        check_kv_dtype(kv_dtype)
         self.max_len = max_len
         self.slack = slack
         self.window = config.sliding_window
@@ -121,7 +126,7 @@ class KVCache:
             if quantized:
                 block = min(Q8_BLOCK, spec.head_dim)
                 if spec.head_dim % block:
-                    raise ValueError(f"q8 KV needs a head size that is a multiple of {Q8_BLOCK}, not {spec.head_dim}")
+                    raise OptionError(f"q8 KV needs a head size that is a multiple of {Q8_BLOCK}, not {spec.head_dim}")
                 scales = [torch.zeros((*shape[:2], spec.head_dim // block), device=device, dtype=dtype)
                           for _ in range(2)]
                 self.layers.append(LayerKV(k, v, spec.sliding, *scales))

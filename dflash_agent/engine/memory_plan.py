@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
 from .config import ModelConfig
 from .drafter import DrafterCache, DrafterConfig, DrafterError
-from .errors import MemoryPlanError
+from .errors import MemoryPlanError, OptionError
 from .kv_cache import DEFAULT_SLACK, KVCache
 from .packed_linear import keeps_packed
 from .quant import PackedTensor
@@ -118,7 +118,7 @@ def _linear_bytes(out_features: int, in_features: int, quant: str | None, dtype_
     if quant == "q4":
         groups = -(-in_features // GROUP)
         return out_features * groups * (GROUP // 2) + out_features * groups * dtype_bytes
-    raise ValueError(f"unknown drafter quantization {quant!r} (q8, q4)")
+    raise OptionError(f"unknown drafter quantization {quant!r} (q8, q4)")
 
 
 def drafter_weight_bytes(drafter: DrafterPlan, target_hidden: int, dtype: torch.dtype) -> int:
@@ -193,7 +193,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Itemised GPU memory of the target (+ drafter) with a `ctx_size`-token context, computing in `dtype`."""
     if ctx_size < 1:
-        raise ValueError(f"context size must be positive, got {ctx_size}")
+        raise OptionError(f"context size must be positive, got {ctx_size}")
     full, rings = target_kv_bytes(config, ctx_size, kv_dtype, dtype)
     items = {"target weights": target_weight_bytes}
     if drafter is not None:

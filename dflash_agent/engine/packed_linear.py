@@ -34,18 +34,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.dispatch import triton_runs
+from ..kernels.dispatch import PACKED_TYPES, triton_runs
 from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, dequantize
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
 _ROWS_PER_CHUNK = 8192  # repack big matrices in row slices, so loading never expands one to float32 whole
-
-# The block types kernels.quant_matmul reads (listed here too so this module imports without Triton).
-PACKED_TYPES: frozenset[GGMLQuantizationType] = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
 
 
 def keeps_packed(source: PackedTensor) -> bool:
@@ -96,10 +90,6 @@ class PackedWeight(torch.Tensor):
             exact = torch.einsum("rk,rck->rc", flat.float(), self.rows(top).float())
             out.scatter_(-1, top, exact.to(out.dtype))
         return y
-
-    @property
-    def nbytes_packed(self) -> int:
-        return self.packed.nbytes
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu is not None and x.device.type == "cpu":
@@ -220,8 +210,8 @@ class CpuInt4:
             planes = _planes(blocks, packed.qtype, blocks.shape[0], k) if w is None else [_fit_int4(w)]
             parts.append([(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
                            torch.stack((scale, zero), dim=-1).to(torch.bfloat16)) for q, scale, zero in planes])
-        planes = [(torch.cat([p[i][0] for p in parts]), torch.cat([p[i][1] for p in parts]).transpose(0, 1).contiguous())
-                  for i in range(len(parts[0]))]
+        planes = [(torch.cat([p[i][0] for p in parts]),
+                   torch.cat([p[i][1] for p in parts]).transpose(0, 1).contiguous()) for i in range(len(parts[0]))]
         return cls(planes, n)
 
     @property

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import UnsupportedTensorType
+from .errors import GGUFError, UnsupportedTensorType
 
 QK_K = 256
 K_SCALE_SIZE = 12
@@ -203,7 +203,7 @@ def _packed_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     # ggml blocks never straddle rows, so each row must hold whole blocks
     if shape and shape[-1] % block_size != 0:
-        raise ValueError(f"{qtype.name} row length {shape[-1]} is not a multiple of its block size {block_size}")
+        raise GGUFError(f"{qtype.name} row length {shape[-1]} is not a multiple of its block size {block_size}")
     return math.prod(shape) // block_size * type_size
 
 
@@ -226,7 +226,7 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int,
     nbytes = _packed_nbytes(qtype, shape)
     data = _as_bytes(raw)
     if data.numel() != nbytes:
-        raise ValueError(f"{qtype.name} tensor of shape {shape} needs {nbytes} bytes, got {data.numel()}")
+        raise GGUFError(f"{qtype.name} tensor of shape {shape} needs {nbytes} bytes, got {data.numel()}")
     _, type_size = GGML_QUANT_SIZES[qtype]
     out = _KERNELS[qtype](data.reshape(-1, type_size))
     if qtype == _T.F32:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import OptionError
+
 GROUP = 32
 MODES = ("q8", "q4")
 
@@ -21,7 +23,7 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, mode: str) -> None:
         super().__init__()
         if mode not in MODES:
-            raise ValueError(f"unknown quantization {mode!r} (one of {', '.join(MODES)})")
+            raise OptionError(f"unknown quantization {mode!r} (one of {', '.join(MODES)})")
         self.mode, self.dtype = mode, weight.dtype
         self.out_features, self.in_features = weight.shape
         w = weight.float()
@@ -51,7 +53,7 @@ class QuantLinear(nn.Module):
 def quantize_linear_weights(module: nn.Module, mode: str) -> None:
     """Replace every nn.Linear under `module` by a QuantLinear of its weight, in place."""
     if mode not in MODES:
-        raise ValueError(f"unknown quantization {mode!r} (one of {', '.join(MODES)})")
+        raise OptionError(f"unknown quantization {mode!r} (one of {', '.join(MODES)})")
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             if child.bias is not None:

@@ -40,7 +40,7 @@ from .gguf import GGUFError, GGUFFile, read_gguf
 
 __all__ = ["IncrementalDetokenizer", "SpecialTokens", "Tokenizer", "TokenizerError", "default_cache_root"]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the way special ids are derived changes: old entries are
 # then simply never looked up again.
@@ -202,13 +202,13 @@ class Tokenizer:
         cached = _load_cache_entry(entry, gguf_path)
         if cached is not None:
             backend, specials = cached
-            logger.debug("tokenizer for %s loaded from cache %s", gguf_path, entry)
+            log.debug("tokenizer for %s loaded from cache %s", gguf_path, entry)
             return cls(backend, specials, str(gguf_path))
 
         started = time.perf_counter()
         backend = _convert_gguf_tokenizer(gguf_path)
         specials = _gguf_specials(backend, gguf.fields, gguf_path)
-        logger.info(
+        log.info(
             "converted the tokenizer of %s in %.1f s; caching it in %s",
             gguf_path,
             time.perf_counter() - started,
@@ -449,7 +449,7 @@ def _stop_tuple(backend: tokenizers.Tokenizer, ids: Iterable[int | None], source
         if token_id is None or token_id in stops:
             continue
         if not 0 <= token_id < size:
-            logger.warning("%s: ignoring stop id %d outside the vocabulary (size %d)", source, token_id, size)
+            log.warning("%s: ignoring stop id %d outside the vocabulary (size %d)", source, token_id, size)
             continue
         stops.append(token_id)
     return tuple(stops)
@@ -532,7 +532,7 @@ def _load_cache_entry(entry: Path, gguf_path: Path) -> tuple[tokenizers.Tokenize
         specials = SpecialTokens.from_json(json.loads(specials_file.read_text(encoding="utf-8")))
         backend = tokenizers.Tokenizer.from_file(str(tok_file))
     except Exception as exc:  # a damaged entry is rebuilt, never fatal
-        logger.warning("ignoring unreadable tokenizer cache %s for %s (%s)", entry, gguf_path, exc)
+        log.warning("ignoring unreadable tokenizer cache %s for %s (%s)", entry, gguf_path, exc)
         return None
     return backend, specials
 
@@ -544,7 +544,7 @@ def _write_cache_entry(entry: Path, backend: tokenizers.Tokenizer, specials: Spe
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     except OSError as exc:
-        logger.warning("cannot cache the tokenizer in %s (%s); it will be converted again next time", entry, exc)
+        log.warning("cannot cache the tokenizer in %s (%s); it will be converted again next time", entry, exc)
         return
     try:
         backend.save(str(tmp / _TOKENIZER_JSON), pretty=False)
@@ -554,6 +554,6 @@ def _write_cache_entry(entry: Path, backend: tokenizers.Tokenizer, specials: Spe
         os.rename(tmp, entry)
     except OSError as exc:
         # Most likely another process renamed its identical entry in first.
-        logger.debug("tokenizer cache entry %s not written (%s)", entry, exc)
+        log.debug("tokenizer cache entry %s not written (%s)", entry, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

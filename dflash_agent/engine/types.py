@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import RequestError
+
 # How GGUF matrices load (Engine.load's `weights`): auto = packed where Triton runs (CUDA), exact elsewhere;
 # packed = also torch's int4 / int8 kernels on the CPU; exact = dequantized at load.
 WEIGHTS = ("auto", "exact", "packed")
@@ -23,13 +25,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -122,3 +124,12 @@ class FinalEvent:
 @dataclass
 class ErrorEvent:
     error: Exception
+
+
+@dataclass
+class GenerateResult:
+    """A whole generation, as `Engine.complete` returns it."""
+
+    text: str
+    ids: list[int]
+    final: FinalEvent

@@ -119,7 +119,7 @@ def _open_gguf(path: Path) -> Checkpoint:
     try:
         gguf = read_gguf(path)
     except GGUFError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     fields = dict(gguf.fields)
     arch = fields.get("general.architecture")
     if "token_embd.weight" in gguf.tensors:
@@ -133,7 +133,7 @@ def _open_gguf(path: Path) -> Checkpoint:
             source=str(path),
         )
     except ConfigError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
     for t in gguf.tensors.values():
         ours = _gguf_name(t.name)
@@ -174,7 +174,7 @@ def _open_hf(path: Path) -> Checkpoint:
     try:
         config = ModelConfig.from_hf_dir(path)
     except ConfigError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -205,8 +205,6 @@ def _open_hf(path: Path) -> Checkpoint:
 # --- building the model ------------------------------------------------------------------------------------------
 
 
-
-
 def build_model(
     ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype, progress: bool = True,
     packed: bool | None = None, repack_cpu: bool = False,
@@ -216,7 +214,8 @@ def build_model(
     packed (default: on CUDA): GGUF matrices of the types the Triton kernels read stay in their blocks
     (engine.packed_linear); everything else is dequantized at load, as on the CPU.
     repack_cpu: on the CPU, those matrices are also repacked once for torch's int4 / int8 CPU kernels
-    (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the exact reference.
+    (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the
+    exact reference.
     """
     if packed is None:
         packed = torch.device(device).type == "cuda" or repack_cpu
@@ -226,7 +225,8 @@ def build_model(
     missing = sorted(set(expected) - set(ckpt.tensors))
     unexpected = sorted(set(ckpt.tensors) - set(expected))
     if missing:
-        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        more = " ..." if len(missing) > 5 else ""
+        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}{more}")
     if unexpected:
         raise ModelLoadError(
             f"{ckpt.path}: tensors this {ckpt.config.family} text decoder does not use: "

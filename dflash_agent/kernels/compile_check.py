@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from ..errors import UserError
 from .triton_support import Launch
 
 # RTX 3090 / RTX 4090 / H100 / RTX 5090
@@ -46,7 +47,7 @@ class Usage:
 
 def _specialize(launch: Launch, capability: int):
     if triton.knobs.runtime.interpret:
-        raise ValueError("the compile report needs compiled Triton: unset TRITON_INTERPRET")
+        raise UserError("the compile report needs compiled Triton: unset TRITON_INTERPRET")
     backend = make_backend(GPUTarget("cuda", capability, 32))
     fn = launch.kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)

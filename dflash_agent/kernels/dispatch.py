@@ -6,6 +6,11 @@ from __future__ import annotations
 import os
 
 import torch
+from gguf import GGMLQuantizationType
+
+_T = GGMLQuantizationType
+# The GGUF block types kernels.quant_matmul reads: the matrices the engine keeps packed.
+PACKED_TYPES: frozenset[GGMLQuantizationType] = frozenset({_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
 
 # Set (with TRITON_INTERPRET=1) to run the kernels on CPU tensors through Triton's interpreter: how the tests
 # check them without a GPU. A TRITON_INTERPRET set for any other reason never sends the CPU engine there.

@@ -30,13 +30,15 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .dispatch import PACKED_TYPES
 from .triton_support import Launch, dot_dtype
 
 _T = GGMLQuantizationType
 
 # Kernel-side format codes (constexpr), one per supported GGML type.
 _CODES = {_T.Q4_0: 0, _T.Q5_0: 1, _T.Q8_0: 2, _T.Q4_K: 3, _T.Q5_K: 4, _T.Q6_K: 5}
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_CODES)
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = PACKED_TYPES  # one list, importable without Triton
+assert set(_CODES) == PACKED_TYPES, "every packed type needs a kernel format code"
 
 DECODE_ROWS = 1
 VERIFY_ROWS = 16

@@ -9,7 +9,6 @@ the tools that need the model wait for. A failed load ends the process with one 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 import threading
@@ -26,12 +25,10 @@ from mcp.server.stdio import stdio_server
 from ..agent.commands import ENGINE_ONLY
 from ..chat.chat_format import LoadedModel
 from ..engine import Engine
-from ..options import load_engine, model_options, user_errors
+from ..options import check_spec_options, load_engine, model_options, report_error, user_errors
 from ..tools.bash import DEFAULT_DENY
 from .model import LocalModel, ModelAccess, RemoteModel
 from .server import workspace_server
-
-log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"  # where `dflash-agent serve` listens by default
 PROBE_TIMEOUT_S = 0.5  # the handshake must not wait on a server that is not there
@@ -77,6 +74,7 @@ def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, loc
         model: ModelAccess = remote
         where = f"the model at {remote.base_url}"
     else:
+        check_spec_options(model_params["no_spec"], model_params["draft"], model_params["spec_block"])
         loading = Future()
         model = LocalModel(lambda: loading.result() if loading.done() else None, model_params["model"])
         where = f"{model_params['model']} (loading in this process)"
@@ -110,8 +108,7 @@ async def _watch_load(loading: Future[LoadedModel]) -> None:
     try:
         loaded = await asyncio.wrap_future(loading)
     except Exception as exc:
-        log.debug("the model failed to load", exc_info=True)
-        click.echo(f"error: {exc}", err=True)
+        report_error(exc)
         sys.stderr.flush()
         os._exit(1)
     click.echo(f"dflash-agent mcp: model ready ({loaded.name}, context {loaded.engine.n_ctx} tokens)", err=True)

@@ -19,7 +19,7 @@ from ..agent.engine_backend import EngineBackend
 from ..agent.remote import RemoteBackend
 from ..chat.chat_format import LoadedModel
 from ..chat.types import Conversation
-from ..engine import FinalEvent, GenerateRequest, SamplingParams, Usage
+from ..engine import GenerateRequest, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
 
@@ -124,20 +124,10 @@ class LocalModel:
         engine = (await self.model()).engine
         request = GenerateRequest(engine.tokenizer.encode(prompt), SamplingParams(temperature=temperature),
                                   max_tokens=max_tokens, request_id=f"mcp-{id(self):x}-{next(self._ids)}")
-        parts: list[str] = []
-        final: FinalEvent | None = None
-        try:
-            async for event in engine.generate(request):
-                if isinstance(event, FinalEvent):
-                    final = event
-                else:
-                    parts.append(event.text_delta)
-        finally:
-            if final is None:  # cancelled (the client's MCP cancel) or failed: free the engine now
-                engine.cancel(request.request_id)
-        timings = asdict(final.timings)
+        result = await engine.complete(request)  # the client's MCP cancel cancels the request with this task
+        timings = asdict(result.final.timings)
         self.last.record(timings)
-        return Completion("".join(parts), final.finish_reason, final.usage, timings)
+        return Completion(result.text, result.final.finish_reason, result.final.usage, timings)
 
     async def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.name, "backend": "in-process engine"}

@@ -44,6 +44,7 @@ from ..agent.loop import Agent, AgentConfig, AgentEvent, RunResult, StepEnd, Tur
 from ..agent.prompt import system_prompt
 from ..agent.transcript import Transcript, default_transcript_path
 from ..chat.openai_messages import conversation_from_openai
+from ..errors import UserError
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import Registry, workspace_tools
 from ..tools.tool import ToolError, ToolResult, ToolSpec, struct_schema
@@ -173,7 +174,7 @@ def workspace_server(model: ModelAccess, repo: os.PathLike | str | None, expose_
     model, and with `expose_tools` the workspace tools."""
     if repo is None:
         if expose_tools:
-            raise ValueError("exposing the workspace tools needs a workspace (a repo directory)")
+            raise UserError("exposing the workspace tools needs a workspace (a repo directory)")
         return build_server(model)
     workspace = Workspace(repo, read_only=read_only)
     registry = workspace_tools(workspace, deny) if expose_tools else None

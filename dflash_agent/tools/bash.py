@@ -24,6 +24,7 @@ from typing import Annotated
 
 import msgspec
 
+from ..errors import UserError
 from .tool import ToolError, ToolSpec, elision_note
 from .workspace import Workspace
 
@@ -71,7 +72,7 @@ def compile_deny(patterns: Sequence[str]) -> list[re.Pattern[str]]:
         try:
             compiled.append(re.compile(pattern))
         except re.error as exc:
-            raise ValueError(f"deny-list pattern {pattern!r} is not a valid regular expression: {exc}") from None
+            raise UserError(f"deny-list pattern {pattern!r} is not a valid regular expression: {exc}") from None
     return compiled
 
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UserError
 from .tool import ToolError
 
 _OPEN_ATTEMPTS = 5
@@ -20,7 +21,7 @@ class Workspace:
     def __post_init__(self) -> None:
         root = Path(self.root).expanduser()
         if not root.is_dir():
-            raise ValueError(f"workspace {str(root)!r} is not a directory")
+            raise UserError(f"workspace {str(root)!r} is not a directory")
         # Symlinks resolved once here, so every check below compares real paths.
         object.__setattr__(self, "root", root.resolve())
 

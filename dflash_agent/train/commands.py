@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
                    "[default: full on CUDA, data on a CPU].")
 @click.option("--negatives", type=click.IntRange(min=0), default=4096, show_default=True,
               help="With --loss-vocab data: sampled out-of-data tokens per step.")
-@click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Checkpoint every N steps.")
+@click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Checkpoint every N steps.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure held-out acceptance every N steps (0: only at the end).")
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,

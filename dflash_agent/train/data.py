@@ -33,19 +33,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..engine import Tokenizer
+from ..errors import UserError
 from .target import BatchGenerator, Continuation
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-SPLITS = ("train", "eval")
 HELD_OUT_EVERY = 10  # one corpus file in ten (by a hash of its path) only ever feeds the eval split
 # The code prompt of `dflash-agent bench` (bench/cpu.py) is cut from this stdlib file: keep it unseen.
 ALWAYS_HELD_OUT = frozenset({"json/decoder.py"})
 MIN_TAIL = 16  # a prompt is cut at least this many tokens before its file ends
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """The corpus or a data directory cannot give the sequences asked for."""
 
 
@@ -139,7 +139,8 @@ def prompts(files: list[CorpusFile], split: str, tokenizer: Tokenizer, prompt_to
         produced = False
         for file in chosen:
             if file.name not in tokenized:
-                tokenized[file.name] = array("i", tokenizer.encode(file.path.read_text(errors="replace"), add_bos=False))
+                text = file.path.read_text(errors="replace")
+                tokenized[file.name] = array("i", tokenizer.encode(text, add_bos=False))
             ids = tokenized[file.name]
             if len(ids) < body + MIN_TAIL:
                 continue
@@ -168,8 +169,10 @@ class DataDir:
             except (json.JSONDecodeError, TypeError, KeyError) as exc:
                 raise DataError(f"{manifest} is not a training-data manifest ({exc})") from None
             if have != spec:
-                name, old, new = next((k, v, getattr(spec, k)) for k, v in asdict(have).items() if getattr(spec, k) != v)
-                raise DataError(f"{path} holds data generated with {name}={old!r}, not {new!r}; use another --data directory")
+                name, old, new = next((k, v, getattr(spec, k)) for k, v in asdict(have).items()
+                                      if getattr(spec, k) != v)
+                raise DataError(f"{path} holds data generated with {name}={old!r}, not {new!r}; "
+                                "use another --data directory")
         else:
             path.mkdir(parents=True, exist_ok=True)
             _atomic_write(manifest, (json.dumps(spec.to_json(), indent=2) + "\n").encode())

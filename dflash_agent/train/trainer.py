@@ -41,6 +41,7 @@ from torch import nn
 
 from ..engine.drafter import Drafter, init_drafter_checkpoint, load_drafter
 from ..engine.model import GemmaModel, RMSNorm
+from ..errors import UserError
 from .blocks import block_labels, forward_blocks, sample_anchors
 from .data import SequenceSet
 from .evaluate import Acceptance, replay_acceptance
@@ -53,7 +54,7 @@ STATE_FILE = "trainer_state.pt"
 SCALE_SAMPLE = 64  # sequences whose features set the per-channel scale
 
 
-class TrainError(ValueError):
+class TrainError(UserError):
     """Settings or a checkpoint directory that training cannot use."""
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_agent.api.background import live_server
 from dflash_agent.api.service import ServerSettings
 from dflash_agent.engine.engine import Engine
-
-from dflash_agent.api.background import live_server
 
 API_KEY = "test-key-123"
 

@@ -7,11 +7,11 @@ import threading
 import httpx
 import pytest
 
+from dflash_agent.api.background import live_server
 from dflash_agent.api.service import ServerSettings
 from dflash_agent.engine.engine import Engine
 
 from .conftest import API_KEY
-from dflash_agent.api.background import live_server
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

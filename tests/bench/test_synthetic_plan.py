@@ -21,7 +21,7 @@ from dflash_agent.bench.synthetic import (
     synthetic_weight_bytes,
 )
 from dflash_agent.cli import main
-from dflash_agent.engine.memory_plan import GiB, DrafterPlan, drafter_weight_bytes
+from dflash_agent.engine.memory_plan import DrafterPlan, GiB, drafter_weight_bytes
 from dflash_agent.engine.model import GemmaModel
 
 

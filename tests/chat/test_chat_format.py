@@ -8,14 +8,14 @@ import json
 
 import jsonschema
 import pytest
+
+from dflash_agent.chat.chat_format import ChatFormat, ChatOptions, stream_chat
+from dflash_agent.chat.openai_messages import conversation_from_openai
+from dflash_agent.chat.types import ChatError
 from dflash_agent.engine.drafter import init_drafter_checkpoint, load_drafter
 from dflash_agent.engine.engine import Engine
 from dflash_agent.engine.sampling import SamplingParams
 from dflash_agent.engine.speculative import SpecConfig
-
-from dflash_agent.chat.chat_format import ChatFormat, ChatOptions, complete_chat
-from dflash_agent.chat.openai_messages import conversation_from_openai
-from dflash_agent.chat.types import ChatError
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
@@ -42,6 +42,17 @@ def chat(engine):
     return ChatFormat.for_engine(engine)
 
 
+def complete_chat(engine, prepared, sampling=None, max_tokens=None):
+    """The whole answer of a prepared chat: (content / reasoning / tool calls, the engine's FinalEvent)."""
+    parser = prepared.parser()
+
+    async def drain():
+        return [event async for event in stream_chat(engine, prepared, parser, sampling, max_tokens)][-1]
+
+    final = asyncio.run(drain())
+    return parser.result(), final
+
+
 def _conversation(text, tools=None):
     return conversation_from_openai([{"role": "user", "content": text}], tools)
 
@@ -55,7 +66,7 @@ def test_named_tool_choice_gives_a_valid_call(engine, chat):
     prepared = chat.prepare(_conversation("Find TODO comments.", TOOLS),
                             ChatOptions(tool_choice={"type": "function", "function": {"name": "grep"}},
                                         parallel_tool_calls=False))
-    parsed, final = asyncio.run(complete_chat(engine, prepared, SamplingParams(temperature=1.0, seed=3), 160))
+    parsed, final = complete_chat(engine, prepared, SamplingParams(temperature=1.0, seed=3), 160)
     assert final.finish_reason == "stop"
     assert [c.name for c in parsed.tool_calls] == ["grep"]
     jsonschema.validate(parsed.tool_calls[0].arguments, TOOLS[1]["function"]["parameters"])
@@ -77,7 +88,7 @@ def test_grammar_under_speculation_matches_plain_decoding(engine, chat, tmp_path
     for draft, spec in ((None, SpecConfig(enabled=False)), (drafter, SpecConfig(block=6))):
         spec_engine = Engine(engine.model, engine.tokenizer, engine.n_ctx, drafter=draft, spec=spec)
         try:
-            parsed, final = asyncio.run(complete_chat(spec_engine, prepared, max_tokens=96))
+            parsed, final = complete_chat(spec_engine, prepared, max_tokens=96)
         finally:
             spec_engine.close()
         outputs.append((parsed.content, final))

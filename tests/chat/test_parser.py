@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from dflash_agent.chat import gemma3_tools
+from dflash_agent.chat.constraints import MAX_PARALLEL_CALLS
 from dflash_agent.chat.gemma4_syntax import format_tool_call, format_value
 from dflash_agent.chat.parser import (
     FencedToolCallParser,
@@ -20,7 +21,6 @@ from dflash_agent.chat.parser import (
     ToolCallStart,
     make_parser,
 )
-from dflash_agent.chat.constraints import MAX_PARALLEL_CALLS
 from dflash_agent.chat.types import ToolCall
 
 

@@ -12,11 +12,11 @@ import itertools
 import json
 from pathlib import Path
 
-import dflash_agent.templates
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import dflash_agent.templates
 from dflash_agent.chat.gemma4_syntax import (
     FRAME_MARKERS,
     STRING_DELIM,

@@ -12,7 +12,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from dflash_agent.engine.tokenizer import Tokenizer
 
 from dflash_agent.chat.gemma3_tools import (
     TOOL_CALL_FENCE,
@@ -39,6 +38,7 @@ from dflash_agent.chat.types import (
     Tool,
     ToolCall,
 )
+from dflash_agent.engine.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import torch
 
+from dflash_agent.engine import SamplingParams, StopCriteria
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
 from dflash_agent.engine.model import ContextOverflowError
-from dflash_agent.engine import SamplingParams, StopCriteria
 
 PROMPTS = [
     "def fibonacci(n):",

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+
 from dflash_agent.engine.grammar import GrammarCompiler, GrammarError
 from dflash_agent.engine.tokenizer import Tokenizer
 

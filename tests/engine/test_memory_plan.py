@@ -8,8 +8,8 @@ import torch
 from dflash_agent.bench.synthetic import build_synthetic_drafter, gemma4_31b_config, gemma4_31b_drafter_config
 from dflash_agent.engine.drafter import DrafterConfig
 from dflash_agent.engine.memory_plan import (
-    GiB,
     DrafterPlan,
+    GiB,
     MemoryPlanError,
     checkpoint_weight_bytes,
     drafter_kv_bytes,

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+
 from dflash_agent.engine import speculative
 from dflash_agent.engine.drafter import load_drafter
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest

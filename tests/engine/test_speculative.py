@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from dflash_agent.engine.drafter import DrafterError, load_drafter
 from dflash_agent.engine.engine import Engine, GenerateRequest
 from dflash_agent.engine.sampling import Sampler, SamplingParams
@@ -247,8 +248,11 @@ def test_stop_token_and_string_inside_a_block(pair):
     for stop in (StopCriteria(token_ids=frozenset({stop_token})), StopCriteria(strings=(stop_string,))):
         with_spec = run(SpecConfig(block=BLOCK), stop)
         without = run(SpecConfig(enabled=False), stop)
-        text = lambda events: "".join(e.text_delta for e in events[:-1])
-        assert text(with_spec) == text(without)
+        assert _text(with_spec) == _text(without)
         assert with_spec[-1].finish_reason == without[-1].finish_reason == "stop"
         assert with_spec[-1].stop == without[-1].stop
         assert with_spec[-1].usage.completion_tokens == without[-1].usage.completion_tokens
+
+
+def _text(events):
+    return "".join(e.text_delta for e in events[:-1])

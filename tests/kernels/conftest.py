@@ -40,8 +40,8 @@ def kernels() -> Iterator[Kernels]:
         yield Kernels(torch.device("cuda"))
         return
     if "triton" in sys.modules:
-        from triton.runtime.interpreter import InterpretedFunction
         from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(standard.zeros, InterpretedFunction):
             pytest.fail("triton was imported without TRITON_INTERPRET=1 before the kernel tests, so its standard "

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 from dflash_agent.engine.weights import build_model
+from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 from tests.engine.test_packed_linear import run_steps, tiny_packed_checkpoint
 
 

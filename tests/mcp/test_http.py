@@ -5,6 +5,7 @@ cancelled while the engine generates."""
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 
 import anyio
 import httpx
@@ -15,6 +16,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from dflash_agent.api.background import free_port
 from dflash_agent.chat.chat_format import LoadedModel
+from dflash_agent.engine import FinalEvent
+from dflash_agent.engine import engine as engine_module
 from dflash_agent.mcp.commands import _server_answers
 from dflash_agent.mcp.model import LocalModel, RemoteModel
 from dflash_agent.mcp.server import STATUS_URI, workspace_server
@@ -117,20 +120,31 @@ def test_the_probe_finds_a_running_server(mcp_http_url):
 
 
 def test_cancelling_run_task_cancels_the_engine_request(mcp_engine, mcp_repo, monkeypatch):
-    cancelled: list[str] = []
+    last: dict[str, object] = {}  # the last event the engine emitted for each request, by id
+    left_early: list[str] = []  # requests whose consumer stopped before the final event
     started = anyio.Event()
-    cancel, generate = mcp_engine.cancel, mcp_engine.generate
+    generate, make_job = mcp_engine.generate, engine_module._Job
 
-    def spy_cancel(request_id):
-        cancelled.append(request_id)
-        return cancel(request_id)
+    def spy_job(request, emit):
+        def recording(event):
+            last[request.request_id] = event
+            emit(event)
+
+        return make_job(request, recording)
 
     async def spy_generate(request):
         started.set()
-        async for event in generate(request):
-            yield event
+        finished = False
+        try:
+            async with aclosing(generate(request)) as events:
+                async for event in events:
+                    finished = isinstance(event, FinalEvent)
+                    yield event
+        finally:
+            if not finished:
+                left_early.append(request.request_id)
 
-    monkeypatch.setattr(mcp_engine, "cancel", spy_cancel)
+    monkeypatch.setattr(engine_module, "_Job", spy_job)
     monkeypatch.setattr(mcp_engine, "generate", spy_generate)
     loaded = LoadedModel.of(mcp_engine)
     model = LocalModel(lambda: loaded, loaded.name)
@@ -150,5 +164,7 @@ def test_cancelling_run_task_cancels_the_engine_request(mcp_engine, mcp_repo, mo
                 return await client.call_tool("complete", {"prompt": PROMPT, "max_tokens": 2})
 
     after = anyio.run(scenario)
-    assert [request_id.split("-")[0] for request_id in cancelled] == ["agent"]
+    assert [request_id.split("-")[0] for request_id in left_early] == ["agent"]
+    # The engine stopped it for the cancel (the next request ran after it on the one worker, so it has ended).
+    assert last[left_early[0]].finish_reason == "cancelled"
     assert not after.is_error and after.structured_content["completion_tokens"] == 2

@@ -10,14 +10,14 @@ import time
 
 import anyio
 import pytest
-from dflash_agent.tools.registry import workspace_tools
-from dflash_agent.tools.workspace import Workspace
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
 from dflash_agent.agent.backend import BackendError
 from dflash_agent.mcp.model import LastRequest
 from dflash_agent.mcp.server import STATUS_URI, workspace_server
+from dflash_agent.tools.registry import workspace_tools
+from dflash_agent.tools.workspace import Workspace
 from tests.agent.scripted import Say, ScriptedModel, bash
 from tests.tools.test_bash import alive
 

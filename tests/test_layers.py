@@ -1,0 +1,159 @@
+"""The layers rule of ARCHITECTURE.md, enforced on every import in the package (lazy ones inside functions and
+`TYPE_CHECKING` blocks included): imports only go down.
+
+    kernels <- engine <- chat <- agent <- mcp,   chat <- api,   tools <- agent / mcp (tools knows no model),
+    options (shared command options) <- the `commands` modules, serve and cli;  cli <- __main__ only;
+    errors (the UserError base) below them all.
+
+`api` and `mcp` do not import each other; `serve` is the one place that wires them together. `bench` and `train`
+are tooling on top of the engine (`bench` may drive the HTTP API in-process).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+PACKAGE = "dflash_agent"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+# layer -> the layers it may import directly; what those may import it may import too (down is down).
+DEPENDS: dict[str, set[str]] = {
+    "errors": set(),  # UserError, the base every layer's user-facing errors share
+    "kernels": {"errors"},
+    "engine": {"kernels"},
+    "templates": set(),  # package data: the bundled chat templates
+    "chat": {"engine", "templates"},
+    "tools": {"errors"},
+    "agent": {"chat", "tools"},
+    "mcp": {"agent", "tools"},
+    "api": {"chat"},
+    "options": {"engine"},
+    "bench": {"api", "options"},
+    "train": {"options"},
+    "serve": {"api", "mcp", "options"},
+    "cli": {"options", "chat"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+# A layer's `commands` module is its CLI glue: it may also use the shared command options.
+COMMANDS_MAY_IMPORT = {"options"}
+
+
+def allowed(layer: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [layer]
+    while todo:
+        for below in DEPENDS.get(todo.pop(), set()):  # an unknown layer may import nothing
+            if below not in seen:
+                seen.add(below)
+                todo.append(below)
+    return seen
+
+
+def layer_of(module: str) -> str:
+    """`dflash_agent.engine.model` -> `engine`; `dflash_agent.cli` -> `cli`; `dflash_agent` -> `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
+    """Every module of ours that `path` imports, absolute, with its line."""
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                if node.module:
+                    found.append((".".join([*base, node.module]), node.lineno))
+                else:  # `from . import x`: x is a module (or a name) of that package
+                    found += [(".".join([*base, alias.name]), node.lineno) for alias in node.names]
+            elif node.module:
+                found.append((node.module, node.lineno))
+    return [(name, line) for name, line in found if name == PACKAGE or name.startswith(PACKAGE + ".")]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, list[tuple[str, int]]]:
+    return {module_name(path, root): imports_of(path, module_name(path, root)) for path in sorted(root.rglob("*.py"))}
+
+
+def violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
+    """One line per import that goes up or sideways, e.g. `dflash_agent.engine.x:3 imports dflash_agent.chat`."""
+    bad = []
+    for module, imported in graph.items():
+        layer = layer_of(module)
+        ok = allowed(layer) | {layer}
+        if module.rpartition(".")[2] == "commands":
+            ok |= COMMANDS_MAY_IMPORT
+        for target, line in imported:
+            if layer_of(target) not in ok:
+                bad.append(f"{module}:{line} imports {target} ({layer} -> {layer_of(target)})")
+    return bad
+
+
+def test_every_package_import_goes_down():
+    graph = import_graph()
+    assert violations(graph) == []
+
+
+def test_every_layer_is_in_the_rule():
+    layers = {layer_of(module) for module in import_graph()}
+    assert layers <= set(DEPENDS), f"layers missing from DEPENDS: {sorted(layers - set(DEPENDS))}"
+
+
+def test_the_scan_sees_the_real_imports():
+    # A scan that found nothing would pass the rule vacuously: it must see the edges the package is built on.
+    edges = {(layer_of(module), layer_of(target)) for module, imported in import_graph().items()
+             for target, _ in imported}
+    assert {("engine", "kernels"), ("chat", "engine"), ("agent", "chat"), ("mcp", "agent"), ("api", "chat"),
+            ("serve", "mcp"), ("__main__", "cli")} <= edges
+
+
+def test_relative_imports_resolve_to_absolute_modules(tmp_path):
+    package = tmp_path / PACKAGE / "engine"
+    package.mkdir(parents=True)
+    (tmp_path / PACKAGE / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from .types import Usage\nfrom .. import cli\n")
+    (package / "model.py").write_text(
+        "import os\nfrom ..kernels.dispatch import mm\n\ndef f():\n    from ...dflash_agent import x\n"
+        "    from ..chat import parser\n")
+    graph = import_graph(tmp_path / PACKAGE)
+    assert graph[f"{PACKAGE}.engine"] == [(f"{PACKAGE}.engine.types", 1), (f"{PACKAGE}.cli", 2)]
+    assert (f"{PACKAGE}.kernels.dispatch", 2) in graph[f"{PACKAGE}.engine.model"]
+    assert (f"{PACKAGE}.chat", 6) in graph[f"{PACKAGE}.engine.model"]
+
+
+def test_planted_violations_are_flagged():
+    graph = {
+        "dflash_agent.engine.model": [("dflash_agent.kernels.dispatch", 1), ("dflash_agent.chat.parser", 7)],
+        "dflash_agent.kernels.attention": [("dflash_agent.engine", 3)],
+        "dflash_agent.tools.bash": [("dflash_agent.engine.engine", 4)],
+        "dflash_agent.api.app": [("dflash_agent.mcp.http", 5), ("dflash_agent.engine", 6)],
+        "dflash_agent.mcp.server": [("dflash_agent.api.service", 8), ("dflash_agent.agent.loop", 9)],
+        "dflash_agent.mcp.commands": [("dflash_agent.options", 2), ("dflash_agent.cli", 3)],
+        "dflash_agent.mcp.model": [("dflash_agent.options", 4)],
+        "dflash_agent.serve": [("dflash_agent.api.app", 1), ("dflash_agent.mcp.http", 2)],
+        "dflash_agent.__main__": [("dflash_agent.cli", 1)],
+    }
+    assert violations(graph) == [
+        "dflash_agent.engine.model:7 imports dflash_agent.chat.parser (engine -> chat)",
+        "dflash_agent.kernels.attention:3 imports dflash_agent.engine (kernels -> engine)",
+        "dflash_agent.tools.bash:4 imports dflash_agent.engine.engine (tools -> engine)",
+        "dflash_agent.api.app:5 imports dflash_agent.mcp.http (api -> mcp)",
+        "dflash_agent.mcp.server:8 imports dflash_agent.api.service (mcp -> api)",
+        "dflash_agent.mcp.commands:3 imports dflash_agent.cli (mcp -> cli)",
+        "dflash_agent.mcp.model:4 imports dflash_agent.options (mcp -> options)",
+    ]
