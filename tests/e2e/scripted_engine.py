@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from dflash_agent.engine import Engine, FinalEvent, GenerateRequest, TokenEvent, Timings, Usage
+from dflash_agent.engine import Engine, FinalEvent, GenerateRequest, Timings, TokenEvent, Usage
 
 
 def fenced_call(name: str, arguments: dict[str, Any]) -> str:
@@ -30,6 +30,8 @@ class ScriptedEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+    stream = Engine.stream  # the engine's own consumer, reading this generate()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         prompt = self._engine.tokenizer.decode(request.prompt_ids)
