@@ -30,7 +30,22 @@ from .openai_schema import Timings
 from .service import HEARTBEAT, EventStream, Generation, ServerState, max_new_tokens, sampling_params, stop_strings
 
 
-def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None) -> ChatOptions:
+def _response_format(data: MessagesRequest) -> Any:
+    """Anthropic's structured-output format as Chat Completions' response_format (forced by a grammar)."""
+    if data.output_config is not None and not isinstance(data.output_config, dict):
+        raise APIError(400, "output_config must be an object", param="output_config")
+    fmt, param = (data.output_config or {}).get("format"), "output_config.format"
+    if fmt is None:
+        fmt, param = data.output_format, "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, f'{param} must be {{"type": "json_schema", "schema": {{...}}}}', param=param)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None,
+             response_format: Any = None) -> ChatOptions:
     choice: Any = "auto"
     parallel = True
     if tool_choice is not None:
@@ -41,7 +56,8 @@ def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind, tool_choice)
         parallel = not tool_choice.get("disable_parallel_tool_use", False)
     enabled = thinking is not None and thinking.get("type") in ("enabled", "adaptive")
-    return ChatOptions(tool_choice=choice, parallel_tool_calls=parallel, enable_thinking=enabled)
+    return ChatOptions(tool_choice=choice, parallel_tool_calls=parallel, response_format=response_format,
+                       enable_thinking=enabled)
 
 
 def _stop_reason(final: FinalEvent, tool_calls: bool, stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
@@ -58,7 +74,7 @@ def _stop_reason(final: FinalEvent, tool_calls: bool, stop_sequences: tuple[str,
 async def messages(data: JSONBody[MessagesRequest], state: State) -> MessageResponse | EventStream:
     server: ServerState = state.server
     model = server.ready()
-    options = _options(data.tool_choice, data.thinking)
+    options = _options(data.tool_choice, data.thinking, _response_format(data))
     conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))

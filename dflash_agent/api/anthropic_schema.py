@@ -26,6 +26,10 @@ class MessagesRequest(msgspec.Struct):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # Structured outputs: `output_config.format` (what Claude Code sends for its session titles) or the beta's
+    # top-level `output_format`, {"type": "json_schema", "schema": {...}}. `output_config.effort` is accepted.
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
     cache_prompt: bool = True  # llama.cpp's field, accepted here too
 
 

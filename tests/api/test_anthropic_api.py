@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -162,3 +164,24 @@ def test_mid_conversation_system_messages_as_claude_code_sends_them(client, serv
     prompt = httpx.post(f"{server_url}/v1/messages/count_tokens",
                         json={"model": "m", "system": system, "messages": messages}).json()["input_tokens"]
     assert prompt == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+
+
+def test_structured_output_as_claude_code_asks_for_a_session_title(client):
+    """Claude Code asks for its session title with `output_config.format`; the grammar forces the schema, so the
+    turn ends with the JSON object instead of running to max_tokens."""
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}}, "required": ["title"],
+              "additionalProperties": False}
+    out = client.messages.create(
+        model="claude-opus-4-8", max_tokens=16000,
+        messages=[{"role": "user", "content": "<session>\nlist the files here\n</session>\n\nWrite the title."}],
+        extra_body={"temperature": 0,
+                    "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}}})
+    assert out.stop_reason == "end_turn", out
+    assert isinstance(json.loads(out.content[0].text)["title"], str)
+
+
+@pytest.mark.parametrize("extra", [{"output_config": {"format": {"type": "yaml"}}}, {"output_format": {"type": "json"}}])
+def test_a_bad_structured_output_format_is_a_400(client, extra):
+    with pytest.raises(anthropic.BadRequestError, match="json_schema"):
+        client.messages.create(model="any", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                               extra_body=extra)
