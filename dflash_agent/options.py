@@ -42,8 +42,9 @@ def model_options(f):
                      help="Fixed speculative block size (anchor + drafts), e.g. for benchmarks; default adaptive.")(f)
     f = click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding: no drafter, no prompt lookup.")(f)
     f = click.option("--weights", type=click.Choice(WEIGHTS), default="auto", show_default=True,
-                     help="GGUF weights: auto (packed Triton kernels on CUDA, exact on the CPU), packed (also torch's "
-                          "int4/int8 kernels on the CPU) or exact (dequantized at load: bit-exact with gguf-py).")(f)
+                     help="GGUF weights: auto (packed: Triton kernels on CUDA, C kernels built with the system's cc "
+                          "on the CPU, else exact), packed (torch's int4/int8 kernels on a CPU without a compiler) or "
+                          "exact (dequantized at load: bit-exact with gguf-py).")(f)
     f = click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads [default: the physical cores].")(f)
     return f

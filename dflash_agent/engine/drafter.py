@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from ..kernels.attention import cache_attention
+from ..kernels.attention import cache_attention, grouped_attention
 from .errors import DrafterError
 from .model import RMSNorm, rope_tables, rotate
 from .quant_linear import quantize_linear_weights
@@ -190,11 +190,7 @@ class DraftLayerPlan:
             self.values.index_copy_(0, self.slots, v)
             return cache_attention(q, self.keys, self.values, self.query_positions, None, self.window, scale)
         keys, values = torch.cat((self.keys, k)), torch.cat((self.values, v))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=self.mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1],
-        )
-        return out.transpose(0, 1)
+        return grouped_attention(q, keys, values, self.mask, scale)
 
 
 class DrafterAttention(nn.Module):

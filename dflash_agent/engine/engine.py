@@ -22,6 +22,7 @@ from .errors import OptionError, RequestError
 from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
+from .packed_linear import cpu_dot
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reuse
 from .sampling import Sampler, StopStringFilter
 from .speculative import LengthController, RequestDecoder, SpecConfig
@@ -96,8 +97,9 @@ class Engine:
         prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
         kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
-        weights: "auto" (GGUF matrices stay packed where Triton runs, on CUDA; dequantized on the CPU),
-        "packed" (also on the CPU, through torch's int4 / int8 kernels, engine.packed_linear) or "exact"
+        weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu_dot on the CPU where a C
+        compiler builds it, else dequantized), "packed" (also on the CPU without a compiler, through torch's
+        int4 / int8 kernels; engine.packed_linear) or "exact"
         (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors
         checkpoints always load exactly.
         threads: CPU threads (default: the physical cores)."""
@@ -123,8 +125,11 @@ class Engine:
                                      planned_drafter)
         else:
             n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter)
+        # auto on the CPU: the packed C kernels where they build (kernels.cpu_dot), else the exact weights, whose
+        # float32 GEMMs prefill faster than torch's int4 / int8 kernels
+        repack_cpu = weights == "packed" or (weights == "auto" and torch_device.type == "cpu" and cpu_dot() is not None)
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
-                          packed=False if weights == "exact" else None, repack_cpu=weights == "packed")
+                          packed=False if weights == "exact" else None, repack_cpu=repack_cpu)
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter = None
         if draft is not None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import cache_attention
+from ..kernels.attention import cache_attention, grouped_attention
 from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
 from .errors import ContextOverflowError
@@ -179,11 +179,7 @@ class LayerPlan:
             keys, values = torch.cat((cached_k, k), dim=-3), torch.cat((cached_v, v), dim=-3)
             n = self.slots.shape[0]
             kv.write(self.slots, k[..., -n:, :, :], v[..., -n:, :, :])
-        out = F.scaled_dot_product_attention(
-            q.transpose(-3, -2), keys.transpose(-3, -2), values.transpose(-3, -2),
-            attn_mask=self.mask, scale=scale, enable_gqa=keys.shape[-2] != q.shape[-2],
-        )
-        return out.transpose(-3, -2)
+        return grouped_attention(q, keys, values, self.mask, scale)
 
 
 @dataclass(frozen=True)

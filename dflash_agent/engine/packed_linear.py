@@ -2,44 +2,54 @@
 
 A `PackedWeight` stands where the model expects a [out, in] weight matrix of the compute dtype
 (Linear.weight, the tied embedding / LM head) and supports exactly what the model does with one:
-- `F.linear(x, w)`: kernels.quant_matmul's Triton kernel on CUDA; on the CPU, torch's own packed kernels
-  when the weight was repacked for them at load (`repack_for_cpu`, see CpuInt4 / CpuInt8), else the
+- `F.linear(x, w)`: kernels.quant_matmul's Triton kernel on CUDA; on the CPU, packed kernels when the
+  weight was repacked for them at load (`repack_for_cpu`, below), else the
   reference (dequantize to the compute dtype, then F.linear), which is bit-identical to dequantizing at load;
 - `w[ids]`: the embedding rows of `ids`, dequantized from the GGUF blocks, exactly (blocks never straddle rows).
 Anything else that would need the data (`.float()`, `.to()`, arithmetic) raises a TypeError instead of
 silently expanding gigabytes.
 
-CPU repacking (the fast default on the CPU). torch ships two weight-only CPU kernels, both fast only with
-bfloat16 activations (float32 ones take a slow path), so activations are cast to bf16 for the matmul and back:
-- `_weight_int4pack_mm_for_cpu` (tinygemm's layout): 4-bit quants q in groups of 32 along the input, each
-  with a bf16 scale and zero, w = (q - 8) * scale + zero. Q4_0 (w = d (q - 8)) and Q4_K (w = d sc q - dmin m)
-  map onto it exactly, up to rounding scale and zero to bf16.
-- `_weight_int8pack_mm`: int8 rows with one scale per output row. Formats with more than 4 bits (Q5_0, Q5_K,
-  Q6_K, Q8_0) are requantized onto it from their exact dequantization: 255 levels per row keep them close to
-  the original, where requantizing them to 4 bits would lose a bit or more of each weight.
-- The LM head is the exception: it is the largest matrix by far (262144 x 640 for Gemma 3), so it takes the
-  int4 kernel whatever its format (its own min/max fit per group of 32), which halves the bytes read per
-  token again. 4 bits alone would cost the head's fidelity (top-1 agreement with the exact path fell to 91%
-  on code), so the int4 logits only pick candidates: the RESCORE best of each row are recomputed exactly in
-  float32 from the GGUF blocks (a few dozen rows, not 262144), which is what greedy decoding and sampling
-  read. Its rows for the embedding are read exactly from the GGUF blocks too.
-`bench --fidelity` (engine.fidelity) measures what this costs against the exact path.
+CPU repacking (the fast default on the CPU), once at load:
+- `CpuDotWeight`, kernels.cpu_dot's C kernels (built on first use with the machine's C compiler): every
+  format is rewritten as the integers and scales it stores (`_int_groups`: w = d q + m per group of 32, or
+  16 for Q6_K), bit for bit; Q4_0 / Q4_K stay at 4 bits, the others take a byte per weight. Activations are
+  quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3), so the logits
+  match the exact path's to within float rounding: no rescoring, and each row of a batch is computed alone
+  (verify steps give what decode steps give, which keeps speculation lossless).
+- Without a C compiler, torch's own weight-only kernels, both fast only with bfloat16 activations:
+  `_weight_int4pack_mm_for_cpu` (tinygemm's layout: 4-bit quants q in groups of 32, each with a bf16 scale and
+  zero, w = (q - 8) * scale + zero; Q4_0 and Q4_K map onto it exactly up to bf16 scales, 5- and 8-bit formats
+  onto two planes) and `_weight_int8pack_mm` (int8 rows with one scale each, requantized from the exact
+  dequantization, for Q6_K). The LM head takes the int4 kernel, and the RESCORE best logits of each row are
+  recomputed exactly in float32 from the GGUF blocks, since 4 bits alone cost the head's top-1 agreement.
+Rows of the embedding are always read exactly from the GGUF blocks.
+`bench --fidelity` (bench.fidelity) measures what this costs against the exact path.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..kernels.cpu_dot import CpuDot
+from ..kernels.cpu_dot import load as load_cpu_dot
 from ..kernels.dispatch import PACKED_TYPES, triton_runs
-from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, dequantize
+from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, _unpack, dequantize
+from .tokenizer import default_cache_root
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
 _ROWS_PER_CHUNK = 8192  # repack big matrices in row slices, so loading never expands one to float32 whole
+
+
+@functools.cache
+def cpu_dot() -> CpuDot | None:
+    """The CPU dot kernels, built and loaded once per process (None: no compiler; torch's kernels serve)."""
+    return load_cpu_dot(default_cache_root())
 
 
 def keeps_packed(source: PackedTensor) -> bool:
@@ -51,7 +61,7 @@ class PackedWeight(torch.Tensor):
     """A [out, in] weight of dtype `dtype` whose data is `packed`'s GGUF blocks (see the module doc)."""
 
     packed: PackedTensor
-    cpu: CpuInt4 | CpuInt8 | None  # set by repack_for_cpu
+    cpu: CpuDotWeight | CpuInt4 | CpuInt8 | None  # set by repack_for_cpu
     rescore: int  # the LM head: candidates per row recomputed exactly after the int4 pass (0: none)
 
     @staticmethod
@@ -74,12 +84,18 @@ class PackedWeight(torch.Tensor):
                 f"device={self.device}{kernel})")
 
     def repack_for_cpu(self, head: bool = False) -> None:
-        """Repack once for torch's CPU kernels (see the module doc); head: the LM head (int4 whatever the
-        format, the best RESCORE logits of each row recomputed exactly). The GGUF blocks stay for `rows`."""
+        """Repack once for the CPU kernels (see the module doc); head: the LM head, which torch's kernels
+        take as int4 with the best RESCORE logits of each row recomputed exactly. The GGUF blocks stay for `rows`."""
         if self.device.type != "cpu":
             raise ValueError("repack_for_cpu needs a weight on the CPU")
-        self.cpu = CpuInt4.from_packed(self.packed) if self.packed.qtype in PLANE_TYPES or head \
-            else CpuInt8.from_packed(self.packed)
+        lib = cpu_dot()
+        if lib is not None:  # exact, the head included: no rescoring
+            self.cpu, self.rescore = CpuDotWeight.from_packed(lib, self.packed), 0
+            return
+        if self.packed.qtype in PLANE_TYPES or head:
+            self.cpu = CpuInt4.from_packed(self.packed)
+        else:
+            self.cpu = CpuInt8.from_packed(self.packed)
         self.rescore = min(RESCORE, self.shape[0]) if head else 0
 
     def _cpu_linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +154,7 @@ def _row_slices(packed: PackedTensor, dequantized: bool = True):
         yield part, dequantize(part, packed.qtype, (part.shape[0], k)) if dequantized else None
 
 
+U4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K})  # read at 4 bits by cpu_dot
 PLANE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0,
                          GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K})
 
@@ -225,6 +242,86 @@ class CpuInt4:
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight, GROUP, scale_zeros).float()
             y = part if y is None else y.add_(part)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class CpuDotWeight:
+    """A matrix repacked for kernels.cpu_dot: w = d q + m per group of `group` inputs, q unsigned 4-bit (u4)
+    or int8 (s8). GGUF formats map onto it exactly (`_int_groups`); the LM head is fitted to u4."""
+
+    def __init__(self, lib: CpuDot, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int,
+                 out_features: int) -> None:
+        self.lib, self.q, self.d, self.m, self.group, self.out_features = lib, q, d, m, group, out_features
+        self.u4 = q.dtype == torch.uint8
+
+    @classmethod
+    def from_packed(cls, lib: CpuDot, packed: PackedTensor) -> CpuDotWeight:
+        n, k = packed.shape
+        if k % GROUP:
+            raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
+        parts = []
+        for blocks, _ in _row_slices(packed, dequantized=False):
+            q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
+            if packed.qtype in U4_TYPES:  # two per byte
+                pairs = q.view(-1, k // GROUP, 2, GROUP // 2).to(torch.uint8)
+                q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, k // 2)
+            else:
+                q = q.to(torch.int8)
+            parts.append((q, d, m, group))
+        groups = {p[3] for p in parts}
+        if len(groups) != 1 or len({p[0].dtype for p in parts}) != 1:
+            raise ValueError(f"{packed.qtype.name} row slices repacked to different layouts")
+        m = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous()
+        return cls(lib, torch.cat([p[0] for p in parts]).contiguous(), torch.cat([p[1] for p in parts]).contiguous(),
+                   m, groups.pop(), n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        acts = self.lib.quantize(x.reshape(-1, x.shape[-1]))
+        if self.u4:
+            assert self.m is not None
+            y = self.lib.matmul_u4(acts, self.q, self.d, self.m)
+        else:
+            y = self.lib.matmul_s8(acts, self.q, self.d, self.m, self.group)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def _int_groups(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int,
+                k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Blocks of n rows -> (q [n, k] int32, d, m or None [n, k / group], group) with w = d q + m exactly:
+    the integers and scales each format stores (Q6_K scales runs of 16, the others runs of 32)."""
+    T = GGMLQuantizationType
+    blocks = blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    group, m = GROUP, None
+    if qtype in (T.Q4_0, T.Q5_0, T.Q8_0):
+        d = _f16(blocks[:, :2])
+        if qtype == T.Q4_0:  # kept unsigned, the offset in m, so the kernel reads it at 4 bits
+            q, m = _nibbles(blocks[:, 2:], 16).reshape(-1, 32).to(torch.int32), -8 * d
+        elif qtype == T.Q5_0:
+            q = _q5(blocks[:, 2:6], blocks[:, 6:]).to(torch.int32) - 16
+        else:
+            q = blocks[:, 2:].view(torch.int8).to(torch.int32)
+    elif qtype in (T.Q4_K, T.Q5_K):
+        super_d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        d, m = (super_d * sc.to(torch.float32)).reshape(-1, 1), (-dmin * mn.to(torch.float32)).reshape(-1, 1)
+        if qtype == T.Q4_K:
+            q = _nibbles(blocks[:, 16:], 32).reshape(-1, 32).to(torch.int32)
+        else:
+            q = _nibbles(blocks[:, 48:], 32).reshape(-1, 32).to(torch.int32) | \
+                (_bits(blocks[:, 16:48], 32).reshape(-1, 32).to(torch.int32) << 4)
+    elif qtype == T.Q6_K:
+        group = 16
+        d = (_f16(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8).to(torch.float32)).reshape(-1, 1)
+        low = _nibbles(blocks[:, :128], 64).reshape(-1, 8, 32)
+        high = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), (0, 2, 4, 6), 0x03).reshape(-1, 8, 32)
+        q = (low | (high << 4)).to(torch.int32) - 32
+    else:
+        raise ValueError(f"{qtype.name} has no integer groups for the CPU dot kernels")
+    q = q.reshape(n, k)
+    return q, d.reshape(n, k // group), None if m is None else m.reshape(n, k // group), group
 
 
 class CpuInt8:

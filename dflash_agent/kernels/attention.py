@@ -18,6 +18,7 @@ are read and scaled by the kernel as they are read, so the cache is never expand
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,24 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> 
     """[T, S] bool, True where key j is visible to query i."""
     q, k = q_pos[:, None], k_pos[None, :]
     return (k >= 0) & (k <= q) & (k > q - (window or NO_WINDOW))
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """SDPA of q [..., T, H, d] over keys / values [..., S, kv_heads, d] with a [T, S] bool mask (True =
+    visible) -> [..., T, H, d]. The query heads that share a KV head are folded into the query length, so the
+    cache is never copied per head (enable_gqa sends the CPU to SDPA's math path, which does) and the call is
+    4-D, the shape the CPU's flash kernel takes: 10-30x faster for a decode step on the CPU."""
+    *lead, T, H, d = q.shape
+    S, kv = keys.shape[-3], keys.shape[-2]
+    group, batch = H // kv, math.prod(lead)
+    folded = q.reshape(batch, T, kv, group, d).permute(0, 2, 3, 1, 4).reshape(batch, kv, group * T, d)
+    out = F.scaled_dot_product_attention(
+        folded, keys.reshape(batch, S, kv, d).transpose(1, 2), values.reshape(batch, S, kv, d).transpose(1, 2),
+        attn_mask=None if mask is None else mask.repeat(group, 1), scale=scale,
+    )
+    return out.view(batch, kv, group, T, d).permute(0, 3, 1, 2, 4).reshape(*lead, T, H, d)
 
 
 def _expand(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -12,18 +12,62 @@ import torch.nn.functional as F
 
 from dflash_agent.bench.fidelity import compare, texts
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
-from dflash_agent.engine.packed_linear import PLANE_TYPES, CpuInt4, CpuInt8, PackedWeight
+from dflash_agent.engine.packed_linear import (
+    PLANE_TYPES,
+    U4_TYPES,
+    CpuDotWeight,
+    CpuInt4,
+    CpuInt8,
+    PackedWeight,
+    _int_groups,
+    cpu_dot,
+)
 from dflash_agent.engine.speculative import SpecConfig
 from dflash_agent.engine.tokenizer import Tokenizer
 from dflash_agent.engine.weights import EMBEDDED_DRAFTER, build_model, open_checkpoint, resolve_model_path
+from dflash_agent.kernels.cpu_dot import DISABLE_ENV
 
 from .test_packed_linear import TYPES, pack
 
 T = torch.bfloat16
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """The fallback of a machine without a C compiler: torch's int4 / int8 kernels."""
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    cpu_dot.cache_clear()
+    yield
+    cpu_dot.cache_clear()
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_repacked_matmul_matches_the_dequantized_weight(qtype):
+def test_integer_groups_are_the_gguf_weights_exactly(qtype):
+    rng = np.random.default_rng(0)
+    packed = pack(rng.standard_normal((48, 512)).astype(np.float32), qtype, rng)
+    q, d, m, group = _int_groups(packed.raw, qtype, 48, 512)
+    w = (q.float().view(48, -1, group) * d[..., None] + (0 if m is None else m[..., None])).view(48, 512)
+    assert torch.equal(w, packed.dequantize())  # bit for bit: the kernel reads the checkpoint's own integers
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
+    if cpu_dot() is None:
+        pytest.skip("no C compiler: the CPU dot kernels cannot be built")
+    rng = np.random.default_rng(0)
+    packed = pack(rng.standard_normal((96, 512)).astype(np.float32), qtype, rng)
+    weight = PackedWeight(packed, torch.float32)
+    weight.repack_for_cpu()
+    assert isinstance(weight.cpu, CpuDotWeight) and weight.cpu.u4 == (qtype in U4_TYPES)
+    x = torch.randn(5, 512) * torch.linspace(0.01, 30, 512)  # a wide dynamic range, as Gemma's activations have
+    ours, ref = F.linear(x, weight), x @ packed.dequantize().T
+    assert float((ours - ref).norm() / ref.norm()) < 1e-4  # int16 activations: ~1e-5
+    for row in range(5):  # each row is computed alone, whatever the batch: what lossless speculation needs
+        assert torch.equal(F.linear(x[row:row + 1], weight), ours[row:row + 1])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_torch_kernel_fallback_matches_the_dequantized_weight(qtype, torch_kernels):
     rng = np.random.default_rng(0)
     packed = pack(rng.standard_normal((96, 512)).astype(np.float32), qtype, rng)
     w = packed.dequantize()
@@ -37,7 +81,7 @@ def test_repacked_matmul_matches_the_dequantized_weight(qtype):
     assert rel < (0.006 if qtype in PLANE_TYPES else 0.02), rel
 
 
-def test_head_rescoring_is_exact_on_the_best_logits():
+def test_torch_kernel_fallback_rescores_the_head_exactly_on_the_best_logits(torch_kernels):
     rng = np.random.default_rng(1)
     packed = pack(rng.standard_normal((4096, 256)).astype(np.float32), TYPES[4], rng)  # Q8_0, like Gemma 3's
     head = PackedWeight(packed, torch.float32)
@@ -69,7 +113,8 @@ def test_fidelity_against_the_exact_path(embedded, capsys):
                   f"mean KL {r.mean_kl:.5f}, max KL {r.max_kl:.4f}")
     assert sum(r.tokens for r in results) >= 2000
     for r in results:
-        assert r.top1_agreement >= 0.97 and r.mean_kl < 0.005, r  # measured: code 97.9%, goal 99%
+        # cpu_dot reads the checkpoint's integers against int16 activations: measured 100% and KL < 1e-5
+        assert r.top1_agreement >= 0.99 and r.mean_kl < 0.001, r
 
 
 def _greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
@@ -84,10 +129,6 @@ def _greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
     return asyncio.run(collect())
 
 
-@pytest.mark.xfail(reason="not yet batch-invariant: a verify step attends 8 queries at once where plain decoding "
-                          "attends one, float32 rounding differs in the last bits, and the bf16 cast before the "
-                          "packed kernels turns some of those into one-ulp input changes; near-ties then flip "
-                          "(first divergence at token 17 on json.decoder)", strict=False)
 def test_speculation_is_lossless_on_the_packed_path():
     import inspect
     import json.decoder
