@@ -42,7 +42,7 @@ def read_sampling_defaults(path: Path, gguf_fields: Mapping[str, Any] | None = N
             raw["top_k"] = 0
         if isinstance(raw.get("temperature"), (int, float)) and raw["temperature"] < 0:
             raw["temperature"] = 0.0
-        return _checked(raw, gguf_fields, f"{path.name} (general.sampling.*)")
+        return _checked(raw, gguf_fields, f"general.sampling.* of {path.name}")
     file = path / GENERATION_CONFIG
     if not path.is_dir() or not file.is_file():
         return SamplingDefaults()

@@ -17,9 +17,11 @@ from click.testing import CliRunner
 from dflash_agent.agent.backend import TurnOptions
 from dflash_agent.agent.remote import RemoteBackend
 from dflash_agent.api.background import live_server
-from dflash_agent.chat.types import Conversation, Message
+from dflash_agent.chat.chat_format import LoadedModel
+from dflash_agent.chat.types import Conversation, Message, TextPart
 from dflash_agent.cli import main
 from dflash_agent.engine import Engine, GenerateRequest, SamplingParams
+from dflash_agent.mcp.model import LocalModel
 from tests.engine.sampling_gguf import with_sampling
 
 MODEL = SamplingParams(temperature=0.6, top_k=64, top_p=0.95, min_p=0.05)  # what the copy recommends
@@ -37,6 +39,9 @@ class RecordingEngine:
         return getattr(self._engine, name)
 
     stream = Engine.stream
+
+    def close(self) -> None:
+        pass  # shared by the tests; the server's lifespan closes the real one
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator:
         self.sampling.append(request.sampling)
@@ -122,7 +127,7 @@ def test_responses_reports_the_sampling_it_used(served):
 
 def test_the_remote_agent_samples_as_the_model_loaded_here_would(served):
     url, engine = served
-    conversation = Conversation(messages=[Message(role="user", content="Say hi.")])
+    conversation = Conversation(messages=[Message(role="user", content=[TextPart("Say hi.")])])
 
     async def turn(backend: RemoteBackend):
         try:
@@ -152,3 +157,34 @@ def test_generate_cli(model_path):
     # Off: the CLI's own defaults (greedy, no truncation), as with a model that recommends nothing.
     assert _generate(model_path, "--sampling-defaults", "none", "--top-k", "5") == {
         "temperature": 0.0, "top_k": 5, "top_p": 1.0, "min_p": 0.0, "seed": None}
+
+
+def test_mcp_tools_on_the_model_loaded_in_process(served):
+    _, engine = served
+    model = LocalModel(lambda: LoadedModel.of(engine), "m")
+    conversation = Conversation(messages=[Message(role="user", content=[TextPart("Say hi.")])])
+
+    async def calls():
+        await model.complete("x", 1)
+        await model.complete("x", 1, temperature=0.0)
+        await (await model.backend()).turn(conversation, TurnOptions(max_tokens=1), lambda delta: None)
+        await (await model.backend(1.0)).turn(conversation, TurnOptions(max_tokens=1), lambda delta: None)
+
+    asyncio.run(calls())
+    assert engine.sampling[-4:] == [MODEL, SamplingParams(0.0, 64, 0.95, 0.05), MODEL,
+                                    SamplingParams(1.0, 64, 0.95, 0.05)]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ((), MODEL),
+    (("--temperature", "0"), SamplingParams(0.0, 64, 0.95, 0.05)),
+])
+def test_agent_run_on_the_model_loaded_in_process(served, tmp_path, monkeypatch, args, expected):
+    _, engine = served
+    options: list[dict] = []
+    monkeypatch.setattr("dflash_agent.agent.commands.load_engine", lambda **kw: options.append(kw) or engine)
+    result = CliRunner().invoke(main, ["run", "Say hi.", "--repo", str(tmp_path), "--max-steps", "1",
+                                       "--max-turn-tokens", "1", "--sampling-defaults", "none", *args])
+    assert options[0]["sampling_defaults"] == "none"  # handed to the load (this engine has loaded already)
+    assert result.exit_code in (0, 3, 4), result.output
+    assert engine.sampling[-1] == expected

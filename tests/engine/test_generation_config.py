@@ -84,7 +84,7 @@ def test_gguf_general_sampling_keys(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         got = read_sampling_defaults(tmp_path / "m.gguf", fields)
     assert got.fields() == {"temperature": 0.6, "top_k": 64, "top_p": 0.95, "min_p": 0.05}
-    assert got.source == "m.gguf (general.sampling.*)"
+    assert got.source == "general.sampling.* of m.gguf"
     assert "general.sampling.penalty_repeat 1.05 is not supported" in caplog.text
 
 
