@@ -51,8 +51,8 @@ def agent_options(f):
         click.option("--max-turn-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
                      help="Generated tokens per model turn."),
         click.option("--temperature", type=click.FloatRange(min=0), default=None,
-                     help="0 is greedy [default: the model's (see --sampling-defaults; the server's with --server), "
-                          "else 0]."),
+                     help="0 is greedy [default: the model's recommended sampling (see --sampling-defaults; with "
+                          "--server, as the server lists it), else 0]."),
         click.option("--enable-thinking", is_flag=True, help="Let the model reason before each turn (Gemma 4)."),
         click.option("--tool-choice", type=click.Choice(["auto", "required"]), default="auto", show_default=True,
                      help="'required' forces a tool call every turn (for testing the wiring)."),

@@ -58,7 +58,7 @@ class RemoteBackend:
     def __init__(self, base_url: str, model: str | None = None, temperature: float | None = 0.0,
                  api_key: str | None = None) -> None:
         """`base_url`: the API root (http://host:port/v1; a URL without a path gets /v1). `model`: the id to
-        ask for; None takes the first one the server lists. `temperature` None: the server's default."""
+        ask for; None takes the first one the server lists. `temperature` None: see `sampling`."""
         if not httpx.URL(base_url).path.strip("/"):
             base_url = base_url.rstrip("/") + "/v1"
         self.base_url = base_url

@@ -69,8 +69,7 @@ class RunTaskArgs(msgspec.Struct, forbid_unknown_fields=True):
                                                                             "stops.")] = AgentConfig.max_steps
 
 
-TEMPERATURE = ("0 is greedy. Unset: the model's recommended sampling where it has one, else greedy (a remote "
-               "server's own default).")
+TEMPERATURE = "0 is greedy. Unset: the model's recommended sampling where it has one, else greedy."
 
 
 class CompleteArgs(msgspec.Struct, forbid_unknown_fields=True):
