@@ -55,25 +55,28 @@ def main(verbose: bool) -> None:
 @click.argument("prompt")
 @model_options
 @click.option("--max-tokens", "-n", type=click.IntRange(min=0), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+              help="0 is greedy [default: the model's (--sampling-defaults), else 0].")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="[default: the model's, else 1]")
+@click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 disables [default: the model's, else 0].")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=None, help="[default: the model's, else 0]")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @kv_cache_option
 @user_errors
 def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-             max_tokens, temperature, top_p, top_k, min_p, seed, stop, as_json, kv_cache):
+             sampling_defaults, max_tokens, temperature, top_p, top_k, min_p, seed, stop, as_json, kv_cache):
     """Raw completion of PROMPT (no chat template), streamed to stdout."""
     started = time.perf_counter()
     engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-                         progress=not as_json, kv_dtype=kv_cache)
+                         progress=not as_json, kv_dtype=kv_cache, sampling_defaults=sampling_defaults)
     load_ms = (time.perf_counter() - started) * 1e3
     request = GenerateRequest(
         prompt_ids=engine.tokenizer.encode(prompt, add_bos=True),
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+        # What an option leaves unset: the model's default, else greedy.
+        sampling=engine.sampling_defaults.resolve(SamplingParams(), temperature, top_k, top_p, min_p, seed),
         stop=StopCriteria(strings=tuple(stop)),
         max_tokens=max_tokens,
     )
@@ -88,6 +91,7 @@ def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_bl
             "n_ctx": engine.n_ctx,
             "load_ms": round(load_ms, 1),
             "draft_model": engine.drafter is not None,
+            "sampling": asdict(request.sampling),
             "acceptance_length_mean": round(final.spec.acceptance_length_mean, 3),
             "spec_steps": final.spec.steps,
             "spec_by_source": {k: dict(zip(("steps", "drafted", "accepted"), v))

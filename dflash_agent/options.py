@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .engine.types import WEIGHTS
+from .engine.types import SAMPLING_DEFAULTS, WEIGHTS
 from .errors import UserError
 
 if TYPE_CHECKING:
@@ -47,6 +47,10 @@ def model_options(f):
                           "exact (dequantized at load: bit-exact with gguf-py).")(f)
     f = click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads [default: the physical cores].")(f)
+    f = click.option("--sampling-defaults", type=click.Choice(SAMPLING_DEFAULTS), default="model", show_default=True,
+                     help="What a request leaves unset (temperature, top-k, top-p, min-p) takes: model = the "
+                          "checkpoint's recommendation (generation_config.json, GGUF general.sampling.*) where it "
+                          "has one; none = the interface's own (temperature 1 over HTTP, greedy in the CLI).")(f)
     return f
 
 

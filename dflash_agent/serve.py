@@ -11,7 +11,7 @@ import uvicorn
 
 from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
 from .api.lifecycle import access_log, request_log
-from .api.service import ServerSettings, ServerState
+from .api.service import API_SAMPLING, ServerSettings, ServerState
 from .mcp.http import MCPPlugin, mcp_serve_options
 from .options import check_spec_options, kv_cache_option, load_engine, model_options, report_error, user_errors
 
@@ -54,7 +54,8 @@ class _Server(uvicorn.Server):
 @mcp_serve_options
 @user_errors
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-          api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template, no_access_log, log_requests,
+          sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template,
+          no_access_log, log_requests,
           mcp_repo, mcp_expose_tools, mcp_read_only) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
@@ -63,8 +64,12 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     failure: list[Exception] = []
 
     def load():
-        return load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-                           prefix_cache=not no_prefix_cache, kv_dtype=kv_cache)
+        engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
+                             prefix_cache=not no_prefix_cache, kv_dtype=kv_cache, sampling_defaults=sampling_defaults)
+        log.info("sampling defaults for what a request leaves out: %s%s",
+                 engine.sampling_defaults.describe(API_SAMPLING),
+                 "; --sampling-defaults none" if sampling_defaults == "none" else "")
+        return engine
 
     def on_load_error(exc: Exception) -> None:
         failure.append(exc)
@@ -81,6 +86,7 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
                      on_load_error=on_load_error)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     server = _Server(config, app.state.server)
+    logging.getLogger(log.name).setLevel(logging.INFO)  # the startup lines (sampling defaults)
     if not no_access_log:
         logging.getLogger(access_log.name).setLevel(logging.INFO)
     if log_requests:

@@ -27,7 +27,8 @@ from .transcript import Transcript, default_transcript_path
 from .view import TerminalView, print_welcome
 
 # Options of model_options that only mean something for the in-process engine.
-ENGINE_ONLY = ("device", "dtype", "ctx_size", "draft", "draft_quant", "spec_block", "no_spec", "weights", "threads")
+ENGINE_ONLY = ("device", "dtype", "ctx_size", "draft", "draft_quant", "spec_block", "no_spec", "weights", "threads",
+               "sampling_defaults")
 EXIT_HELP = ("Exit codes: 0 the model answered (no tool call); 1 an error; "
              f"{EXIT_CODES['max_steps']} the step limit ran out; {EXIT_CODES['max_tokens']} a token limit ran out "
              f"or the context is full; {EXIT_CODES['interrupted']} interrupted (Ctrl-C).")
@@ -49,8 +50,9 @@ def agent_options(f):
                      help="Generated tokens per task, all turns together [default: no limit]."),
         click.option("--max-turn-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
                      help="Generated tokens per model turn."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-                     help="0 is greedy."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=None,
+                     help="0 is greedy [default: the model's recommended sampling (see --sampling-defaults; with "
+                          "--server, as the server lists it), else 0]."),
         click.option("--enable-thinking", is_flag=True, help="Let the model reason before each turn (Gemma 4)."),
         click.option("--tool-choice", type=click.Choice(["auto", "required"]), default="auto", show_default=True,
                      help="'required' forces a tool call every turn (for testing the wiring)."),
@@ -121,9 +123,11 @@ def _backend(stack: ExitStack, ctx: click.Context, params: dict) -> tuple[Backen
     from ..chat.chat_format import ChatFormat
     from .engine_backend import EngineBackend
 
-    engine = load_engine(*(params[name] for name in ("model", *ENGINE_ONLY)))
+    engine = load_engine(**{name: params[name] for name in ("model", *ENGINE_ONLY)})
     stack.callback(engine.close)
-    backend = EngineBackend(engine, ChatFormat.for_engine(engine), SamplingParams(temperature=params["temperature"]))
+    # Unset, the temperature (and top-k / top-p) are the model's; greedy where it has none.
+    sampling = engine.sampling_defaults.resolve(SamplingParams(), temperature=params["temperature"])
+    backend = EngineBackend(engine, ChatFormat.for_engine(engine), sampling)
     return backend, engine.model_name, _nothing
 
 

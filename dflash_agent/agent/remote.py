@@ -11,7 +11,7 @@ import openai
 
 from ..chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..chat.types import Conversation, Message, ToolCall
-from ..engine import Usage
+from ..engine import RequestError, SamplingDefaults, SamplingParams, Usage
 from .backend import AssistantTurn, BackendError, ContextFull, OnDelta, TurnOptions
 
 
@@ -37,16 +37,28 @@ def _openai_message(message: Message) -> dict[str, Any]:
     return out
 
 
+def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
+    """`params` as openai SDK create() arguments; top_k and min_p (vLLM's, llama.cpp's and our extension) only where
+    they do something, so a server without them is not sent them."""
+    out: dict[str, Any] = {"temperature": params.temperature}
+    if params.top_p < 1:
+        out["top_p"] = params.top_p
+    extra = {name: value for name, value in (("top_k", params.top_k), ("min_p", params.min_p)) if value}
+    if extra:
+        out["extra_body"] = extra
+    return out
+
+
 def openai_tools(conversation: Conversation) -> list[dict[str, Any]]:
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}} for t in conversation.tools]
 
 
 class RemoteBackend:
-    def __init__(self, base_url: str, model: str | None = None, temperature: float = 0.0,
+    def __init__(self, base_url: str, model: str | None = None, temperature: float | None = 0.0,
                  api_key: str | None = None) -> None:
         """`base_url`: the API root (http://host:port/v1; a URL without a path gets /v1). `model`: the id to
-        ask for; None takes the first one the server lists."""
+        ask for; None takes the first one the server lists. `temperature` None: see `sampling`."""
         if not httpx.URL(base_url).path.strip("/"):
             base_url = base_url.rstrip("/") + "/v1"
         self.base_url = base_url
@@ -54,17 +66,48 @@ class RemoteBackend:
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0)
         self.model = model
         self.temperature = temperature
+        self._sampling: dict[str, Any] | None = None
+        self._cards: list[Any] | None = None  # what /v1/models listed
 
     async def model_id(self) -> str:
         if self.model is None:
+            models = await self._models()
+            if not models:
+                raise BackendError(f"the server at {self.base_url} lists no models; pass --model")
+            self.model = models[0].id
+        return self.model
+
+    async def sampling(self) -> dict[str, Any]:
+        """The sampling fields of every request (create() keyword arguments). With no temperature given, the served
+        model's recommended sampling where the server lists it (`dflash-agent serve`: /v1/models meta
+        sampling_defaults), else greedy: what the same model loaded in this process would use."""
+        if self._sampling is None:
+            if self.temperature is not None:
+                self._sampling = {"temperature": self.temperature}
+            else:
+                model = await self.model_id()
+                try:
+                    cards = await self._models()
+                except BackendError:  # a server without /v1/models lists nothing; the turn says if it is down
+                    cards = []
+                card = next((m for m in cards if m.id == model), None)
+                meta = (card.model_extra or {}).get("meta") if card is not None else None
+                listed = SamplingDefaults.of(meta.get("sampling_defaults") if isinstance(meta, dict) else None,
+                                             self.base_url)
+                try:
+                    params = listed.resolve(SamplingParams())
+                except RequestError:  # a server listing values out of range: greedy, as with none
+                    params = SamplingParams()
+                self._sampling = sampling_arguments(params)
+        return self._sampling
+
+    async def _models(self) -> list[Any]:
+        if self._cards is None:
             try:
-                models = await self.client.models.list()
+                self._cards = (await self.client.models.list()).data
             except openai.APIError as exc:
                 raise self._error(exc) from None
-            if not models.data:
-                raise BackendError(f"the server at {self.base_url} lists no models; pass --model")
-            self.model = models.data[0].id
-        return self.model
+        return self._cards
 
     async def turn(self, conversation: Conversation, options: TurnOptions, on_delta: OnDelta) -> AssistantTurn:
         request: dict[str, Any] = {
@@ -72,7 +115,7 @@ class RemoteBackend:
             "messages": openai_messages(conversation),
             "stream": True,
             "stream_options": {"include_usage": True},
-            "temperature": self.temperature,
+            **await self.sampling(),
         }
         if conversation.tools:
             request["tools"] = openai_tools(conversation)
@@ -81,7 +124,7 @@ class RemoteBackend:
         if options.max_tokens is not None:
             request["max_tokens"] = options.max_tokens
         if options.enable_thinking:  # the switch vLLM, llama.cpp and `dflash-agent serve` read
-            request["extra_body"] = {"chat_template_kwargs": {"enable_thinking": True}}
+            request["extra_body"] = {**request.get("extra_body", {}), "chat_template_kwargs": {"enable_thinking": True}}
         text: list[str] = []
         reasoning: list[str] = []
         calls: dict[int, list[Any]] = {}  # stream index -> [id, name, argument fragments]

@@ -78,7 +78,7 @@ async def messages(data: JSONBody[MessagesRequest], state: State) -> MessageResp
     conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
-    sampling = sampling_params(data.temperature, data.top_p, data.top_k, None, None)
+    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, None, None)
     max_tokens = max_new_tokens(data.max_tokens)
     stop = stop_strings(data.stop_sequences, "stop_sequences")
     message_id = f"msg_{uuid.uuid4().hex}"

@@ -98,7 +98,8 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) 
     )
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
-    sampling = sampling_params(data.temperature, data.top_p, data.top_k, data.min_p, data.seed)
+    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
+                               data.seed)
     param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens, param=param)
     stop = stop_strings(data.stop)
@@ -177,8 +178,10 @@ async def completions(data: JSONBody[CompletionRequest], state: State) -> Comple
     prompt_ids = await _prompt_ids(data.prompt, server)
     server.check_context(len(prompt_ids))
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
+                               data.seed)
     request = GenerateRequest(
-        prompt_ids, sampling_params(data.temperature, data.top_p, data.top_k, data.min_p, data.seed),
+        prompt_ids, sampling,
         StopCriteria(strings=stop_strings(data.stop)),
         max_new_tokens(data.max_tokens) or DEFAULT_COMPLETION_TOKENS, request_id=request_id,
         cache_prompt=data.cache_prompt,
@@ -245,7 +248,9 @@ async def models(state: State) -> ModelList:
     cfg = model.engine.model.config
     meta = {"n_ctx": model.engine.n_ctx, "n_ctx_train": cfg.max_position_embeddings, "n_vocab": cfg.vocab_size,
             "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "family": cfg.family,
-            "draft": model.engine.drafter is not None}
+            "draft": model.engine.drafter is not None,
+            # What a request that leaves them out gets from the model (remote agents default to the same).
+            "sampling_defaults": model.engine.sampling_defaults.fields()}
     return ModelList([ModelCard(model.name, int(time.time()), "dflash-agent", meta)])
 
 

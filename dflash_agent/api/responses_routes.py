@@ -23,7 +23,7 @@ from ..chat.chat_format import ChatOptions, LoadedModel, stream_chat
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..chat.responses_input import conversation_from_responses, tool_namespaces
 from ..chat.types import Message, TextPart, ToolCall
-from ..engine import FinalEvent
+from ..engine import FinalEvent, SamplingParams
 from .errors import APIError, as_api_error, handlers, openai_error
 from .openai_schema import Timings
 from .responses_schema import ResponsesRequest, ResponseUsage
@@ -116,14 +116,15 @@ async def create_response(data: JSONBody[ResponsesRequest], state: State) -> dic
     )
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
-    sampling = sampling_params(data.temperature, data.top_p, data.top_k, data.min_p, data.seed)
+    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
+                               data.seed)
     max_tokens = max_new_tokens(data.max_output_tokens, param="max_output_tokens")
     response_id = f"resp_{uuid.uuid4().hex}"
     parser = prepared.parser()
     source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, (), response_id,
                          cache_prompt=data.cache_prompt)
     generation = server.start(source, "responses")
-    base = _base(data, response_id, model.name)
+    base = _base(data, response_id, model.name, sampling)
     namespaces = tool_namespaces(data.tools)
     # What previous_response_id continues: the conversation without its instructions, plus the answer.
     kept = conversation.messages[1:] if data.instructions else conversation.messages
@@ -168,8 +169,9 @@ def _reasoning_tokens(model: LoadedModel, out: ParsedOutput) -> int:
     return len(model.engine.tokenizer.encode(out.reasoning)) if out.reasoning else 0
 
 
-def _base(data: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
-    """The response object's fields that do not depend on the output."""
+def _base(data: ResponsesRequest, response_id: str, model: str, sampling: SamplingParams) -> dict[str, Any]:
+    """The response object's fields that do not depend on the output; the sampling actually used, as OpenAI
+    reports it."""
     fmt = (data.text or {}).get("format") or {"type": "text"}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
@@ -177,7 +179,7 @@ def _base(data: ResponsesRequest, response_id: str, model: str) -> dict[str, Any
         "instructions": data.instructions, "tools": data.tools or [],
         "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
         "parallel_tool_calls": True if data.parallel_tool_calls is None else data.parallel_tool_calls,
-        "temperature": data.temperature, "top_p": data.top_p, "max_output_tokens": data.max_output_tokens,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "max_output_tokens": data.max_output_tokens,
         "previous_response_id": data.previous_response_id, "metadata": data.metadata or {},
         "reasoning": {"effort": (data.reasoning or {}).get("effort"), "summary": None},
         "text": {"format": fmt}, "store": data.store, "truncation": data.truncation or "disabled", "usage": None,

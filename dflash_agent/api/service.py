@@ -16,7 +16,7 @@ from litestar.response import Stream
 
 from ..chat.chat_format import ChatOptions, LoadedModel, PreparedChat
 from ..chat.types import Conversation
-from ..engine import Engine, FinalEvent, ModelLoadError, SamplingParams
+from ..engine import Engine, FinalEvent, ModelLoadError, SamplingDefaults, SamplingParams
 from .errors import APIError, context_overflow
 from .metrics import ServerMetrics
 
@@ -239,18 +239,21 @@ class ServerState:
             raise context_overflow(n_prompt, n_ctx)
 
 
-def sampling_params(temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
-                    seed: int | None) -> SamplingParams:
-    """The request's sampling; absent values take the OpenAI / Anthropic defaults (temperature 1)."""
-    values = {"temperature": 1.0 if temperature is None else temperature, "top_p": 1.0 if top_p is None else top_p,
-              "top_k": top_k or 0, "min_p": min_p or 0.0}
-    for name, value in values.items():
+# OpenAI's and Anthropic's default for what neither the request nor the checkpoint sets: temperature 1, no truncation.
+API_SAMPLING = SamplingParams(temperature=1.0)
+
+
+def sampling_params(defaults: SamplingDefaults, temperature: float | None, top_p: float | None, top_k: int | None,
+                    min_p: float | None, seed: int | None) -> SamplingParams:
+    """The request's sampling: each value it sets, else the checkpoint's default, else the API's."""
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    for name, value in given.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise APIError(400, f"{name} must be a finite number", param=name)
     if seed is not None and not -2**63 <= seed < 2**64:  # what torch's generator takes
         raise APIError(400, f"seed must fit in 64 bits (from -2**63 to 2**64 - 1), got {seed}", param="seed")
     try:
-        return SamplingParams(seed=seed, **values)
+        return defaults.resolve(API_SAMPLING, seed=seed, **given)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
 

@@ -20,17 +20,17 @@ from .types import (
     no_parameters,
 )
 from .validate import (
-    block_type,
     expect_list,
     expect_object,
     get_str,
     opt_str,
+    text_parts,
     type_name,
-    unsupported_media,
 )
 
 _INPUT_TEXT = ("input_text", "text")  # "text" is what several clients send for plain parts
 _OUTPUT_TEXT = ("output_text", "refusal", "text")
+_PREFIX = "input_"  # of the Responses API's part types, left out of errors: "images are not supported"
 
 
 def conversation_from_responses(input: Any, instructions: Any = None, tools: Any = None,
@@ -131,19 +131,6 @@ def _function(raw: Any, param: str) -> Tool:
     )
 
 
-def _parts(content: Any, param: str, kinds: tuple[str, ...]) -> list[TextPart]:
-    if isinstance(content, str):
-        return [TextPart(content)] if content else []
-    parts = []
-    for j, part in enumerate(expect_list(content, param)):
-        kind = block_type(part, f"{param}[{j}]")
-        if kind not in kinds:
-            raise unsupported_media(kind.removeprefix("input_"), f"{param}[{j}]")
-        text = get_str(part, "refusal" if kind == "refusal" else "text", f"{param}[{j}]")
-        parts += [TextPart(text)] if text else []
-    return parts
-
-
 def _message(item: dict[str, Any], param: str) -> Message:
     role = get_str(item, "role", param)
     if role not in ("user", "system", "developer"):
@@ -151,7 +138,8 @@ def _message(item: dict[str, Any], param: str) -> Message:
                         f"{param}.role")
     if "content" not in item:
         raise ChatError(f"{param}.content is required", f"{param}.content")
-    return Message(role=role, content=_parts(item["content"], f"{param}.content", _INPUT_TEXT))
+    content = text_parts(item["content"], f"{param}.content", text_types=_INPUT_TEXT, type_prefix=_PREFIX)
+    return Message(role=role, content=content)
 
 
 def _tool_result(item: dict[str, Any], param: str, before: list[Message]) -> Message:
@@ -161,8 +149,8 @@ def _tool_result(item: dict[str, Any], param: str, before: list[Message]) -> Mes
         raise ChatError(f"{param}.call_id {call_id!r} matches no function_call before it", f"{param}.call_id")
     if "output" not in item:
         raise ChatError(f"{param}.output is required", f"{param}.output")
-    return Message(role="tool", content=_parts(item["output"], f"{param}.output", _INPUT_TEXT),
-                   tool_call_id=call_id, name=call.name)
+    content = text_parts(item["output"], f"{param}.output", text_types=_INPUT_TEXT, type_prefix=_PREFIX)
+    return Message(role="tool", content=content, tool_call_id=call_id, name=call.name)
 
 
 class _AssistantTurn:
@@ -189,7 +177,8 @@ class _AssistantTurn:
                 arguments=parse_arguments(item.get("arguments"), f"{param}.arguments"),
             ))
         else:
-            self.parts.extend(_parts(item.get("content") or [], f"{param}.content", _OUTPUT_TEXT))
+            self.parts.extend(text_parts(item.get("content") or [], f"{param}.content", text_types=_OUTPUT_TEXT,
+                                         type_prefix=_PREFIX))
 
     def message(self) -> Message:
         reasoning = "\n".join(t for t in self.thoughts if t)

@@ -72,22 +72,25 @@ def unsupported_media(kind: str, param: str) -> ChatError:
     return ChatError(f"{param}: content of type {kind!r} is not supported; send text", param)
 
 
-def text_parts(value: Any, param: str, *, text_types: tuple[str, ...] = ("text",)) -> list[TextPart]:
+def text_parts(value: Any, param: str, *, text_types: tuple[str, ...] = ("text",),
+               type_prefix: str = "") -> list[TextPart]:
     """A string, or a list of text parts, as canonical TextParts. Empty texts carry nothing and are
-    dropped, so `""` and "no content" convert to the same canonical message."""
+    dropped, so `""` and "no content" convert to the same canonical message. `type_prefix`: what an API puts
+    before its part types (the Responses API's `input_`), left out of the error for a part that is not text."""
     if isinstance(value, str):
         return [TextPart(value)] if value else []
     parts = []
     for j, part in enumerate(expect_list(value, param)):
         kind = block_type(part, f"{param}[{j}]")
         if kind not in text_types:
-            raise unsupported_media(kind, f"{param}[{j}]")
+            raise unsupported_media(kind.removeprefix(type_prefix), f"{param}[{j}]")
         parts.extend(text_part(part, kind, f"{param}[{j}]"))
     return parts
 
 
 def text_part(part: dict[str, Any], kind: str, param: str) -> list[TextPart]:
-    """The text of one part whose type is known to be textual; its field is named like its type
-    (`text`, OpenAI's `refusal`). A list so that an empty text adds nothing."""
-    text = get_str(part, kind, param)
+    """The text of one part whose type is known to be textual: OpenAI's `refusal` parts keep it in
+    `refusal`, every other kind (`text`, the Responses API's `input_text` / `output_text`) in `text`. A list
+    so that an empty text adds nothing."""
+    text = get_str(part, "refusal" if kind == "refusal" else "text", param)
     return [TextPart(text)] if text else []

@@ -39,6 +39,7 @@ from .types import (
     FinalEvent,
     GenerateRequest,
     GenerateResult,
+    SamplingDefaults,
     SamplingParams,
     SpecStats,
     StopCriteria,
@@ -69,8 +70,8 @@ _LAZY = {
 __all__ = [
     "ConfigError", "ContextOverflowError", "DrafterError", "GGUFError", "GrammarError", "MemoryPlanError",
     "ModelLoadError", "OptionError", "RequestError", "TokenizerError", "UnsupportedTensorType", "UserError",
-    "ErrorEvent", "FinalEvent", "GenerateRequest", "GenerateResult", "SamplingParams", "SpecStats", "StopCriteria",
-    "Timings", "TokenEvent", "Usage",
+    "ErrorEvent", "FinalEvent", "GenerateRequest", "GenerateResult", "SamplingDefaults", "SamplingParams", "SpecStats",
+    "StopCriteria", "Timings", "TokenEvent", "Usage",
     "Engine", "DEFAULT_CTX", "SpecConfig", "Tokenizer", "GrammarCompiler", "TokenGrammar", "EMBEDDED",
     "default_drafter",
 ]

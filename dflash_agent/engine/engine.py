@@ -19,6 +19,7 @@ import torch
 from .cuda_graphs import enable_cuda_graphs
 from .drafter import Drafter, load_drafter
 from .errors import OptionError, RequestError
+from .generation_config import read_sampling_defaults
 from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
@@ -27,7 +28,18 @@ from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reus
 from .sampling import Sampler, StopStringFilter
 from .speculative import LengthController, RequestDecoder, SpecConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .types import WEIGHTS, ErrorEvent, FinalEvent, GenerateRequest, GenerateResult, Timings, TokenEvent, Usage
+from .types import (
+    SAMPLING_DEFAULTS,
+    WEIGHTS,
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    GenerateResult,
+    SamplingDefaults,
+    Timings,
+    TokenEvent,
+    Usage,
+)
 from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -54,6 +66,7 @@ class Engine:
         model_path: Path | None = None,
         prefix_cache: PrefixCacheConfig | None = DEFAULT_PREFIX_CACHE,
         kv_dtype: str = "auto",
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.model = model
         self.model_path = model_path  # where the checkpoint's own chat template is read from
@@ -62,6 +75,8 @@ class Engine:
         self.model_name = model_name
         self.drafter = drafter
         self.spec = spec or SpecConfig()
+        # What a request's omitted sampling fields take (SamplingDefaults.resolve).
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self._drafter_cache = drafter.new_cache(n_ctx) if drafter is not None else None
         # Shared across requests, so what it learns about draft lengths carries over.
         self._controller: LengthController | None = None
@@ -91,6 +106,7 @@ class Engine:
         kv_dtype: str = "auto",
         weights: str = "auto",
         threads: int | None = None,
+        sampling_defaults: str = "model",
     ) -> Engine:
         """draft: a DFlash drafter checkpoint; None takes the model's bundled one, if it has one
         and speculation is on (spec.enabled).
@@ -102,10 +118,14 @@ class Engine:
         int4 / int8 kernels; engine.packed_linear) or "exact"
         (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors
         checkpoints always load exactly.
-        threads: CPU threads (default: the physical cores)."""
+        threads: CPU threads (default: the physical cores).
+        sampling_defaults: "model" (the checkpoint's recommended sampling fills what a request leaves out:
+        engine.generation_config) or "none"."""
         check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
         if weights not in WEIGHTS:
             raise OptionError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
+        if sampling_defaults not in SAMPLING_DEFAULTS:
+            raise OptionError(f"unknown sampling defaults {sampling_defaults!r} ({', '.join(SAMPLING_DEFAULTS)})")
         set_threads(threads)
         if draft is None and (spec is None or spec.enabled):
             bundled = default_drafter(model)
@@ -117,6 +137,8 @@ class Engine:
         started = time.perf_counter()
         ckpt = open_checkpoint(path)
         tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
+        defaults = (read_sampling_defaults(path, ckpt.gguf.fields if ckpt.gguf is not None else None)
+                    if sampling_defaults == "model" else SamplingDefaults())
         # Planned before the weights load: without ctx_size, the model's own context where memory holds it
         # (the card's free memory on CUDA, the available RAM on the CPU), else the largest that fits.
         planned_drafter = drafter_plan(resolve_model_path(draft), draft_quant) if draft is not None else None
@@ -141,7 +163,8 @@ class Engine:
         log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)
         name = Path(path).name if model == EMBEDDED else model
         return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec, model_path=path,
-                   prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype)
+                   prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype,
+                   sampling_defaults=defaults)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Queue the request and yield its events; raises ContextOverflowError / RequestError for bad requests.

@@ -10,6 +10,9 @@ from typing import Any
 
 from .errors import RequestError
 
+# Where a request's omitted sampling fields come from (Engine.load's `sampling_defaults`): model = the checkpoint's
+# recommendation (generation_config.json, GGUF general.sampling.*), none = the interface's own defaults.
+SAMPLING_DEFAULTS = ("model", "none")
 # How GGUF matrices load (Engine.load's `weights`): auto = packed where Triton runs (CUDA), exact elsewhere;
 # packed = also torch's int4 / int8 kernels on the CPU; exact = dequantized at load.
 WEIGHTS = ("auto", "exact", "packed")
@@ -36,6 +39,49 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling a checkpoint recommends (generation_config.json, a GGUF's general.sampling.* keys), as vLLM's
+    `--generation-config auto` and llama.cpp read them. None: the checkpoint says nothing about that field."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    source: str = ""  # where they were read, for the startup log
+
+    def resolve(self, base: SamplingParams, temperature: float | None = None, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None, seed: int | None = None) -> SamplingParams:
+        """The one rule every interface merges a request with: a field the request sets wins (an explicit 0 or 1
+        too), else the checkpoint's default, else `base`'s (the interface's own: temperature 1 for the HTTP APIs,
+        greedy for the CLI). Raises RequestError for a value out of range."""
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+        values = {name: next(v for v in (value, getattr(self, name), getattr(base, name)) if v is not None)
+                  for name, value in given.items()}
+        return SamplingParams(**values, seed=seed if seed is not None else base.seed)
+
+    def fields(self) -> dict[str, float | int]:
+        """The values the checkpoint sets, by name (what /v1/models lists)."""
+        return {name: value for name in _SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+
+    @classmethod
+    def of(cls, fields: Any, source: str) -> SamplingDefaults:
+        """From `fields()` as another process listed them; anything else there is ignored."""
+        fields = fields if isinstance(fields, dict) else {}
+        return cls(**{name: value for name in _SAMPLING_FIELDS if isinstance(value := fields.get(name), (int, float))
+                      and not isinstance(value, bool)}, source=source)
+
+    def describe(self, base: SamplingParams) -> str:
+        """What a request that sets nothing gets, and where each value comes from: one line for a startup log."""
+        p = self.resolve(base)
+        values = ", ".join(f"{name} {getattr(p, name)}" for name in _SAMPLING_FIELDS)
+        ours = list(self.fields())
+        return f"{values} ({', '.join(ours)} from {self.source})" if ours else f"{values} (none from the model)"
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,12 @@ class Completion:
 class ModelAccess(Protocol):
     name: str
 
-    async def backend(self, temperature: float = 0.0) -> Backend:
-        """A chat backend (for `chat` and the agent); waits for the model to load."""
+    async def backend(self, temperature: float | None = None) -> Backend:
+        """A chat backend (for `chat` and the agent); waits for the model to load. `temperature` None: the
+        model's recommended sampling, else greedy."""
         ...
 
-    async def complete(self, prompt: str, max_tokens: int, temperature: float = 0.0) -> Completion:
+    async def complete(self, prompt: str, max_tokens: int, temperature: float | None = None) -> Completion:
         """Raw text completion of `prompt`, no chat template; waits for the model to load."""
         ...
 
@@ -116,13 +117,15 @@ class LocalModel:
             await asyncio.sleep(LOAD_POLL_S)
         return model
 
-    async def backend(self, temperature: float = 0.0) -> Backend:
+    async def backend(self, temperature: float | None = None) -> Backend:
         model = await self.model()
-        return _Recording(EngineBackend(model.engine, model.chat, SamplingParams(temperature=temperature)), self.last)
+        sampling = model.engine.sampling_defaults.resolve(SamplingParams(), temperature)
+        return _Recording(EngineBackend(model.engine, model.chat, sampling), self.last)
 
-    async def complete(self, prompt: str, max_tokens: int, temperature: float = 0.0) -> Completion:
+    async def complete(self, prompt: str, max_tokens: int, temperature: float | None = None) -> Completion:
         engine = (await self.model()).engine
-        request = GenerateRequest(engine.tokenizer.encode(prompt), SamplingParams(temperature=temperature),
+        sampling = engine.sampling_defaults.resolve(SamplingParams(), temperature)
+        request = GenerateRequest(engine.tokenizer.encode(prompt), sampling,
                                   max_tokens=max_tokens, request_id=f"mcp-{id(self):x}-{next(self._ids)}")
         result = await engine.complete(request)  # the client's MCP cancel cancels the request with this task
         timings = asdict(result.final.timings)
@@ -176,17 +179,20 @@ class RemoteModel:
         self.name = await self._backends[0.0].model_id()
         return self.name
 
-    async def backend(self, temperature: float = 0.0) -> Backend:
+    async def _backend(self, temperature: float | None) -> RemoteBackend:
         model = await self._model_id()
         if temperature not in self._backends:
             self._backends[temperature] = RemoteBackend(self.base_url, model, temperature, self._api_key)
-        return _Recording(self._backends[temperature], self.last)
+        return self._backends[temperature]
 
-    async def complete(self, prompt: str, max_tokens: int, temperature: float = 0.0) -> Completion:
-        model = await self._model_id()
+    async def backend(self, temperature: float | None = None) -> Backend:
+        return _Recording(await self._backend(temperature), self.last)
+
+    async def complete(self, prompt: str, max_tokens: int, temperature: float | None = None) -> Completion:
+        backend = await self._backend(temperature)
         try:
-            out = await self._backends[0.0].client.completions.create(model=model, prompt=prompt,
-                                                                      max_tokens=max_tokens, temperature=temperature)
+            out = await backend.client.completions.create(model=backend.model, prompt=prompt, max_tokens=max_tokens,
+                                                          **await backend.sampling())
         except openai.APIConnectionError as exc:
             raise BackendError(f"cannot reach the server at {self.base_url}: {exc.__cause__ or exc}") from None
         except openai.APIStatusError as exc:

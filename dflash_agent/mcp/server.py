@@ -69,10 +69,13 @@ class RunTaskArgs(msgspec.Struct, forbid_unknown_fields=True):
                                                                             "stops.")] = AgentConfig.max_steps
 
 
+TEMPERATURE = "0 is greedy. Unset: the model's recommended sampling where it has one, else greedy."
+
+
 class CompleteArgs(msgspec.Struct, forbid_unknown_fields=True):
     prompt: Annotated[str, msgspec.Meta(min_length=1, description="Text to continue (no chat template).")]
     max_tokens: Annotated[int, msgspec.Meta(ge=1, description="Tokens to generate at most.")] = 256
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2, description="0 is greedy.")] = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2, description=TEMPERATURE)] | None = None
 
 
 class ChatArgs(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,7 +84,7 @@ class ChatArgs(msgspec.Struct, forbid_unknown_fields=True):
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(
         description="OpenAI function tools the model may call; its calls come back as JSON.")] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1, description="Tokens to generate at most.")] = 1024
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2, description="0 is greedy.")] = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2, description=TEMPERATURE)] | None = None
     enable_thinking: Annotated[bool, msgspec.Meta(description="Let the model reason first (Gemma 4); the "
                                                              "reasoning comes back apart from the answer.")] = False
 
@@ -99,7 +102,8 @@ class ServerTool:
     handler: Handler
 
 
-def agent_factory(model: ModelAccess, deny: tuple[str, ...] = DEFAULT_DENY, temperature: float = 0.0) -> AgentFactory:
+def agent_factory(model: ModelAccess, deny: tuple[str, ...] = DEFAULT_DENY,
+                  temperature: float | None = None) -> AgentFactory:
     """Agents on `model` with the workspace tools, each run recorded in a transcript (as `dflash-agent
     run` records its runs)."""
 
