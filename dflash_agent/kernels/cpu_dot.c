@@ -6,9 +6,10 @@
  *   u4: w = d q + m, q in 0..15, groups of 32; a row is K/2 bytes, byte j of a group holding q[j] in its
  *       low nibble and q[j + 16] in its high one; d, m float [N, K/32].
  *   s8: w = d q (+ m), q int8, groups of G = 32 or 16; d (and m, or NULL) float [N, K/G].
- * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/16]
- * (xs times the sum of xq over each run of 16: the m terms need only these).
- * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded).
+ * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
+ * (xs times the sum of xq over each block: the m terms need only these).
+ * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded); activation rows
+ * are taken TILE at a time, so each group of weights is unpacked once for TILE rows (prefill, verify).
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,16 +41,23 @@ void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, 
             amax = a > amax ? a : amax;
         }
         const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        int s0 = 0, s1 = 0;
+        int sum = 0;
         for (int i = 0; i < 32; i++) {
             int qi = (int)nearbyintf(v[i] * inv);
             q[i] = (int16_t)qi;
-            if (i < 16) s0 += qi; else s1 += qi;
+            sum += qi;
         }
         xs[r] = d;
-        xsum[2 * r] = d * (float)s0;
-        xsum[2 * r + 1] = d * (float)s1;
+        xsum[r] = d * (float)sum;
     }
+}
+
+#define TILE 4
+
+static inline float dotf(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
 }
 
 #ifdef DFA_AVX2
@@ -64,6 +72,85 @@ static inline float hsum(__m256 v) {
 static inline __m256i dot16(__m256i w16, const int16_t *x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)x));
 }
+
+/* One weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0. */
+static inline __attribute__((always_inline)) void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq,
+                                                         const float *xs, int64_t K, int64_t r0, int rows,
+                                                         float *out) {
+    const int64_t B = K / 32;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[TILE];
+    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(qn + b * 16));
+        __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+        __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+        for (int i = 0; i < rows; i++) {
+            const int16_t *xb = xq + (r0 + i) * K + b * 32;
+            __m256i p = _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dn[b] * xs[(r0 + i) * B + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) out[i] = hsum(acc[i]);
+}
+
+static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const float *dn, int64_t group,
+                                                         const int16_t *xq, const float *xs, int64_t K,
+                                                         int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    __m256 acc[TILE];
+    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
+        for (int i = 0; i < rows; i++) {
+            const int16_t *xb = xq + (r0 + i) * K + b * 32;
+            const float sx = xs[(r0 + i) * B + b];
+            __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
+            if (group == 32) {
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(dn[b] * sx),
+                                         acc[i]);
+            } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
+                __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dn[2 * b]),
+                                              _mm256_mul_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dn[2 * b + 1])));
+                acc[i] = _mm256_fmadd_ps(both, _mm256_set1_ps(sx), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) out[i] = hsum(acc[i]);
+}
+#else
+static void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq, const float *xs, int64_t K, int64_t r0,
+                   int rows, float *out) {
+    const int64_t B = K / 32;
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xr = xq + (r0 + i) * K;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *g = qn + b * 16;
+            const int16_t *xb = xr + b * 32;
+            int32_t s = 0;
+            for (int j = 0; j < 16; j++) s += (g[j] & 0x0F) * xb[j] + (g[j] >> 4) * xb[j + 16];
+            acc += dn[b] * xs[(r0 + i) * B + b] * (float)s;
+        }
+        out[i] = acc;
+    }
+}
+
+static void row_s8(const int8_t *qn, const float *dn, int64_t group, const int16_t *xq, const float *xs,
+                   int64_t K, int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xr = xq + (r0 + i) * K;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < K / group; g++) {
+            int32_t s = 0;
+            for (int64_t j = 0; j < group; j++) s += qn[g * group + j] * xr[g * group + j];
+            acc += dn[g] * xs[(r0 + i) * B + g * group / 32] * (float)s;
+        }
+        out[i] = acc;
+    }
+}
 #endif
 
 void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
@@ -73,37 +160,15 @@ void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *qn = q + n * (K / 2);
         const float *dn = d + n * B, *mn = m + n * B;
-        for (int64_t r = 0; r < M; r++) {
-            const int16_t *xr = xq + r * K;
-            const float *sr = xs + r * B, *tr = xsum + r * 2 * B;
-            float bias = 0.0f;
-            for (int64_t b = 0; b < B; b++) bias += mn[b] * (tr[2 * b] + tr[2 * b + 1]);
-#ifdef DFA_AVX2
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            const __m128i low = _mm_set1_epi8(0x0F);
-            for (int64_t b = 0; b < B; b++) {
-                __m128i raw = _mm_loadu_si128((const __m128i *)(qn + b * 16));
-                __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-                __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
-                __m256i p = _mm256_add_epi32(dot16(lo, xr + b * 32), dot16(hi, xr + b * 32 + 16));
-                __m256 scale = _mm256_set1_ps(dn[b] * sr[b]);
-                if (b & 1)
-                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc1);
-                else
-                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc0);
-            }
-            y[r * N + n] = hsum(_mm256_add_ps(acc0, acc1)) + bias;
-#else
-            float acc = 0.0f;
-            for (int64_t b = 0; b < B; b++) {
-                const uint8_t *g = qn + b * 16;
-                const int16_t *xb = xr + b * 32;
-                int32_t s = 0;
-                for (int j = 0; j < 16; j++) s += (g[j] & 0x0F) * xb[j] + (g[j] >> 4) * xb[j + 16];
-                acc += dn[b] * sr[b] * (float)s;
-            }
-            y[r * N + n] = acc + bias;
-#endif
+        float out[TILE];
+        int64_t r0 = 0;
+        for (; r0 + TILE <= M; r0 += TILE) {
+            row_u4(qn, dn, xq, xs, K, r0, TILE, out);
+            for (int i = 0; i < TILE; i++) y[(r0 + i) * N + n] = out[i] + dotf(mn, xsum + (r0 + i) * B, B);
+        }
+        for (; r0 < M; r0++) {
+            row_u4(qn, dn, xq, xs, K, r0, 1, out);
+            y[r0 * N + n] = out[0] + dotf(mn, xsum + r0 * B, B);
         }
     }
 }
@@ -111,45 +176,21 @@ void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_
 void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const int8_t *q, const float *d, const float *m, int64_t group, int64_t N, float *y,
                    int threads) {
-    const int64_t B = K / 32, G = K / group; /* group is 32 or 16 */
+    const int64_t B = K / 32, G = K / group; /* group is 32 or 16; m only with 32 */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qn = q + n * K;
         const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
-        for (int64_t r = 0; r < M; r++) {
-            const int16_t *xr = xq + r * K;
-            const float *sr = xs + r * B, *tr = xsum + r * 2 * B;
-            float bias = 0.0f;
-            if (mn) {
-                if (group == 32)
-                    for (int64_t b = 0; b < B; b++) bias += mn[b] * (tr[2 * b] + tr[2 * b + 1]);
-                else
-                    for (int64_t g = 0; g < G; g++) bias += mn[g] * tr[g];
-            }
-#ifdef DFA_AVX2
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            for (int64_t b = 0; b < B; b++) {
-                const int8_t *qb = qn + b * 32;
-                __m256i p0 = dot16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qb)), xr + b * 32);
-                __m256i p1 = dot16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qb + 16))), xr + b * 32 + 16);
-                if (group == 32) {
-                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                           _mm256_set1_ps(dn[b] * sr[b]), acc0);
-                } else {
-                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dn[2 * b] * sr[b]), acc0);
-                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dn[2 * b + 1] * sr[b]), acc1);
-                }
-            }
-            y[r * N + n] = hsum(_mm256_add_ps(acc0, acc1)) + bias;
-#else
-            float acc = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
-                int32_t s = 0;
-                for (int64_t j = 0; j < group; j++) s += qn[g * group + j] * xr[g * group + j];
-                acc += dn[g] * sr[g * group / 32] * (float)s;
-            }
-            y[r * N + n] = acc + bias;
-#endif
+        float out[TILE];
+        int64_t r0 = 0;
+        for (; r0 + TILE <= M; r0 += TILE) {
+            row_s8(qn, dn, group, xq, xs, K, r0, TILE, out);
+            for (int i = 0; i < TILE; i++)
+                y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
+        }
+        for (; r0 < M; r0++) {
+            row_s8(qn, dn, group, xq, xs, K, r0, 1, out);
+            y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
         }
     }
 }

@@ -41,11 +41,11 @@ _SIGNATURES = {
 
 @dataclass(frozen=True)
 class QuantizedActivations:
-    """x [M, K] float32 as int16 per block of 32: x ~ xs * xq; xsum is xs times the sum of each run of 16."""
+    """x [M, K] float32 as int16 per block of 32: x ~ xs * xq; xsum is xs times the sum of each block's xq."""
 
     xq: torch.Tensor  # [M, K] int16
     xs: torch.Tensor  # [M, K / 32] float32
-    xsum: torch.Tensor  # [M, K / 16] float32
+    xsum: torch.Tensor  # [M, K / 32] float32
 
 
 class CpuDot:
@@ -64,7 +64,7 @@ class CpuDot:
             raise ValueError(f"quantized activations need rows of a multiple of 32 values, got {k}")
         x = x.float().contiguous()
         out = QuantizedActivations(torch.empty(m, k, dtype=torch.int16), torch.empty(m, k // 32),
-                                   torch.empty(m, k // 16))
+                                   torch.empty(m, k // 32))
         self.lib.dfa_quantize(x.data_ptr(), m, k, out.xq.data_ptr(), out.xs.data_ptr(), out.xsum.data_ptr(),
                               torch.get_num_threads())
         return out
@@ -80,7 +80,9 @@ class CpuDot:
 
     def matmul_s8(self, x: QuantizedActivations, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                   group: int) -> torch.Tensor:
-        """y [M, N] for w = d q (+ m) in groups of `group` (32 or 16; q: [N, K] int8)."""
+        """y [M, N] for w = d q (+ m) in groups of `group` (32, or 16 without m; q: [N, K] int8)."""
+        if m is not None and group != 32:
+            raise ValueError("an s8 matrix with offsets needs groups of 32")
         rows, k = x.xq.shape
         n = q.shape[0]
         y = torch.empty(rows, n)
