@@ -43,6 +43,8 @@ from .tokenizer import default_cache_root
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
+GEMM_ROWS = 32  # activation rows from which a float32 GEMM on dequantized weights beats cpu_dot's integer dot
+_GEMM_SLICE_BYTES = 16 << 20  # dequantized float32 weights per GEMM: the LM head never expands whole
 _ROWS_PER_CHUNK = 8192  # repack big matrices in row slices, so loading never expands one to float32 whole
 
 
@@ -279,13 +281,32 @@ class CpuDotWeight:
         return self.q.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        acts = self.lib.quantize(x.reshape(-1, x.shape[-1]))
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] >= GEMM_ROWS:
+            return self._gemm(flat.float()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        acts = self.lib.quantize(flat)
         if self.u4:
             assert self.m is not None
             y = self.lib.matmul_u4(acts, self.q, self.d, self.m)
         else:
             y = self.lib.matmul_s8(acts, self.q, self.d, self.m, self.group)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows at once (prefill): float32 GEMMs on rows dequantized exactly, at most a few MiB at a time."""
+        step = max(1, _GEMM_SLICE_BYTES // (4 * x.shape[1]))
+        if step >= self.out_features:
+            return x @ self._dequantized(0, self.out_features).T
+        y = torch.empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, step):
+            end = min(start + step, self.out_features)
+            y[:, start:end] = x @ self._dequantized(start, end).T
+        return y
+
+    def _dequantized(self, start: int, end: int) -> torch.Tensor:
+        return self.lib.dequantize(self.q[start:end], self.d[start:end],
+                                   None if self.m is None else self.m[start:end], self.group)
 
 
 def _int_groups(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int,

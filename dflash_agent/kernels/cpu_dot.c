@@ -194,3 +194,31 @@ void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_
         }
     }
 }
+
+/* w [N, K] float32 = d q + m, exactly as the GGUF dequantization computes it (one product, one sum, no fused
+ * multiply-add: the build passes -ffp-contract=off): for blocks of many activation rows (prefill), where a
+ * float32 GEMM on the dequantized rows beats the integer dot. */
+void dfa_dequantize(const void *q, int u4, const float *d, const float *m, int64_t group, int64_t N, int64_t K,
+                    float *w, int threads) {
+    const int64_t G = K / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
+        float *wn = w + n * K;
+        if (u4) {
+            const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
+            for (int64_t b = 0; b < K / 32; b++)
+                for (int j = 0; j < 16; j++) {
+                    const uint8_t byte = qn[b * 16 + j];
+                    wn[b * 32 + j] = dn[b] * (float)(byte & 0x0F) + mn[b];
+                    wn[b * 32 + j + 16] = dn[b] * (float)(byte >> 4) + mn[b];
+                }
+        } else {
+            const int8_t *qn = (const int8_t *)q + n * K;
+            for (int64_t k = 0; k < K; k++) {
+                const float v = dn[k / group] * (float)qn[k];
+                wn[k] = mn ? v + mn[k / group] : v;
+            }
+        }
+    }
+}

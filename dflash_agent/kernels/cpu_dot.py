@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_dot.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels (comparisons, and machines where a build misbehaves)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -36,6 +36,7 @@ _SIGNATURES = {
     "dfa_quantize": ([_P, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "dfa_matmul_u4": ([_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
     "dfa_matmul_s8": ([_P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int], None),
+    "dfa_dequantize": ([_P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
 }
 
 
@@ -91,6 +92,16 @@ class CpuDot:
                                torch.get_num_threads())
         return y
 
+
+
+    def dequantize(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int) -> torch.Tensor:
+        """w [N, K] float32 = d q + m, bit for bit what the GGUF dequantization gives (u4 when q is uint8)."""
+        u4 = q.dtype == torch.uint8
+        n, k = q.shape[0], q.shape[1] * (2 if u4 else 1)
+        w = torch.empty(n, k)
+        self.lib.dfa_dequantize(q.data_ptr(), int(u4), d.data_ptr(), None if m is None else m.data_ptr(), group, n,
+                                k, w.data_ptr(), torch.get_num_threads())
+        return w
 
 
 def _cpu_signature() -> str:

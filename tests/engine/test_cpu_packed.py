@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from dflash_agent.bench.fidelity import compare, texts
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.packed_linear import (
+    GEMM_ROWS,
     PLANE_TYPES,
     U4_TYPES,
     CpuDotWeight,
@@ -64,6 +65,9 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     assert float((ours - ref).norm() / ref.norm()) < 1e-4  # int16 activations: ~1e-5
     for row in range(5):  # each row is computed alone, whatever the batch: what lossless speculation needs
         assert torch.equal(F.linear(x[row:row + 1], weight), ours[row:row + 1])
+    many = torch.randn(GEMM_ROWS + 3, 512)  # prefill: a float32 GEMM on the rows dequantized bit for bit
+    torch.testing.assert_close(F.linear(many, weight), many @ packed.dequantize().T, rtol=0, atol=0)
+    assert torch.equal(weight.cpu._dequantized(0, 96), packed.dequantize())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
