@@ -42,11 +42,9 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.empty(dim) if with_weight else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            out = out * (self.offset + self.weight.float())
-        return out.type_as(x)
+        # torch's fused kernel: x * rsqrt(mean(x^2) + eps) * weight in one pass, bit for bit the unfused formula
+        weight = None if self.weight is None else self.offset + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
