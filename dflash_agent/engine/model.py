@@ -14,6 +14,7 @@ from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
 from .errors import ContextOverflowError
 from .kv_cache import KVCache, LayerKV
+from .packed_linear import PackedWeight
 
 
 @dataclass
@@ -30,7 +31,9 @@ class Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        # a packed weight directly: F.linear would reach it through __torch_function__, a cost per call that
+        # decoding a small model on the CPU feels
+        return self.weight.linear(x) if isinstance(self.weight, PackedWeight) else F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -274,7 +277,8 @@ class GemmaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.norm(hidden), self.output_weight).float()
+        head, x = self.output_weight, self.norm(hidden)
+        logits = (head.linear(x) if isinstance(head, PackedWeight) else F.linear(x, head)).float()
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap

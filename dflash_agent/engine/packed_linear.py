@@ -101,6 +101,7 @@ class PackedWeight(torch.Tensor):
         self.rescore = min(RESCORE, self.shape[0]) if head else 0
 
     def _cpu_linear(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.cpu is not None
         y = self.cpu(x)
         if self.rescore:
             flat, out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
@@ -248,7 +249,7 @@ class CpuInt4:
 
 class CpuDotWeight:
     """A matrix repacked for kernels.cpu_dot: w = d q + m per group of `group` inputs, q unsigned 4-bit (u4)
-    or int8 (s8). GGUF formats map onto it exactly (`_int_groups`); the LM head is fitted to u4."""
+    or int8 (s8). GGUF formats map onto it exactly (`_int_groups`)."""
 
     def __init__(self, lib: CpuDot, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int,
                  out_features: int) -> None:
@@ -284,13 +285,8 @@ class CpuDotWeight:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] >= GEMM_ROWS:
             return self._gemm(flat.float()).to(x.dtype).view(*x.shape[:-1], self.out_features)
-        acts = self.lib.quantize(flat)
-        if self.u4:
-            assert self.m is not None
-            y = self.lib.matmul_u4(acts, self.q, self.d, self.m)
-        else:
-            y = self.lib.matmul_s8(acts, self.q, self.d, self.m, self.group)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = self.lib.linear(flat, self.q, self.d, self.m, self.group)
+        return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -29,24 +30,57 @@ int dfa_simd(void) {
 #endif
 }
 
+/* One block of 32 activations -> int16 at scale amax / 32767, returning the scale; *sum gets the sum of the
+ * integers. Round to nearest even, as nearbyintf in the default rounding mode. */
+static inline float quantize_block(const float *v, int16_t *q, int *sum) {
+#ifdef DFA_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8), x2 = _mm256_loadu_ps(v + 16),
+           x3 = _mm256_loadu_ps(v + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv));
+    /* packs interleaves 128-bit lanes; the permute puts the 16 values of each pair back in order */
+    __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+    __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
+    _mm256_storeu_si256((__m256i *)q, p01);
+    _mm256_storeu_si256((__m256i *)(q + 16), p23);
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *sum = _mm_cvtsi128_si32(s4);
+    return amax / 32767.0f;
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    int total = 0;
+    for (int i = 0; i < 32; i++) {
+        int qi = (int)nearbyintf(v[i] * inv);
+        q[i] = (int16_t)qi;
+        total += qi;
+    }
+    *sum = total;
+    return amax / 32767.0f;
+#endif
+}
+
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads) {
     const int64_t B = K / 32;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M > 4)
     for (int64_t r = 0; r < M * B; r++) {
-        const float *v = x + r * 32;
-        int16_t *q = xq + r * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            int qi = (int)nearbyintf(v[i] * inv);
-            q[i] = (int16_t)qi;
-            sum += qi;
-        }
+        int sum;
+        const float d = quantize_block(x + r * 32, xq + r * 32, &sum);
         xs[r] = d;
         xsum[r] = d * (float)sum;
     }
@@ -221,4 +255,24 @@ void dfa_dequantize(const void *q, int u4, const float *d, const float *m, int64
             }
         }
     }
+}
+
+/* y [M, N] = x [M, K] float32 @ w^T in one call (decode, verification): the activations are quantized into a
+ * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. */
+void dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int u4, const float *d, const float *m,
+                int64_t group, int64_t N, float *y, int threads) {
+    const int64_t B = K / 32;
+    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    float *xs = (float *)malloc((size_t)(2 * M * B) * sizeof(float));
+    if (!xq || !xs) { /* never silently wrong: NaN rows say the scratch could not be had */
+        for (int64_t i = 0; i < M * N; i++) y[i] = NAN;
+    } else {
+        dfa_quantize(x, M, K, xq, xs, xs + M * B, threads);
+        if (u4)
+            dfa_matmul_u4(xq, xs, xs + M * B, M, K, (const uint8_t *)q, d, m, N, y, threads);
+        else
+            dfa_matmul_s8(xq, xs, xs + M * B, M, K, (const int8_t *)q, d, m, group, N, y, threads);
+    }
+    free(xq);
+    free(xs);
 }

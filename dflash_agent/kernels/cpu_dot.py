@@ -37,6 +37,7 @@ _SIGNATURES = {
     "dfa_matmul_u4": ([_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int], None),
     "dfa_matmul_s8": ([_P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int], None),
     "dfa_dequantize": ([_P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "dfa_linear": ([_P, _I, _I, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
 }
 
 
@@ -93,6 +94,20 @@ class CpuDot:
         return y
 
 
+
+    def linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+               group: int) -> torch.Tensor:
+        """y [M, N] = x [M, K] @ (d q + m)^T: quantize and matmul_u4 / matmul_s8 (by q's dtype) in one call."""
+        rows, k = x.shape
+        if k % 32:
+            raise ValueError(f"quantized activations need rows of a multiple of 32 values, got {k}")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        n = q.shape[0]
+        y = torch.empty(rows, n)
+        self.lib.dfa_linear(x.data_ptr(), rows, k, q.data_ptr(), int(q.dtype == torch.uint8), d.data_ptr(),
+                            None if m is None else m.data_ptr(), group, n, y.data_ptr(), torch.get_num_threads())
+        return y
 
     def dequantize(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int) -> torch.Tensor:
         """w [N, K] float32 = d q + m, bit for bit what the GGUF dequantization gives (u4 when q is uint8)."""

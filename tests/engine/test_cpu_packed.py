@@ -149,3 +149,24 @@ def test_speculation_is_lossless_on_the_packed_path():
     finally:
         spec.close()
         plain.close()
+
+
+def test_the_cpu_default_is_the_packed_path_where_the_kernels_build():
+    if cpu_dot() is None:
+        pytest.skip("no C compiler: the CPU dot kernels cannot be built")
+    engine = Engine.load("embedded", device="cpu", ctx_size=64, progress=False, spec=SpecConfig(enabled=False))
+    try:
+        head = engine.model.embed_tokens.weight
+        assert isinstance(head, PackedWeight) and isinstance(head.cpu, CpuDotWeight)
+        assert isinstance(engine.model.layers[0].mlp.down_proj.weight.cpu, CpuDotWeight)
+    finally:
+        engine.close()
+
+
+def test_without_the_kernels_the_cpu_default_is_the_exact_path(torch_kernels):
+    engine = Engine.load("embedded", device="cpu", ctx_size=64, progress=False, spec=SpecConfig(enabled=False))
+    try:
+        head = engine.model.embed_tokens.weight
+        assert not isinstance(head, PackedWeight) and head.dtype == torch.float32
+    finally:
+        engine.close()

@@ -78,3 +78,13 @@ def test_u4_matmul_is_the_float_matmul(lib):
     x = torch.randn(7, k)
     y = lib.matmul_u4(lib.quantize(x), packed, d, m)
     torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-3 * float((x @ w.T).abs().max()))
+
+
+def test_linear_is_quantize_then_matmul_in_one_call(lib):
+    n, k = 37, 256
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    d, m = torch.rand(n, k // 32), torch.randn(n, k // 32)
+    x = torch.randn(6, k)
+    assert torch.equal(lib.linear(x, q, d, m, 32), lib.matmul_s8(lib.quantize(x), q, d, m, 32))
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    assert torch.equal(lib.linear(x, packed, d, m, 32), lib.matmul_u4(lib.quantize(x), packed, d, m))
