@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_agent.bench.fidelity import compare, texts
+from dflash_agent.bench.fidelity import DECODE_STEP, compare, texts
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.packed_linear import (
     GEMM_ROWS,
@@ -114,8 +114,9 @@ def test_fidelity_against_the_exact_path(embedded, capsys):
     with capsys.disabled():
         for r in results:
             print(f"\npacked vs exact, {r.text}: {r.tokens} tokens, top-1 agreement {r.top1_agreement:.2%}, "
-                  f"mean KL {r.mean_kl:.5f}, max KL {r.max_kl:.4f}")
+                  f"mean KL {r.mean_kl:.2e}, max KL {r.max_kl:.2e}")
     assert sum(r.tokens for r in results) >= 2000
+    assert DECODE_STEP < GEMM_ROWS  # the packed model is measured on its decode kernels, not the exact GEMM
     for r in results:
         # cpu_dot reads the checkpoint's integers against int16 activations: measured 100% and KL < 1e-5
         assert r.top1_agreement >= 0.99 and r.mean_kl < 0.001, r
