@@ -90,19 +90,23 @@ def run_spec_bench(
     prompts = workloads(base, prompt_tokens)
     results: list[ModeResult] = []
     for workload, prompt in prompts.items():
-        for mode, (mode_drafter, spec) in modes.items():
-            engine = Engine(base.model, base.tokenizer, base.n_ctx, base.model_name, drafter=mode_drafter, spec=spec)
-            runs = []
-            for i in range(repeats + 1):  # the first run warms up (and trains the adaptive controller)
+        # every mode shares the model; rounds alternate the modes, so each sees the same machine load
+        engines = {mode: Engine(base.model, base.tokenizer, base.n_ctx, base.model_name, drafter=mode_drafter,
+                                spec=spec) for mode, (mode_drafter, spec) in modes.items()}
+        runs: dict[str, list] = {mode: [] for mode in modes}
+        for i in range(repeats + 1):  # round 0 warms every mode up (and trains its adaptive controller)
+            for mode, engine in engines.items():
                 final = _run(engine, prompt, decode_tokens)
                 if i:
-                    runs.append(final)
+                    runs[mode].append(final)
+        for engine in engines.values():
             engine.close()
-            stats = runs[-1].spec
+        for mode, mode_runs in runs.items():
+            stats = mode_runs[-1].spec
             result = ModeResult(
                 mode=mode, workload=workload,
-                decode_tok_s=statistics.median(r.timings.predicted_per_second for r in runs),
-                acceptance_length_mean=statistics.mean(r.spec.acceptance_length_mean for r in runs),
+                decode_tok_s=statistics.median(r.timings.predicted_per_second for r in mode_runs),
+                acceptance_length_mean=statistics.mean(r.spec.acceptance_length_mean for r in mode_runs),
                 drafted=stats.drafted, accepted=stats.accepted, by_source=stats.by_source,
             )
             log.info("%s / %s: %.2f tok/s, acceptance %.2f", workload, mode, result.decode_tok_s,
