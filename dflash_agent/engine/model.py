@@ -14,7 +14,6 @@ from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
 from .errors import ContextOverflowError
 from .kv_cache import KVCache, LayerKV
-from .packed_linear import PackedWeight
 
 
 @dataclass
@@ -31,9 +30,7 @@ class Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a packed weight directly: F.linear would reach it through __torch_function__, a cost per call that
-        # decoding a small model on the CPU feels
-        return self.weight.linear(x) if isinstance(self.weight, PackedWeight) else F.linear(x, self.weight)
+        return F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +42,6 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.empty(dim) if with_weight else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel: x * rsqrt(mean(x^2) + eps) * weight in one pass, bit for bit the unfused formula
         weight = None if self.weight is None else self.offset + self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
 
@@ -277,8 +273,7 @@ class GemmaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head, x = self.output_weight, self.norm(hidden)
-        logits = (head.linear(x) if isinstance(head, PackedWeight) else F.linear(x, head)).float()
+        logits = F.linear(self.norm(hidden), self.output_weight).float()
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -158,46 +158,24 @@ def _row_slices(packed: PackedTensor, dequantized: bool = True):
 
 
 U4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K})  # read at 4 bits by cpu_dot
-PLANE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0,
-                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K})
+# What makes the integers of `_int_groups` unsigned (u = q + offset) for the formats wider than 4 bits.
+_UNSIGNED_OFFSET = {GGMLQuantizationType.Q5_0: 16, GGMLQuantizationType.Q8_0: 128, GGMLQuantizationType.Q5_K: 0}
+PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
 
 
 def _planes(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> list[tuple]:
     """Blocks of n rows of a format on groups of 32 -> int4 planes [(q [n, k] int32 in 0..15, scale, zero
     [n, k / 32] float32)] whose sum of (q - 8) * scale + zero is the weight exactly (up to rounding scale and
-    zero to bf16). A 4-bit format is one plane; a 5- or 8-bit one splits its quants u = low + 16 high into
-    two, the second with 16 times the scale. Each zero is 0, 8 scale, or (K formats) 8 scale - dmin m, so
+    zero to bf16). A 4-bit format is one plane; a 5- or 8-bit one splits its unsigned quants u = low + 16 high
+    into two, the second with 16 times the scale. Each zero is 0, 8 scale, or (K formats) 8 scale - dmin m, so
     bf16 rounding moves it by a fraction of a step at most."""
-    T = GGMLQuantizationType
-    blocks = blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    if qtype in (T.Q4_0, T.Q5_0, T.Q8_0):  # w = d (u - bias), u unsigned
-        scale = _f16(blocks[:, :2])
-        if qtype == T.Q4_0:
-            u = _nibbles(blocks[:, 2:], 16).reshape(-1, 32)
-        elif qtype == T.Q5_0:
-            u = _q5(blocks[:, 2:6], blocks[:, 6:])
-        else:
-            u = (blocks[:, 2:].view(torch.int8).to(torch.int32) + 128)
-        u, zero = u.to(torch.int32), torch.zeros_like(scale)
-        low, high = u & 15, u >> 4
-        if qtype == T.Q4_0:  # d (u - 8)
-            planes = [(low, scale, zero)]
-        else:  # d low + 16 d (high - bias / 16): Q5_0 high - 1 (q = high + 7), Q8_0 high - 8 (q = high)
-            planes = [(low, scale, 8 * scale), (high + (7 if qtype == T.Q5_0 else 0), 16 * scale, zero)]
-    elif qtype in (T.Q4_K, T.Q5_K):  # w = (d sc) u - dmin m per sub-block of 32
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc, mn = _k_scale_min(blocks[:, 4:16])
-        scale = (d * sc.to(torch.float32)).reshape(-1, 1)
-        low_zero = 8 * scale - (dmin * mn.to(torch.float32)).reshape(-1, 1)
-        if qtype == T.Q4_K:
-            planes = [(_nibbles(blocks[:, 16:], 32).reshape(-1, 32).to(torch.int32), scale, low_zero)]
-        else:
-            low = _nibbles(blocks[:, 48:], 32).reshape(-1, 32).to(torch.int32)
-            high = _bits(blocks[:, 16:48], 32).reshape(-1, 8, 32).reshape(-1, 32).to(torch.int32)
-            planes = [(low, scale, low_zero), (high + 8, 16 * scale, torch.zeros_like(scale))]
-    else:
-        raise ValueError(f"{qtype.name} has no exact int4 planes")
-    return [(q.reshape(n, k), sc.reshape(n, k // GROUP), z.reshape(n, k // GROUP)) for q, sc, z in planes]
+    q, d, m, _ = _int_groups(blocks, qtype, n, k)
+    low_zero = 8 * d if m is None else 8 * d + m
+    if qtype in U4_TYPES:
+        return [(q, d, low_zero)]
+    offset = _UNSIGNED_OFFSET[qtype]  # d q + m = d (u & 15) + 16 d (u >> 4) - d offset + m
+    u = q + offset
+    return [(u & 15, d, low_zero), ((u >> 4) + 8 - offset // 16, 16 * d, torch.zeros_like(d))]
 
 
 def _fit_int4(w: torch.Tensor):
@@ -261,7 +239,7 @@ class CpuDotWeight:
         n, k = packed.shape
         if k % GROUP:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
-        parts = []
+        qs, ds, ms = [], [], []
         for blocks, _ in _row_slices(packed, dequantized=False):
             q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
             if packed.qtype in U4_TYPES:  # two per byte
@@ -269,13 +247,11 @@ class CpuDotWeight:
                 q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, k // 2)
             else:
                 q = q.to(torch.int8)
-            parts.append((q, d, m, group))
-        groups = {p[3] for p in parts}
-        if len(groups) != 1 or len({p[0].dtype for p in parts}) != 1:
-            raise ValueError(f"{packed.qtype.name} row slices repacked to different layouts")
-        m = None if parts[0][2] is None else torch.cat([p[2] for p in parts]).contiguous()
-        return cls(lib, torch.cat([p[0] for p in parts]).contiguous(), torch.cat([p[1] for p in parts]).contiguous(),
-                   m, groups.pop(), n)
+            qs.append(q)
+            ds.append(d)
+            ms.append(m)
+        m = None if ms[0] is None else torch.cat(ms).contiguous()
+        return cls(lib, torch.cat(qs).contiguous(), torch.cat(ds).contiguous(), m, group, n)
 
     @property
     def nbytes(self) -> int:
