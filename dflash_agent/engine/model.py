@@ -207,6 +207,8 @@ class GemmaModel(nn.Module):
                 self._inv_freq[key] = torch.tensor(spec.inv_freq(), dtype=torch.float32, device=device)
         # engine.cuda_graphs.TargetStepGraphs when decode / verify steps replay CUDA graphs (CUDA only)
         self.step_graphs = None
+        # engine.cpu_decode.CpuDecodeLayers when decode / verify steps run the C layers (CPU, repacked weights)
+        self.cpu_layers = None
 
     @property
     def device(self) -> torch.device:
@@ -260,6 +262,10 @@ class GemmaModel(nn.Module):
         steps (engine.cuda_graphs) and training-data generation (train.target) run. Returns the last layer's
         output and the outputs of the layers in `capture`."""
         tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
+        rows = x.shape[0] if x.dim() == 2 else None
+        if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
+            layer_tables = [tables[_rope_key(spec)] for spec in self.config.layers]
+            return self.cpu_layers.forward(x, plan, kv, layer_tables, capture)
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, spec, layer_kv) in enumerate(zip(self.layers, self.config.layers, kv, strict=True)):
             x = layer(x, *tables[_rope_key(spec)], layer_kv, plan.sliding if layer_kv.sliding else plan.full)
@@ -279,10 +285,14 @@ class GemmaModel(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _runs_cpu_layers(self, rows: int | None, kv: list[LayerKV]) -> bool:
+        """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.cpu_decode's layers."""
+        return self.cpu_layers is not None and rows is not None and self.cpu_layers.takes(rows, kv)
+
     def _plan(self, cache: KVCache, pos: torch.Tensor) -> StepPlan:
         """The eager plan of new tokens at positions pos; advances the rings' slot -> position map."""
         T, start, end = pos.shape[0], int(pos[0]), int(pos[-1]) + 1
-        q, kernel = pos[:, None], triton_runs(pos)
+        q, kernel = pos[:, None], triton_runs(pos) or self._runs_cpu_layers(T, cache.layers)
         if kernel:
             full = LayerPlan("kernel", pos, end, positions=KeyPositions(pos, None, None))
         else:
@@ -293,9 +303,11 @@ class GemmaModel(nn.Module):
         written = pos[-slots:]
         new_pos = old_pos.clone()
         new_pos[written % slots] = written
-        if T <= slots - window + 1 and kernel:
+        # A ring as long as the cache never wraps, so no new key can overwrite one its own queries still need.
+        fits = T <= slots - window + 1 or slots == cache.max_len
+        if fits and kernel:
             sliding = LayerPlan("kernel", written % slots, positions=KeyPositions(pos, new_pos, window))
-        elif T <= slots - window + 1:
+        elif fits:
             k_pos = new_pos[None, :]
             sliding = LayerPlan("cache", written % slots, mask=(k_pos >= 0) & (k_pos <= q) & (k_pos > q - window))
         else:

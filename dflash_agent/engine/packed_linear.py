@@ -12,7 +12,7 @@ silently expanding gigabytes.
 CPU repacking (the fast default on the CPU), once at load:
 - `CpuDotWeight`, kernels.cpu_dot's C kernels (built on first use with the machine's C compiler): every
   format is rewritten as the integers and scales it stores (`_int_groups`: w = d q + m per group of 32, or
-  16 for Q6_K), bit for bit; Q4_0 / Q4_K stay at 4 bits, the others take a byte per weight. Activations are
+  16 for Q6_K), bit for bit; Q4_0 / Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, the others take a byte per weight. Activations are
   quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3), so the logits
   match the exact path's to within float rounding: no rescoring, and each row of a batch is computed alone
   (verify steps give what decode steps give, which keeps speculation lossless).
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.cpu_dot import CpuDot
+from ..kernels.cpu_dot import CpuDot, IntMatrix
 from ..kernels.cpu_dot import load as load_cpu_dot
 from ..kernels.dispatch import PACKED_TYPES, triton_runs
 from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, _unpack, dequantize
@@ -158,6 +158,7 @@ def _row_slices(packed: PackedTensor, dequantized: bool = True):
 
 
 U4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K})  # read at 4 bits by cpu_dot
+U5_TYPES = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K})  # and these at 5
 # What makes the integers of `_int_groups` unsigned (u = q + offset) for the formats wider than 4 bits.
 _UNSIGNED_OFFSET = {GGMLQuantizationType.Q5_0: 16, GGMLQuantizationType.Q8_0: 128, GGMLQuantizationType.Q5_K: 0}
 PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
@@ -226,42 +227,49 @@ class CpuInt4:
 
 
 class CpuDotWeight:
-    """A matrix repacked for kernels.cpu_dot: w = d q + m per group of `group` inputs, q unsigned 4-bit (u4)
-    or int8 (s8). GGUF formats map onto it exactly (`_int_groups`)."""
+    """A matrix repacked for kernels.cpu_dot (an IntMatrix): the integers and scales of its GGUF format
+    (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K / Q8_0 at 8."""
 
-    def __init__(self, lib: CpuDot, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int,
-                 out_features: int) -> None:
-        self.lib, self.q, self.d, self.m, self.group, self.out_features = lib, q, d, m, group, out_features
-        self.u4 = q.dtype == torch.uint8
+    def __init__(self, lib: CpuDot, matrix: IntMatrix) -> None:
+        self.lib, self.matrix, self.out_features = lib, matrix, matrix.n
 
     @classmethod
     def from_packed(cls, lib: CpuDot, packed: PackedTensor) -> CpuDotWeight:
         n, k = packed.shape
         if k % GROUP:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
-        qs, ds, ms = [], [], []
+        bits = 4 if packed.qtype in U4_TYPES else 5 if packed.qtype in U5_TYPES else 8
+        offset = _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 0
+        parts: list[tuple] = []
         for blocks, _ in _row_slices(packed, dequantized=False):
             q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
-            if packed.qtype in U4_TYPES:  # two per byte
-                pairs = q.view(-1, k // GROUP, 2, GROUP // 2).to(torch.uint8)
-                q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, k // 2)
-            else:
+            qh = None
+            if bits == 8:
                 q = q.to(torch.int8)
-            qs.append(q)
-            ds.append(d)
-            ms.append(m)
-        m = None if ms[0] is None else torch.cat(ms).contiguous()
-        return cls(lib, torch.cat(qs).contiguous(), torch.cat(ds).contiguous(), m, group, n)
+            else:  # the low 4 bits two per byte; for 5 bits the fifth of each group of 32 in one int32
+                u = q + offset
+                if bits == 5:
+                    fifth = (u >> 4).view(-1, k // GROUP, GROUP).to(torch.int64)
+                    word = (fifth << torch.arange(GROUP)).sum(-1)
+                    qh = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+                pairs = (u & 15).view(-1, k // GROUP, 2, GROUP // 2).to(torch.uint8)
+                q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, k // 2)
+            parts.append((q, d, m, qh))
+
+        def joined(i: int) -> torch.Tensor | None:
+            return None if parts[0][i] is None else torch.cat([p[i] for p in parts]).contiguous()
+
+        return cls(lib, IntMatrix(joined(0), joined(1), joined(2), bits, group, joined(3), offset))
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+        return self.matrix.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] >= GEMM_ROWS:
             return self._gemm(flat.float()).to(x.dtype).view(*x.shape[:-1], self.out_features)
-        y = self.lib.linear(flat, self.q, self.d, self.m, self.group)
+        y = self.lib.linear(flat, self.matrix)
         return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
 
@@ -277,8 +285,7 @@ class CpuDotWeight:
         return y
 
     def _dequantized(self, start: int, end: int) -> torch.Tensor:
-        return self.lib.dequantize(self.q[start:end], self.d[start:end],
-                                   None if self.m is None else self.m[start:end], self.group)
+        return self.lib.dequantize(self.matrix.rows(start, end))
 
 
 def _int_groups(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int,

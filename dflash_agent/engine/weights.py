@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from .config import ConfigError, ModelConfig
+from .cpu_decode import CpuDecodeLayers
 from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, read_gguf
 from .model import GemmaModel
@@ -246,6 +247,8 @@ def build_model(
                 tensor.repack_for_cpu(head=name == head)
         _release_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
+    if repack_cpu:
+        model.cpu_layers = CpuDecodeLayers.build(model)
     return model.eval()
 
 

@@ -5,6 +5,8 @@
  * Weights (kernels.cpu_dot repacks GGUF blocks into these, exactly):
  *   u4: w = d q + m, q in 0..15, groups of 32; a row is K/2 bytes, byte j of a group holding q[j] in its
  *       low nibble and q[j + 16] in its high one; d, m float [N, K/32].
+ *   u5: w = d (q - offset) (+ m), q in 0..31, groups of 32: the low 4 bits as u4, the fifth bit of value j
+ *       of group b in bit j of qh[n, b] (uint32); d (and m, or NULL) float [N, K/32]. (Q5_0: offset 16.)
  *   s8: w = d q (+ m), q int8, groups of G = 32 or 16; d (and m, or NULL) float [N, K/G].
  * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
  * (xs times the sum of xq over each block: the m terms need only these).
@@ -14,6 +16,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "cpu_dot.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -87,10 +91,14 @@ void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, 
 
 #define TILE 4
 
+/* Four partial sums: a single chain of float additions would cost a few cycles per element. */
 static inline float dotf(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) s[0] += a[i] * b[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 #ifdef DFA_AVX2
@@ -106,51 +114,124 @@ static inline __m256i dot16(__m256i w16, const int16_t *x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)x));
 }
 
-/* One weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0. */
+/* One weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0. Even and odd
+ * blocks accumulate separately, so two multiply-add chains run at once; the order is the same for every
+ * `rows`, so a row's result never depends on the rows beside it. */
+#define ACC2(acc, b, i, p, s) \
+    acc[(b) & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[(b) & 1][i])
+
 static inline __attribute__((always_inline)) void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq,
                                                          const float *xs, int64_t K, int64_t r0, int rows,
                                                          float *out) {
     const int64_t B = K / 32;
     const __m128i low = _mm_set1_epi8(0x0F);
-    __m256 acc[TILE];
-    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < B; b++) {
+    __m256 acc[2][TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qn + b * 16));
+        __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+        __m256i lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), lo1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+        __m256i hi0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+        for (int i = 0; i < rows; i++) {
+            const int16_t *xb = xq + (r0 + i) * K + b * 32;
+            const float *sx = xs + (r0 + i) * B + b;
+            ACC2(acc, 0, i, _mm256_add_epi32(dot16(lo0, xb), dot16(hi0, xb + 16)), dn[b] * sx[0]);
+            ACC2(acc, 1, i, _mm256_add_epi32(dot16(lo1, xb + 32), dot16(hi1, xb + 48)), dn[b + 1] * sx[1]);
+        }
+    }
+    if (b < B) {
         __m128i raw = _mm_loadu_si128((const __m128i *)(qn + b * 16));
         __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
         __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
         for (int i = 0; i < rows; i++) {
             const int16_t *xb = xq + (r0 + i) * K + b * 32;
-            __m256i p = _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dn[b] * xs[(r0 + i) * B + b]), acc[i]);
+            ACC2(acc, 0, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), dn[b] * xs[(r0 + i) * B + b]);
         }
     }
-    for (int i = 0; i < rows; i++) out[i] = hsum(acc[i]);
+    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
+}
+
+/* The fifth bits of a group of 32 as bytes: byte j is 16 where bit j of `bits` is set, else 0. */
+static inline __m256i fifth_bits(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), select);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
+}
+
+/* Block b of a u5 row into the accumulators of parity a: the integers q - offset exactly, as int16. */
+static inline __attribute__((always_inline)) void block_u5(__m256 acc[2][TILE], int a, const uint8_t *qn,
+                                                           const uint32_t *qhn, const float *dn, __m256i offset,
+                                                           const int16_t *xq, const float *xs, int64_t K,
+                                                           int64_t b, int64_t r0, int rows) {
+    const int64_t B = K / 32;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(qn + b * 16));
+    const __m256i high = fifth_bits(qhn[b]);
+    __m256i lo = _mm256_cvtepu8_epi16(_mm_or_si128(_mm_and_si128(raw, low), _mm256_castsi256_si128(high)));
+    __m256i hi = _mm256_cvtepu8_epi16(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
+                                                   _mm256_extracti128_si256(high, 1)));
+    lo = _mm256_sub_epi16(lo, offset);
+    hi = _mm256_sub_epi16(hi, offset);
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xb = xq + (r0 + i) * K + b * 32;
+        ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), dn[b] * xs[(r0 + i) * B + b]);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_u5(const uint8_t *qn, const uint32_t *qhn, const float *dn,
+                                                         int offset, const int16_t *xq, const float *xs,
+                                                         int64_t K, int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    const __m256i off = _mm256_set1_epi16((short)offset);
+    __m256 acc[2][TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+        block_u5(acc, 0, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
+        block_u5(acc, 1, qn, qhn, dn, off, xq, xs, K, b + 1, r0, rows);
+    }
+    if (b < B) block_u5(acc, 0, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
+    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
+}
+
+/* Block b of an s8 row into the accumulators of parity a (a constant where inlined). */
+static inline __attribute__((always_inline)) void block_s8(__m256 acc[2][TILE], int a, const int8_t *qn,
+                                                           const float *dn, int64_t group, const int16_t *xq,
+                                                           const float *xs, int64_t K, int64_t b, int64_t r0,
+                                                           int rows) {
+    const int64_t B = K / 32;
+    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
+    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xb = xq + (r0 + i) * K + b * 32;
+        const float sx = xs[(r0 + i) * B + b];
+        __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
+        if (group == 32) {
+            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), dn[b] * sx);
+        } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
+            ACC2(acc, 0, i, p0, dn[2 * b] * sx);
+            ACC2(acc, 1, i, p1, dn[2 * b + 1] * sx);
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const float *dn, int64_t group,
                                                          const int16_t *xq, const float *xs, int64_t K,
                                                          int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
-    __m256 acc[TILE];
-    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < B; b++) {
-        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
-        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
-        for (int i = 0; i < rows; i++) {
-            const int16_t *xb = xq + (r0 + i) * K + b * 32;
-            const float sx = xs[(r0 + i) * B + b];
-            __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
-            if (group == 32) {
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(dn[b] * sx),
-                                         acc[i]);
-            } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
-                __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dn[2 * b]),
-                                              _mm256_mul_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dn[2 * b + 1])));
-                acc[i] = _mm256_fmadd_ps(both, _mm256_set1_ps(sx), acc[i]);
-            }
-        }
+    __m256 acc[2][TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+        block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
+        block_s8(acc, 1, qn, dn, group, xq, xs, K, b + 1, r0, rows);
     }
-    for (int i = 0; i < rows; i++) out[i] = hsum(acc[i]);
+    if (b < B) block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
+    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 }
 #else
 static void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq, const float *xs, int64_t K, int64_t r0,
@@ -164,6 +245,26 @@ static void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq, const 
             const int16_t *xb = xr + b * 32;
             int32_t s = 0;
             for (int j = 0; j < 16; j++) s += (g[j] & 0x0F) * xb[j] + (g[j] >> 4) * xb[j + 16];
+            acc += dn[b] * xs[(r0 + i) * B + b] * (float)s;
+        }
+        out[i] = acc;
+    }
+}
+
+static void row_u5(const uint8_t *qn, const uint32_t *qhn, const float *dn, int offset, const int16_t *xq,
+                   const float *xs, int64_t K, int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xr = xq + (r0 + i) * K;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *g = qn + b * 16;
+            const int16_t *xb = xr + b * 32;
+            int32_t s = 0;
+            for (int j = 0; j < 16; j++) {
+                const int lo = (g[j] & 0x0F) | ((qhn[b] >> j & 1) << 4), hi = (g[j] >> 4) | ((qhn[b] >> (j + 16) & 1) << 4);
+                s += (lo - offset) * xb[j] + (hi - offset) * xb[j + 16];
+            }
             acc += dn[b] * xs[(r0 + i) * B + b] * (float)s;
         }
         out[i] = acc;
@@ -206,6 +307,29 @@ void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_
     }
 }
 
+void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                   const uint8_t *q, const uint32_t *qh, int offset, const float *d, const float *m, int64_t N,
+                   float *y, int threads) {
+    const int64_t B = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qn = q + n * (K / 2);
+        const uint32_t *qhn = qh + n * B;
+        const float *dn = d + n * B, *mn = m ? m + n * B : NULL;
+        float out[TILE];
+        int64_t r0 = 0;
+        for (; r0 + TILE <= M; r0 += TILE) {
+            row_u5(qn, qhn, dn, offset, xq, xs, K, r0, TILE, out);
+            for (int i = 0; i < TILE; i++)
+                y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
+        }
+        for (; r0 < M; r0++) {
+            row_u5(qn, qhn, dn, offset, xq, xs, K, r0, 1, out);
+            y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
+        }
+    }
+}
+
 void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const int8_t *q, const float *d, const float *m, int64_t group, int64_t N, float *y,
                    int threads) {
@@ -228,38 +352,43 @@ void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_
     }
 }
 
-/* w [N, K] float32 = d q + m, exactly as the GGUF dequantization computes it (one product, one sum, no fused
- * multiply-add: the build passes -ffp-contract=off): for blocks of many activation rows (prefill), where a
- * float32 GEMM on the dequantized rows beats the integer dot. */
-void dfa_dequantize(const void *q, int u4, const float *d, const float *m, int64_t group, int64_t N, int64_t K,
-                    float *w, int threads) {
+/* w [N, K] float32 = d q + m (u4, s8) or d (q - offset) + m (u5), exactly as the GGUF dequantization computes
+ * it (one product, one sum, no fused multiply-add: the build passes -ffp-contract=off): for blocks of many
+ * activation rows (prefill), where a float32 GEMM on the dequantized rows beats the integer dot. */
+void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const float *d, const float *m,
+                    int64_t group, int64_t N, int64_t K, float *w, int threads) {
     const int64_t G = K / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
         float *wn = w + n * K;
-        if (u4) {
-            const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
-            for (int64_t b = 0; b < K / 32; b++)
-                for (int j = 0; j < 16; j++) {
-                    const uint8_t byte = qn[b * 16 + j];
-                    wn[b * 32 + j] = dn[b] * (float)(byte & 0x0F) + mn[b];
-                    wn[b * 32 + j + 16] = dn[b] * (float)(byte >> 4) + mn[b];
-                }
-        } else {
+        if (bits == 8) {
             const int8_t *qn = (const int8_t *)q + n * K;
             for (int64_t k = 0; k < K; k++) {
                 const float v = dn[k / group] * (float)qn[k];
                 wn[k] = mn ? v + mn[k / group] : v;
+            }
+            continue;
+        }
+        const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
+        for (int64_t b = 0; b < K / 32; b++) {
+            const uint32_t high = bits == 5 ? qh[n * (K / 32) + b] : 0;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t byte = qn[b * 16 + j];
+                const int lo = (byte & 0x0F) | (int)((high >> j & 1) << 4) , hi = (byte >> 4) | (int)((high >> (j + 16) & 1) << 4);
+                const float a = dn[b] * (float)(lo - offset), c = dn[b] * (float)(hi - offset);
+                wn[b * 32 + j] = mn ? a + mn[b] : a;
+                wn[b * 32 + j + 16] = mn ? c + mn[b] : c;
             }
         }
     }
 }
 
 /* y [M, N] = x [M, K] float32 @ w^T in one call (decode, verification): the activations are quantized into a
- * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. */
-void dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int u4, const float *d, const float *m,
-                int64_t group, int64_t N, float *y, int threads) {
+ * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. bits 4, 5
+ * or 8 picks the layout (qh and offset: u5 only). */
+void dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
+                const float *d, const float *m, int64_t group, int64_t N, float *y, int threads) {
     const int64_t B = K / 32;
     int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
     float *xs = (float *)malloc((size_t)(2 * M * B) * sizeof(float));
@@ -267,11 +396,19 @@ void dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int u4, con
         for (int64_t i = 0; i < M * N; i++) y[i] = NAN;
     } else {
         dfa_quantize(x, M, K, xq, xs, xs + M * B, threads);
-        if (u4)
-            dfa_matmul_u4(xq, xs, xs + M * B, M, K, (const uint8_t *)q, d, m, N, y, threads);
-        else
-            dfa_matmul_s8(xq, xs, xs + M * B, M, K, (const int8_t *)q, d, m, group, N, y, threads);
+        dfa_matmul(xq, xs, xs + M * B, M, K, q, bits, qh, offset, d, m, group, N, y, threads);
     }
     free(xq);
     free(xs);
+}
+
+void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
+                const uint32_t *qh, int offset, const float *d, const float *m, int64_t group, int64_t N, float *y,
+                int threads) {
+    if (bits == 4)
+        dfa_matmul_u4(xq, xs, xsum, M, K, (const uint8_t *)q, d, m, N, y, threads);
+    else if (bits == 5)
+        dfa_matmul_u5(xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, m, N, y, threads);
+    else
+        dfa_matmul_s8(xq, xs, xsum, M, K, (const int8_t *)q, d, m, group, N, y, threads);
 }

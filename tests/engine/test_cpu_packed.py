@@ -16,6 +16,7 @@ from dflash_agent.engine.packed_linear import (
     GEMM_ROWS,
     PLANE_TYPES,
     U4_TYPES,
+    U5_TYPES,
     CpuDotWeight,
     CpuInt4,
     CpuInt8,
@@ -59,7 +60,8 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     packed = pack(rng.standard_normal((96, 512)).astype(np.float32), qtype, rng)
     weight = PackedWeight(packed, torch.float32)
     weight.repack_for_cpu()
-    assert isinstance(weight.cpu, CpuDotWeight) and weight.cpu.u4 == (qtype in U4_TYPES)
+    assert isinstance(weight.cpu, CpuDotWeight)
+    assert weight.cpu.matrix.bits == (4 if qtype in U4_TYPES else 5 if qtype in U5_TYPES else 8)
     x = torch.randn(5, 512) * torch.linspace(0.01, 30, 512)  # a wide dynamic range, as Gemma's activations have
     ours, ref = F.linear(x, weight), x @ packed.dequantize().T
     assert float((ours - ref).norm() / ref.norm()) < 1e-4  # int16 activations: ~1e-5

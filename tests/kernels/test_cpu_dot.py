@@ -57,34 +57,48 @@ def test_activations_are_int16_per_block_of_32(lib):
         lib.quantize(torch.randn(2, 40))
 
 
-@pytest.mark.parametrize("group", [32, 16])
-def test_s8_matmul_is_the_float_matmul(lib, group):
-    n, k = 37, 256
-    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
-    d, m = torch.rand(n, k // group), (torch.randn(n, k // group) if group == 32 else None)
-    w = (q.float().view(n, -1, group) * d[..., None] + (0 if m is None else m[..., None])).view(n, k)
-    x = torch.randn(7, k)  # a tile of 4 rows and 3 left over
-    y = lib.matmul_s8(lib.quantize(x), q, d, m, group)
+def _layout(bits: int, group: int, with_m: bool, offset: int = 0, n: int = 37, k: int = 256):
+    """A random IntMatrix of a layout and the float32 weight it stands for."""
+    g = torch.Generator().manual_seed(bits * 100 + group + with_m)
+    if bits == 8:
+        values = torch.randint(-128, 128, (n, k), generator=g)
+    else:
+        values = torch.randint(0, 1 << bits, (n, k), generator=g)
+    d = torch.rand(n, k // group, generator=g)
+    m = torch.randn(n, k // group, generator=g) if with_m else None
+    w = ((values - offset).float().view(n, -1, group) * d[..., None]
+         + (0 if m is None else m[..., None])).view(n, k)
+    if bits == 8:
+        return cpu_dot.IntMatrix(values.to(torch.int8), d, m, 8, group), w
+    pairs = (values & 15).view(n, k // 32, 2, 16).to(torch.uint8)
+    q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    qh = None
+    if bits == 5:
+        word = ((values >> 4).view(n, k // 32, 32) << torch.arange(32)).sum(-1)
+        qh = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    return cpu_dot.IntMatrix(q, d, m, bits, group, qh, offset), w
+
+
+LAYOUTS = {"u4": (4, 32, True), "u5 Q5_0": (5, 32, False, 16), "u5 Q5_K": (5, 32, True),
+           "s8 m": (8, 32, True), "s8 16": (8, 16, False)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_matmul_is_the_float_matmul_and_dequantize_is_exact(lib, layout):
+    matrix, w = _layout(*layout)
+    x = torch.randn(7, matrix.k)  # a tile of 4 rows and 3 left over
+    y = lib.matmul(lib.quantize(x), matrix)
     torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-3 * float((x @ w.T).abs().max()))
+    for row in range(7):  # each row alone gives the same bits
+        assert torch.equal(lib.matmul(lib.quantize(x[row:row + 1]), matrix), y[row:row + 1])
+    assert torch.equal(lib.linear(x, matrix), y)
+    assert torch.equal(lib.dequantize(matrix), w)
+    assert torch.equal(lib.dequantize(matrix.rows(5, 9)), w[5:9])
 
 
-def test_u4_matmul_is_the_float_matmul(lib):
-    n, k = 37, 256
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    pairs = q.view(n, k // 32, 2, 16)
-    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    d, m = torch.rand(n, k // 32), torch.randn(n, k // 32)
-    w = (q.float().view(n, -1, 32) * d[..., None] + m[..., None]).view(n, k)
-    x = torch.randn(7, k)
-    y = lib.matmul_u4(lib.quantize(x), packed, d, m)
-    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-3 * float((x @ w.T).abs().max()))
-
-
-def test_linear_is_quantize_then_matmul_in_one_call(lib):
-    n, k = 37, 256
-    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
-    d, m = torch.rand(n, k // 32), torch.randn(n, k // 32)
-    x = torch.randn(6, k)
-    assert torch.equal(lib.linear(x, q, d, m, 32), lib.matmul_s8(lib.quantize(x), q, d, m, 32))
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    assert torch.equal(lib.linear(x, packed, d, m, 32), lib.matmul_u4(lib.quantize(x), packed, d, m))
+def test_layouts_are_checked():
+    q, d = torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="fifth bits"):
+        cpu_dot.IntMatrix(q, d, None, bits=5)
+    with pytest.raises(ValueError, match="groups of 16"):
+        cpu_dot.IntMatrix(q, torch.ones(2, 2), torch.ones(2, 2), bits=8, group=16)

@@ -1,0 +1,19 @@
+/* The quantized matmuls of cpu_dot.c that cpu_layer.c builds on (see cpu_dot.c for the layouts). */
+#ifndef DFA_CPU_DOT_H
+#define DFA_CPU_DOT_H
+#include <stdint.h>
+
+void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
+void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                   const uint8_t *q, const float *d, const float *m, int64_t N, float *y, int threads);
+void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                   const int8_t *q, const float *d, const float *m, int64_t group, int64_t N, float *y,
+                   int threads);
+void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                   const uint8_t *q, const uint32_t *qh, int offset, const float *d, const float *m, int64_t N,
+                   float *y, int threads);
+/* one of the three by bits (4, 5, 8); qh and offset for 5 only */
+void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
+                const uint32_t *qh, int offset, const float *d, const float *m, int64_t group, int64_t N, float *y,
+                int threads);
+#endif

@@ -1,0 +1,218 @@
+/* One Gemma decoder layer for a few new tokens (decode, speculative verification) on the CPU, in one call:
+ * the same computation as engine.model.DecoderLayer with the "kernel" cache plan, on weights repacked for
+ * cpu_dot.c. A decode step through PyTorch's eager ops spends more time dispatching its ~370 small ops per
+ * layer than computing them; here the only per-layer cost besides the matmuls is a few microseconds.
+ *
+ * Every step works on one token row at a time (norms, RoPE, attention) or through the matmuls, whose rows are
+ * computed alone, so a row's result never depends on how many rows came with it: verifying a block gives
+ * what decoding it token by token gives.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_dot.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DFA_AVX2 1
+#endif
+
+typedef struct {  /* a weight in one of cpu_dot.c's layouts */
+    const void *q;  /* NULL: no such matrix */
+    const uint32_t *qh;
+    const float *d, *m;
+    int64_t group, bits, offset, n, k;
+} dfa_matrix;
+
+typedef struct {
+    dfa_matrix q_proj, k_proj, v_proj, o_proj, gate, up, down; /* v_proj.q NULL: the values are the raw keys */
+    /* norm weights as applied, offset + w, float32 */
+    const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, v_norm; /* v_norm: values RMS-normed, no weight */
+    float eps, scale, layer_scalar;
+} dfa_layer;
+
+typedef struct {
+    float *k, *v;                /* [slots, kv_heads, head_dim] */
+    const int64_t *write_slots;  /* [T]: where the new keys go */
+    const int64_t *key_pos;      /* [n_keys]: the position each slot holds (-1: empty); NULL: the slot index */
+    int64_t n_keys, window;      /* window 0: full attention */
+} dfa_kv;
+
+/* Four partial sums of 8 lanes, in a fixed order. */
+static float dot(const float *a, const float *b, int64_t n) {
+#ifdef DFA_AVX2
+    if (n % 32 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(),
+               s3 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 32) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+        }
+        __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        return _mm_cvtss_f32(h);
+    }
+#endif
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) s[0] += a[i] * b[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/* out = x / rms(x) * w (w NULL: no weight); out may be x. */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w ? x[i] * inv * w[i] : x[i] * inv;
+}
+
+/* NeoX RoPE in place: dim i pairs with i + d/2; cos / sin [d] for this token. */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* tanh(u) = 1 - 2 / (exp(2u) + 1) through expf, several times faster than libm's tanhf and as accurate where
+ * gelu needs it (an absolute error near 1e-7); past |u| = 10 tanh is +-1 in float. */
+static float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    float u = k * (x + 0.044715f * x * x * x);
+    u = u > 10.0f ? 10.0f : (u < -10.0f ? -10.0f : u);
+    return 0.5f * x * (2.0f - 2.0f / (expf(2.0f * u) + 1.0f));
+}
+
+/* y [T, m->n] = x [T, m->k] @ w^T, activations quantized into the caller's scratch (xq, xs: [T, k], [2 T k / 32]). */
+static void quantize(const float *x, int64_t T, int64_t K, int16_t *xq, float *xs, int threads) {
+    dfa_quantize(x, T, K, xq, xs, xs + T * (K / 32), threads);
+}
+
+static void matmul(const dfa_matrix *w, const int16_t *xq, const float *xs, int64_t T, float *y, int threads) {
+    dfa_matmul(xq, xs, xs + T * (w->k / 32), T, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, w->m,
+               w->group, w->n, y, threads);
+}
+
+/* Softmax attention of query row t's heads h0..h0+n-1, which share KV head kvh, over the visible slots (see
+ * kernels.attention's rule): each key and value is read once for the n heads. scores: [n, n_keys] scratch. */
+static void attend(const dfa_layer *L, const dfa_kv *kv, const float *q, int64_t q_pos, int64_t kvh, int64_t n,
+                   float *scores, float *out) {
+    const int64_t d = L->head_dim, stride = L->kv_heads * d, S = kv->n_keys;
+    float best[n];
+    for (int64_t j = 0; j < n; j++) best[j] = -INFINITY;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t p = kv->key_pos ? kv->key_pos[s] : s;
+        const int visible = p >= 0 && p <= q_pos && (kv->window == 0 || p > q_pos - kv->window);
+        const float *key = kv->k + s * stride + kvh * d;
+        for (int64_t j = 0; j < n; j++) {
+            const float sc = visible ? dot(q + j * d, key, d) * L->scale : -INFINITY;
+            scores[j * S + s] = sc;
+            if (sc > best[j]) best[j] = sc;
+        }
+    }
+    memset(out, 0, (size_t)(n * d) * sizeof(float));
+    float total[n];
+    for (int64_t j = 0; j < n; j++) total[j] = 0.0f;
+    for (int64_t s = 0; s < S; s++) {
+        if (scores[s] == -INFINITY) continue; /* visibility is the same for every head */
+        const float *v = kv->v + s * stride + kvh * d;
+        for (int64_t j = 0; j < n; j++) {
+            const float e = expf(scores[j * S + s] - best[j]);
+            total[j] += e;
+            float *o = out + j * d;
+            for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
+        }
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const float inv = 1.0f / total[j]; /* the query's own key is always visible, so total >= 1 */
+        for (int64_t i = 0; i < d; i++) out[j * d + i] *= inv;
+    }
+}
+
+/* x [T, hidden] float32 is updated in place to the layer's output; returns 0, or -1 when scratch memory
+ * could not be had (x is then untouched). */
+int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T, const int64_t *q_pos,
+                      const float *cos, const float *sin, int threads) {
+    const int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->intermediate;
+    const int64_t widest = I > nq ? (I > H ? I : H) : (nq > H ? nq : H);
+    float *xn = malloc((size_t)(T * widest) * sizeof(float));
+    float *q = malloc((size_t)(T * nq) * sizeof(float));
+    float *k = malloc((size_t)(T * nkv) * sizeof(float));
+    float *v = malloc((size_t)(T * nkv) * sizeof(float));
+    float *att = malloc((size_t)(T * nq) * sizeof(float));
+    float *gate = malloc((size_t)(T * I) * sizeof(float));
+    float *up = malloc((size_t)(T * I) * sizeof(float));
+    int16_t *xq = malloc((size_t)(T * widest) * sizeof(int16_t));
+    float *xs = malloc((size_t)(2 * T * (widest / 32)) * sizeof(float));
+    float *scores = malloc((size_t)(T * L->heads * (kv->n_keys > 0 ? kv->n_keys : 1)) * sizeof(float));
+    int status = -1;
+    if (!xn || !q || !k || !v || !att || !gate || !up || !xq || !xs || !scores) goto done;
+
+    /* attention */
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->input_norm, H, L->eps, xn + t * H);
+    quantize(xn, T, H, xq, xs, threads);
+    matmul(&L->q_proj, xq, xs, T, q, threads);
+    matmul(&L->k_proj, xq, xs, T, k, threads);
+    if (L->v_proj.q)
+        matmul(&L->v_proj, xq, xs, T, v, threads);
+    else
+        memcpy(v, k, (size_t)(T * nkv) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < L->heads; h++) {
+            float *qh = q + (t * L->heads + h) * d;
+            rms_norm(qh, L->q_norm, d, L->eps, qh);
+            rope(qh, cos + t * d, sin + t * d, d);
+        }
+        for (int64_t h = 0; h < L->kv_heads; h++) {
+            float *kh = k + (t * L->kv_heads + h) * d, *vh = v + (t * L->kv_heads + h) * d;
+            rms_norm(kh, L->k_norm, d, L->eps, kh);
+            rope(kh, cos + t * d, sin + t * d, d);
+            if (L->v_norm) rms_norm(vh, NULL, d, L->eps, vh);
+        }
+        memcpy(kv->k + kv->write_slots[t] * nkv, k + t * nkv, (size_t)nkv * sizeof(float));
+        memcpy(kv->v + kv->write_slots[t] * nkv, v + t * nkv, (size_t)nkv * sizeof(float));
+    }
+    /* work items: a token row's query heads of one KV head, split in two when there are fewer items than
+     * threads (a decode step of a model with one KV head) */
+    const int64_t group = L->heads / L->kv_heads, split = T * L->kv_heads < threads && group % 2 == 0 ? 2 : 1;
+    const int64_t items = T * L->kv_heads * split, per = group / split;
+#pragma omp parallel for num_threads(threads) schedule(static) if (items > 1)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t t = i / (L->kv_heads * split), kvh = i / split % L->kv_heads, h0 = kvh * group + i % split * per;
+        attend(L, kv, q + (t * L->heads + h0) * d, q_pos[t], kvh, per, scores + (t * L->heads + h0) * kv->n_keys,
+               att + (t * L->heads + h0) * d);
+    }
+    quantize(att, T, nq, xq, xs, threads);
+    matmul(&L->o_proj, xq, xs, T, xn, threads);
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(xn + t * H, L->post_attn_norm, H, L->eps, xn + t * H);
+        for (int64_t i = 0; i < H; i++) x[t * H + i] += xn[t * H + i];
+    }
+
+    /* feed-forward */
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->pre_ff_norm, H, L->eps, xn + t * H);
+    quantize(xn, T, H, xq, xs, threads);
+    matmul(&L->gate, xq, xs, T, gate, threads);
+    matmul(&L->up, xq, xs, T, up, threads);
+    for (int64_t i = 0; i < T * I; i++) gate[i] = gelu_tanh(gate[i]) * up[i];
+    quantize(gate, T, I, xq, xs, threads);
+    matmul(&L->down, xq, xs, T, xn, threads);
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(xn + t * H, L->post_ff_norm, H, L->eps, xn + t * H);
+        for (int64_t i = 0; i < H; i++) x[t * H + i] = (x[t * H + i] + xn[t * H + i]) * L->layer_scalar;
+    }
+    status = 0;
+done:
+    free(xn); free(q); free(k); free(v); free(att); free(gate); free(up); free(xq); free(xs); free(scores);
+    return status;
+}

@@ -1,0 +1,122 @@
+"""engine.cpu_decode: decode and verify steps through the C decoder layer (kernels/cpu_layer.c) give what the
+eager layers give on the same repacked weights, row for row, on Gemma 4's structure (two head sizes, shared
+keys and values, value norms, layer scalars, a sliding ring) and on the embedded Gemma 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_agent.engine.cpu_decode import CpuDecodeLayers
+from dflash_agent.engine.packed_linear import cpu_dot
+from dflash_agent.engine.weights import build_model, open_checkpoint, resolve_model_path
+
+from .test_packed_linear import VOCAB, run_steps, tiny_packed_checkpoint
+
+pytestmark = pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model(tiny_packed_checkpoint(), "cpu", torch.float32, progress=False, repack_cpu=True)
+
+
+def _eager(model, cache_kind: str = "auto"):
+    """run_steps on the same model and weights with the C layers switched off."""
+    layers, model.cpu_layers = model.cpu_layers, None
+    try:
+        return run_steps(model, cache_kind)
+    finally:
+        model.cpu_layers = layers
+
+
+def test_c_layers_match_the_eager_layers_on_gemma4_structure(tiny, monkeypatch):
+    config = tiny.config
+    assert tiny.cpu_layers is not None
+    assert {s.head_dim for s in config.layers} == {64, 128} and any(s.k_eq_v for s in config.layers)
+    assert config.v_norm and config.layer_scalar
+    calls = []
+    forward = CpuDecodeLayers.forward
+    monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
+    c_steps = run_steps(tiny)
+    assert calls == [13, 1, 5, 1]  # prefill, decode, a verify block, decode after a rollback: all in C
+    for c, eager in zip(c_steps, _eager(tiny), strict=True):
+        # float rounding in another order, which can move an activation across an int16 rounding step: measured
+        # 5e-5 to 1.1e-4 relative; a wrong norm, RoPE or mask gives 1e-1 and more
+        assert (c - eager).norm() / eager.norm() < 1e-3
+        assert torch.equal(c.argmax(-1), eager.argmax(-1))
+
+
+def test_a_verified_block_gives_what_token_by_token_decoding_gives(tiny):
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (24,))
+    block = tiny.new_cache(64)
+    tiny(ids[:10], block)
+    together = tiny(ids[10:24], block, logits_at=torch.arange(14)).logits
+    single = tiny.new_cache(64)
+    tiny(ids[:10], single)
+    alone = torch.cat([tiny(ids[i:i + 1], single).logits for i in range(10, 24)])
+    assert torch.equal(together, alone)
+
+
+def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny):
+    assert not CpuDecodeLayers.takes(1, tiny.new_cache(64, kv_dtype="q8").layers)
+    assert not CpuDecodeLayers.takes(32, tiny.new_cache(64).layers)
+    assert CpuDecodeLayers.takes(16, tiny.new_cache(64).layers)
+    for c, eager in zip(run_steps(tiny, "q8"), _eager(tiny, "q8"), strict=True):
+        assert torch.equal(c, eager)
+
+
+def test_exact_weights_have_no_c_layers():
+    ckpt = tiny_packed_checkpoint()
+    assert build_model(ckpt, "cpu", torch.float32, progress=False).cpu_layers is None
+    assert build_model(ckpt, "cpu", torch.bfloat16, progress=False, repack_cpu=True).cpu_layers is None
+
+
+def test_embedded_model_decodes_the_same_tokens_through_the_c_layers():
+    path = resolve_model_path("embedded")
+    model = build_model(open_checkpoint(path), "cpu", torch.float32, progress=False, repack_cpu=True)
+    assert model.cpu_layers is not None
+    prompt = torch.tensor([2, 818, 5279, 529, 506, 9893, 3298, 496, 236743] * 6)
+
+    def greedy(n: int) -> tuple[list[int], torch.Tensor]:
+        cache = model.new_cache(256)
+        logits = model(prompt, cache).logits
+        tokens, rows = [], []
+        for _ in range(n):
+            tokens.append(int(logits.argmax()))
+            logits = model(torch.tensor(tokens[-1:]), cache).logits
+            rows.append(logits)
+        return tokens, torch.cat(rows)
+
+    c_tokens, c_logits = greedy(24)
+    layers, model.cpu_layers = model.cpu_layers, None
+    eager_tokens, eager_logits = greedy(24)
+    model.cpu_layers = layers
+    assert c_tokens == eager_tokens
+    assert (c_logits - eager_logits).abs().max() < 0.05  # logits of order 10-30; float rounding order differs
+
+
+def test_a_cache_shorter_than_the_window_still_decodes_through_the_c_layers(tiny, monkeypatch):
+    """A ring as long as the cache never wraps, so decode steps take the C layers (the embedded model's
+    window is 512: any shorter context is such a cache)."""
+    calls = []
+    forward = CpuDecodeLayers.forward
+    monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
+    ids = torch.arange(20) % VOCAB
+
+    def steps() -> torch.Tensor:
+        cache = tiny.new_cache(20)  # shorter than window + slack (24): the ring is the whole cache
+        assert cache.ring_slots == cache.max_len
+        rows = [tiny(ids[:12], cache).logits]
+        rows += [tiny(ids[i:i + 1], cache).logits for i in range(12, 20)]
+        return torch.cat(rows)
+
+    c = steps()
+    assert calls == [12] + [1] * 8
+    layers, tiny.cpu_layers = tiny.cpu_layers, None
+    try:
+        eager = steps()
+    finally:
+        tiny.cpu_layers = layers
+    assert (c - eager).norm() / eager.norm() < 1e-3 and torch.equal(c.argmax(-1), eager.argmax(-1))
