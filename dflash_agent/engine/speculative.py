@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -85,16 +84,22 @@ class NgramIndex:
 class LengthController:
     """Picks each step's proposal source and draft length by measured throughput.
 
-    Arms are ("ar", 0), ("dflash", k) for a few k, and ("ngram", k). Each keeps an EWMA of committed
-    tokens per second of step time; the best arm is played, arms with few samples are tried first,
-    and every `explore_every` steps another arm is re-measured, so speculation turns itself off when
-    drafting does not pay and back on when it starts to (as beellama's profit controller does).
+    Arms are ("ar", 0), ("dflash", k) for a few k, and ("ngram", k). Each keeps an EWMA of committed tokens
+    per second of step time and of seconds per step. Every arm is measured once; those within half of the
+    best rate get MIN_SAMPLES; then the best arm is played, and the others are re-measured from an exploration
+    budget: each step adds EXPLORE_BUDGET of its time to a credit, and re-measuring an arm spends what it is
+    expected to lose against the best (its step time times its rate deficit). So an arm as good as the best
+    is re-checked every few steps, one four times slower every few hundred, and exploring never costs more
+    than EXPLORE_BUDGET of the time: speculation turns itself off when drafting does not pay (verifying a
+    block costs several decode steps on a CPU) and back on when it starts to (as beellama's profit
+    controller does).
     """
 
     ALPHA = 0.15
     MIN_SAMPLES = 3
+    EXPLORE_BUDGET = 0.02
 
-    def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None, seed: int = 0) -> None:
+    def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None) -> None:
         self.fixed = fixed
         self.drafter = drafter
         self.max_draft = max_draft
@@ -105,10 +110,11 @@ class LengthController:
         if ngram:
             self.arms.append(("ngram", min(8, max_draft)))
         self.rate: dict[tuple[str, int], float] = {}
+        self.step_seconds: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
+        self.last_played: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
         self.steps = 0
-        self.explore_every = 16
-        self._rng = random.Random(seed)
+        self.credit = 0.0  # seconds of exploration the budget has earned
 
     def choose(self, ngram_available: bool) -> tuple[str, int]:
         if self.fixed is not None:
@@ -117,12 +123,23 @@ class LengthController:
             return ("ngram", self.fixed) if ngram_available else ("ar", 0)
         arms = [a for a in self.arms if a[0] != "ngram" or ngram_available]
         self.steps += 1
-        fresh = [a for a in arms if self.samples[a] < self.MIN_SAMPLES]
+        best_rate = max((self.rate[a] for a in arms if a in self.rate), default=0.0)
+        fresh = [a for a in arms if self.samples[a] == 0
+                 or (self.samples[a] < self.MIN_SAMPLES and self.rate[a] >= best_rate / 2)]
         if fresh:
             return fresh[0]
-        if self.steps % self.explore_every == 0:
-            return self._rng.choice(arms)
-        return max(arms, key=lambda a: self.rate[a])
+        best = max(arms, key=lambda a: self.rate[a])
+        others = [a for a in arms if a != best]
+        if others:
+            stalest = min(others, key=lambda a: self.last_played[a])
+            if self.credit >= self.expected_loss(stalest, best):
+                self.credit -= self.expected_loss(stalest, best)
+                return stalest
+        return best
+
+    def expected_loss(self, arm: tuple[str, int], best: tuple[str, int]) -> float:
+        """Seconds a step of `arm` is expected to lose against playing `best` for as long."""
+        return self.step_seconds[arm] * max(0.0, 1 - self.rate[arm] / self.rate[best])
 
     def record(self, arm: tuple[str, int], committed: int, seconds: float) -> None:
         if arm not in self.samples or seconds <= 0:
@@ -130,7 +147,11 @@ class LengthController:
         rate = committed / seconds
         old = self.rate.get(arm)
         self.rate[arm] = rate if old is None else (1 - self.ALPHA) * old + self.ALPHA * rate
+        old = self.step_seconds.get(arm)
+        self.step_seconds[arm] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
         self.samples[arm] += 1
+        self.last_played[arm] = self.steps
+        self.credit += self.EXPLORE_BUDGET * seconds
 
 
 @dataclass
@@ -182,6 +203,10 @@ class RequestDecoder:
         self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max) if use_ngram else None
         self.sequence: list[int] = []  # the prompt and every token yielded so far
         self._logits: torch.Tensor | None = None
+        # Target features of committed tokens not yet in the drafter's cache: a decode step only queues them,
+        # and they go in one call before the drafter next drafts (or when the request ends), so steps that do
+        # not draft do not pay for the drafter.
+        self._unfed: list[torch.Tensor] = []
 
     # --- prefill ----------------------------------------------------------------------------------
 
@@ -215,7 +240,8 @@ class RequestDecoder:
         for start, end in itertools.pairwise(bounds):
             chunk = torch.tensor(prompt_ids[start:end], device=self.target.device)
             out = self.target(chunk, self.cache, capture=self.capture)
-            self._append_features(out.captured, chunk.shape[0])
+            self._queue_features(out.captured, chunk.shape[0])
+            self._feed_drafter()
             self._logits = out.logits
             if on_chunk is not None:
                 on_chunk(end, out.logits[0] if end == len(prompt_ids) else None)
@@ -228,6 +254,7 @@ class RequestDecoder:
         The token generation stopped at (a stop token, say) is among them when its keys were."""
         n = min(self.cache.length, len(self.sequence))
         self.cache.rollback(n)
+        self._feed_drafter()
         if self.drafter_cache is not None:
             self.drafter_cache.rollback(n)
         return self.sequence[:n]
@@ -269,7 +296,7 @@ class RequestDecoder:
         accepted, bonus = self._verify(proposal, out.logits)
         keep = 1 + accepted
         self.cache.rollback(start + keep)
-        self._append_features({i: h[:keep] for i, h in out.captured.items()}, keep)
+        self._queue_features({i: h[:keep] for i, h in out.captured.items()}, keep)
         new = [*proposal.tokens[:accepted], bonus]
         if self.ngram is not None:
             self.ngram.extend(new[:-1])
@@ -280,11 +307,18 @@ class RequestDecoder:
     def _ngram_ready(self, room: int) -> bool:
         return self.ngram is not None and room > 0 and bool(self.ngram.propose(1))
 
-    def _append_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
+    def _queue_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
         if self.drafter is None or self.drafter_cache is None or n == 0:
             return
-        features = torch.cat([captured[i] for i in self.capture], dim=-1)
-        self.drafter.append_context(features, self.drafter_cache)
+        self._unfed.append(torch.cat([captured[i] for i in self.capture], dim=-1))
+
+    def _feed_drafter(self) -> None:
+        """Bring the drafter's cache up to the target's committed tokens."""
+        if self._unfed:
+            assert self.drafter is not None and self.drafter_cache is not None
+            features = self._unfed[0] if len(self._unfed) == 1 else torch.cat(self._unfed)
+            self._unfed = []
+            self.drafter.append_context(features, self.drafter_cache)
 
     # --- proposals --------------------------------------------------------------------------------
 
@@ -293,6 +327,7 @@ class RequestDecoder:
             assert self.ngram is not None
             return _Proposal("ngram", self.ngram.propose(k))
         assert self.drafter is not None and self.drafter_cache is not None
+        self._feed_drafter()
         config = self.drafter.config
         ids = torch.tensor([anchor] + [config.mask_token_id] * k, device=self.target.device)
         embeds = self.target.embed_tokens.weight[ids] * config.input_embedding_scale

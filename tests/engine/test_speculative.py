@@ -13,7 +13,7 @@ import torch
 from dflash_agent.engine.drafter import DrafterError, load_drafter
 from dflash_agent.engine.engine import Engine, GenerateRequest
 from dflash_agent.engine.sampling import Sampler, SamplingParams
-from dflash_agent.engine.speculative import NgramIndex, RequestDecoder, SpecConfig
+from dflash_agent.engine.speculative import LengthController, NgramIndex, RequestDecoder, SpecConfig
 from dflash_agent.engine.tokenizer import SpecialTokens, Tokenizer
 from dflash_agent.engine.weights import build_model, open_checkpoint
 
@@ -256,3 +256,44 @@ def test_stop_token_and_string_inside_a_block(pair):
 
 def _text(events):
     return "".join(e.text_delta for e in events[:-1])
+
+
+def _simulate(controller: LengthController, seconds: dict, tokens: dict, steps: int) -> dict:
+    """Play `steps` steps with fixed per-arm step times and committed tokens; returns seconds spent per arm."""
+    spent: Counter = Counter()
+    for _ in range(steps):
+        arm = controller.choose(ngram_available=True)
+        controller.record(arm, tokens[arm], seconds[arm])
+        spent[arm] += seconds[arm]
+    return spent
+
+
+def test_controller_stops_drafting_that_does_not_pay_and_bounds_exploration():
+    """On a CPU a verified block costs several decode steps: with drafts that rarely land, the controller
+    settles on plain decoding, and re-measuring the other arms costs at most its exploration budget."""
+    controller = LengthController(15, drafter=True, ngram=True, fixed=None)
+    arms = controller.arms
+    assert arms == [("ar", 0), ("dflash", 2), ("dflash", 4), ("dflash", 8), ("dflash", 15), ("ngram", 8)]
+    seconds = {("ar", 0): 0.02, ("dflash", 2): 0.05, ("dflash", 4): 0.06, ("dflash", 8): 0.1,
+               ("dflash", 15): 0.2, ("ngram", 8): 0.12}
+    tokens = {arm: 1 if arm[0] == "ar" else 2 for arm in arms}
+    spent = _simulate(controller, seconds, tokens, 3000)
+    assert controller.samples[("dflash", 15)] < 10  # measured once at first, then rarely
+    assert controller.samples[("ar", 0)] > 2800
+    wasted = sum(spent[a] - tokens[a] * seconds[("ar", 0)] for a in arms if a != ("ar", 0))
+    assert wasted / sum(spent.values()) < 0.04  # the first measurement of each arm plus the 2% budget
+
+
+def test_controller_returns_to_an_arm_that_starts_to_pay():
+    controller = LengthController(8, drafter=False, ngram=True, fixed=None)
+    seconds = {("ar", 0): 0.02, ("ngram", 8): 0.05}
+    _simulate(controller, seconds, {("ar", 0): 1, ("ngram", 8): 1}, 200)  # prompt lookup misses
+    assert controller.choose(ngram_available=True) == ("ar", 0)
+    spent = _simulate(controller, seconds, {("ar", 0): 1, ("ngram", 8): 8}, 400)  # the output starts copying
+    assert spent[("ngram", 8)] > spent[("ar", 0)]
+
+
+def test_controller_measures_close_arms_more_than_once():
+    controller = LengthController(8, drafter=False, ngram=True, fixed=None)
+    _simulate(controller, {("ar", 0): 0.02, ("ngram", 8): 0.03}, {("ar", 0): 1, ("ngram", 8): 1}, 6)
+    assert controller.samples[("ngram", 8)] >= LengthController.MIN_SAMPLES  # 0.67x of the best: worth a closer look
