@@ -12,10 +12,10 @@ silently expanding gigabytes.
 CPU repacking (the fast default on the CPU), once at load:
 - `CpuDotWeight`, kernels.cpu_dot's C kernels (built on first use with the machine's C compiler): every
   format is rewritten as the integers and scales it stores (`_int_groups`: w = d q + m per group of 32, or
-  16 for Q6_K), bit for bit; Q4_0 / Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, the others take a byte per weight. Activations are
-  quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3), so the logits
-  match the exact path's to within float rounding: no rescoring, and each row of a batch is computed alone
-  (verify steps give what decode steps give, which keeps speculation lossless).
+  16 for Q6_K), bit for bit; Q4_0 / Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, the others take a byte per weight.
+  Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
+  so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
+  computed alone (verify steps give what decode steps give, which keeps speculation lossless).
 - Without a C compiler, torch's own weight-only kernels, both fast only with bfloat16 activations:
   `_weight_int4pack_mm_for_cpu` (tinygemm's layout: 4-bit quants q in groups of 32, each with a bf16 scale and
   zero, w = (q - 8) * scale + zero; Q4_0 and Q4_K map onto it exactly up to bf16 scales, 5- and 8-bit formats
@@ -240,26 +240,18 @@ class CpuDotWeight:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
         bits = 4 if packed.qtype in U4_TYPES else 5 if packed.qtype in U5_TYPES else 8
         offset = _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 0
-        parts: list[tuple] = []
+        parts = []
         for blocks, _ in _row_slices(packed, dequantized=False):
             q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
-            qh = None
-            if bits == 8:
-                q = q.to(torch.int8)
-            else:  # the low 4 bits two per byte; for 5 bits the fifth of each group of 32 in one int32
-                u = q + offset
-                if bits == 5:
-                    fifth = (u >> 4).view(-1, k // GROUP, GROUP).to(torch.int64)
-                    word = (fifth << torch.arange(GROUP)).sum(-1)
-                    qh = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
-                pairs = (u & 15).view(-1, k // GROUP, 2, GROUP // 2).to(torch.uint8)
-                q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, k // 2)
-            parts.append((q, d, m, qh))
+            parts.append(IntMatrix.pack(q if bits == 8 else q + offset, d, m, bits, group, offset))
+        if len(parts) == 1:
+            return cls(lib, parts[0])
 
-        def joined(i: int) -> torch.Tensor | None:
-            return None if parts[0][i] is None else torch.cat([p[i] for p in parts]).contiguous()
+        def joined(name: str) -> torch.Tensor | None:
+            pieces = [getattr(p, name) for p in parts]
+            return None if pieces[0] is None else torch.cat(pieces)
 
-        return cls(lib, IntMatrix(joined(0), joined(1), joined(2), bits, group, joined(3), offset))
+        return cls(lib, IntMatrix(joined("q"), joined("d"), joined("m"), bits, group, joined("qh"), offset))
 
     @property
     def nbytes(self) -> int:

@@ -3,10 +3,12 @@
  * a CPU fast here: AVX2 multiplies 32 pairs of bytes per instruction, where float32 does 8).
  *
  * Weights (kernels.cpu_dot repacks GGUF blocks into these, exactly):
- *   u4: w = d q + m, q in 0..15, groups of 32; a row is K/2 bytes, byte j of a group holding q[j] in its
- *       low nibble and q[j + 16] in its high one; d, m float [N, K/32].
- *   u5: w = d (q - offset) (+ m), q in 0..31, groups of 32: the low 4 bits as u4, the fifth bit of value j
- *       of group b in bit j of qh[n, b] (uint32); d (and m, or NULL) float [N, K/32]. (Q5_0: offset 16.)
+ *   u4: w = d q + m, q in 0..15, groups of 32 in 16 bytes: the group's runs of 8 values R0..R3 as bytes 0-7
+ *       holding R0 in their low nibbles and R1 in their high ones, bytes 8-15 holding R2 and R3 likewise
+ *       (one broadcast, shift and two in-lane unpacks give the values in order); d, m float [N, K/32].
+ *   u5: w = d (q - offset) (+ m), q in 0..31, groups of 32: the low 4 bits as u4, the fifth bits in one uint32
+ *       per group, bit k for value (R0, R2, R1, R3 in turn: the order of the unpacked nibbles) k;
+ *       d (and m, or NULL) float [N, K/32]. (Q5_0: offset 16.)
  *   s8: w = d q (+ m), q int8, groups of G = 32 or 16; d (and m, or NULL) float [N, K/G].
  * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
  * (xs times the sum of xq over each block: the m terms need only these).
@@ -101,6 +103,17 @@ static inline float dotf(const float *a, const float *b, int64_t n) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+/* The 4-bit value v (0..31) of a u4 / u5 group, and the bit of its fifth bit (see the layouts above). */
+static inline int nibble(const uint8_t *g, int v) {
+    const int run = v / 8, byte = (run / 2) * 8 + v % 8;
+    return run % 2 ? g[byte] >> 4 : g[byte] & 0x0F;
+}
+
+static inline int fifth_bit(int v) {
+    const int run = v / 8;
+    return ((run & 1) << 4) | ((run >> 1) << 3) | (v % 8);
+}
+
 #ifdef DFA_AVX2
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -114,46 +127,12 @@ static inline __m256i dot16(__m256i w16, const int16_t *x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)x));
 }
 
-/* One weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0. Even and odd
- * blocks accumulate separately, so two multiply-add chains run at once; the order is the same for every
- * `rows`, so a row's result never depends on the rows beside it. */
-#define ACC2(acc, b, i, p, s) \
-    acc[(b) & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[(b) & 1][i])
+/* acc[a][i] += p (8 int32 lanes) * s: accumulators of even (a = 0) and odd (a = 1) blocks, two independent
+ * multiply-add chains per row. */
+#define ACC2(acc, a, i, p, s) \
+    acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[a][i])
 
-static inline __attribute__((always_inline)) void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq,
-                                                         const float *xs, int64_t K, int64_t r0, int rows,
-                                                         float *out) {
-    const int64_t B = K / 32;
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m256 acc[2][TILE];
-    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(qn + b * 16));
-        __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
-        __m256i lo0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), lo1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
-        __m256i hi0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), hi1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
-        for (int i = 0; i < rows; i++) {
-            const int16_t *xb = xq + (r0 + i) * K + b * 32;
-            const float *sx = xs + (r0 + i) * B + b;
-            ACC2(acc, 0, i, _mm256_add_epi32(dot16(lo0, xb), dot16(hi0, xb + 16)), dn[b] * sx[0]);
-            ACC2(acc, 1, i, _mm256_add_epi32(dot16(lo1, xb + 32), dot16(hi1, xb + 48)), dn[b + 1] * sx[1]);
-        }
-    }
-    if (b < B) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(qn + b * 16));
-        __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-        __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
-        for (int i = 0; i < rows; i++) {
-            const int16_t *xb = xq + (r0 + i) * K + b * 32;
-            ACC2(acc, 0, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), dn[b] * xs[(r0 + i) * B + b]);
-        }
-    }
-    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
-}
-
-/* The fifth bits of a group of 32 as bytes: byte j is 16 where bit j of `bits` is set, else 0. */
+/* The fifth bits of a group of 32 as bytes: byte k is 16 where bit k of `bits` is set, else 0. */
 static inline __m256i fifth_bits(uint32_t bits) {
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -162,39 +141,47 @@ static inline __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
 }
 
-/* Block b of a u5 row into the accumulators of parity a: the integers q - offset exactly, as int16. */
-static inline __attribute__((always_inline)) void block_u5(__m256 acc[2][TILE], int a, const uint8_t *qn,
-                                                           const uint32_t *qhn, const float *dn, __m256i offset,
-                                                           const int16_t *xq, const float *xs, int64_t K,
-                                                           int64_t b, int64_t r0, int rows) {
+/* Block b of a u4 (five 0) or u5 (five 1) row into the accumulators of parity a (both constants where
+ * inlined): the group's 32 values as int16 in order, without a lane-crossing shuffle, minus the offset. */
+static inline __attribute__((always_inline)) void block_nibbles(__m256 acc[2][TILE], int a, int five,
+                                                                const uint8_t *qn, const uint32_t *qhn,
+                                                                const float *dn, __m256i offset,
+                                                                const int16_t *xq, const float *xs, int64_t K,
+                                                                int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(qn + b * 16));
-    const __m256i high = fifth_bits(qhn[b]);
-    __m256i lo = _mm256_cvtepu8_epi16(_mm_or_si128(_mm_and_si128(raw, low), _mm256_castsi256_si128(high)));
-    __m256i hi = _mm256_cvtepu8_epi16(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
-                                                   _mm256_extracti128_si256(high, 1)));
-    lo = _mm256_sub_epi16(lo, offset);
-    hi = _mm256_sub_epi16(hi, offset);
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* lane 0: low nibbles, lane 1: high */
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qn + b * 16)));
+    v = _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi8(0x0F));
+    if (five) v = _mm256_or_si256(v, fifth_bits(qhn[b]));
+    __m256i lo = _mm256_unpacklo_epi8(v, _mm256_setzero_si256()); /* values 0..15 */
+    __m256i hi = _mm256_unpackhi_epi8(v, _mm256_setzero_si256()); /* values 16..31 */
+    if (five) {
+        lo = _mm256_sub_epi16(lo, offset);
+        hi = _mm256_sub_epi16(hi, offset);
+    }
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
         ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), dn[b] * xs[(r0 + i) * B + b]);
     }
 }
 
-static inline __attribute__((always_inline)) void row_u5(const uint8_t *qn, const uint32_t *qhn, const float *dn,
-                                                         int offset, const int16_t *xq, const float *xs,
-                                                         int64_t K, int64_t r0, int rows, float *out) {
+/* One u4 / u5 weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0. Even and
+ * odd blocks accumulate separately, so two multiply-add chains run at once; the order is the same for every
+ * `rows`, so a row's result never depends on the rows beside it. */
+static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
+                                                              const float *dn, int offset, const int16_t *xq,
+                                                              const float *xs, int64_t K, int64_t r0, int rows,
+                                                              float *out) {
     const int64_t B = K / 32;
     const __m256i off = _mm256_set1_epi16((short)offset);
     __m256 acc[2][TILE];
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
-        block_u5(acc, 0, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
-        block_u5(acc, 1, qn, qhn, dn, off, xq, xs, K, b + 1, r0, rows);
+        block_nibbles(acc, 0, five, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
+        block_nibbles(acc, 1, five, qn, qhn, dn, off, xq, xs, K, b + 1, r0, rows);
     }
-    if (b < B) block_u5(acc, 0, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
+    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 }
 
@@ -234,36 +221,17 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const
     for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 }
 #else
-static void row_u4(const uint8_t *qn, const float *dn, const int16_t *xq, const float *xs, int64_t K, int64_t r0,
-                   int rows, float *out) {
+static void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn, const float *dn, int offset,
+                        const int16_t *xq, const float *xs, int64_t K, int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
     for (int i = 0; i < rows; i++) {
         const int16_t *xr = xq + (r0 + i) * K;
         float acc = 0.0f;
         for (int64_t b = 0; b < B; b++) {
-            const uint8_t *g = qn + b * 16;
-            const int16_t *xb = xr + b * 32;
             int32_t s = 0;
-            for (int j = 0; j < 16; j++) s += (g[j] & 0x0F) * xb[j] + (g[j] >> 4) * xb[j + 16];
-            acc += dn[b] * xs[(r0 + i) * B + b] * (float)s;
-        }
-        out[i] = acc;
-    }
-}
-
-static void row_u5(const uint8_t *qn, const uint32_t *qhn, const float *dn, int offset, const int16_t *xq,
-                   const float *xs, int64_t K, int64_t r0, int rows, float *out) {
-    const int64_t B = K / 32;
-    for (int i = 0; i < rows; i++) {
-        const int16_t *xr = xq + (r0 + i) * K;
-        float acc = 0.0f;
-        for (int64_t b = 0; b < B; b++) {
-            const uint8_t *g = qn + b * 16;
-            const int16_t *xb = xr + b * 32;
-            int32_t s = 0;
-            for (int j = 0; j < 16; j++) {
-                const int lo = (g[j] & 0x0F) | ((qhn[b] >> j & 1) << 4), hi = (g[j] >> 4) | ((qhn[b] >> (j + 16) & 1) << 4);
-                s += (lo - offset) * xb[j] + (hi - offset) * xb[j + 16];
+            for (int v = 0; v < 32; v++) {
+                const int q = nibble(qn + b * 16, v) | (five ? (int)(qhn[b] >> fifth_bit(v) & 1) << 4 : 0);
+                s += (q - offset) * xr[b * 32 + v];
             }
             acc += dn[b] * xs[(r0 + i) * B + b] * (float)s;
         }
@@ -297,11 +265,11 @@ void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_
         float out[TILE];
         int64_t r0 = 0;
         for (; r0 + TILE <= M; r0 += TILE) {
-            row_u4(qn, dn, xq, xs, K, r0, TILE, out);
+            row_nibbles(0, qn, NULL, dn, 0, xq, xs, K, r0, TILE, out);
             for (int i = 0; i < TILE; i++) y[(r0 + i) * N + n] = out[i] + dotf(mn, xsum + (r0 + i) * B, B);
         }
         for (; r0 < M; r0++) {
-            row_u4(qn, dn, xq, xs, K, r0, 1, out);
+            row_nibbles(0, qn, NULL, dn, 0, xq, xs, K, r0, 1, out);
             y[r0 * N + n] = out[0] + dotf(mn, xsum + r0 * B, B);
         }
     }
@@ -319,12 +287,12 @@ void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_
         float out[TILE];
         int64_t r0 = 0;
         for (; r0 + TILE <= M; r0 += TILE) {
-            row_u5(qn, qhn, dn, offset, xq, xs, K, r0, TILE, out);
+            row_nibbles(1, qn, qhn, dn, offset, xq, xs, K, r0, TILE, out);
             for (int i = 0; i < TILE; i++)
                 y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
         }
         for (; r0 < M; r0++) {
-            row_u5(qn, qhn, dn, offset, xq, xs, K, r0, 1, out);
+            row_nibbles(1, qn, qhn, dn, offset, xq, xs, K, r0, 1, out);
             y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
         }
     }
@@ -371,16 +339,12 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
             continue;
         }
         const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
-        for (int64_t b = 0; b < K / 32; b++) {
-            const uint32_t high = bits == 5 ? qh[n * (K / 32) + b] : 0;
-            for (int j = 0; j < 16; j++) {
-                const uint8_t byte = qn[b * 16 + j];
-                const int lo = (byte & 0x0F) | (int)((high >> j & 1) << 4) , hi = (byte >> 4) | (int)((high >> (j + 16) & 1) << 4);
-                const float a = dn[b] * (float)(lo - offset), c = dn[b] * (float)(hi - offset);
-                wn[b * 32 + j] = mn ? a + mn[b] : a;
-                wn[b * 32 + j + 16] = mn ? c + mn[b] : c;
+        for (int64_t b = 0; b < K / 32; b++)
+            for (int v = 0; v < 32; v++) {
+                const int u = nibble(qn + b * 16, v) | (bits == 5 ? (int)(qh[n * (K / 32) + b] >> fifth_bit(v) & 1) << 4 : 0);
+                const float a = dn[b] * (float)(u - offset);
+                wn[b * 32 + v] = mn ? a + mn[b] : a;
             }
-        }
     }
 }
 

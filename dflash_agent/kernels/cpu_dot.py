@@ -1,12 +1,13 @@
-"""The CPU's kernels: quantized matmuls (cpu_dot.c) and a whole decoder layer for decode steps (cpu_layer.c),
-built once per machine with the system's C compiler into one library, loaded with ctypes, called on torch tensors.
+"""The CPU's kernels: quantized matmuls (cpu_dot.c) and a whole decoder layer for decode steps (cpu_layer.c), built
+once per machine with the system's C compiler into one library, loaded with ctypes, called on torch tensors.
 
-torch's own weight-only CPU kernels read bfloat16 activations against int4 / int8 weights and run at a third
-of the memory bandwidth on small matrices; these quantize the activations to int16 per block of 32 (int8, as
-llama.cpp does, cost 2-3 points of top-1 agreement), multiply 16 pairs per AVX2 instruction, and read the
-checkpoint's 4- and 5-bit formats at 4 and 5 bits (IntMatrix). The library is compiled with -march=native (scalar C where the machine has no AVX2) into the cache directory, keyed by the
-sources, the compiler and the CPU, so a changed file or a different machine never loads a stale build.
-Without a C compiler `load` returns None and the engine keeps torch's kernels.
+torch's own weight-only CPU kernels read bfloat16 activations against int4 / int8 weights and run at a third of the
+memory bandwidth on small matrices; these quantize the activations to int16 per block of 32 (int8, as llama.cpp
+does, cost 2-3 points of top-1 agreement), multiply 16 pairs per AVX2 instruction, and read the checkpoint's 4- and
+5-bit formats at 4 and 5 bits (IntMatrix). The library is compiled with -march=native (scalar C where the machine
+has no AVX2) into the cache directory, keyed by the sources, the compiler and the CPU, so a changed file or a
+different machine never loads a stale build. Without a C compiler `load` returns None and the engine keeps torch's
+kernels.
 """
 
 from __future__ import annotations
@@ -44,12 +45,10 @@ _SIGNATURES = {
 
 @dataclass(frozen=True)
 class IntMatrix:
-    """A weight [N, K] in one of cpu_dot.c's layouts, groups of `group` inputs with scales d and offsets m
-    (float32 [N, K / group], m may be None):
-    - bits 4: q [N, K / 2] uint8, two values per byte (value j of a group of 32 in the low nibble of byte j,
-      value j + 16 in its high nibble), w = d q + m;
-    - bits 5: q as for 4 bits holding the low 4 bits, qh [N, K / 32] int32 with the fifth bit of value j in
-      bit j, w = d (q - offset) + m;
+    """A weight [N, K] in one of cpu_dot.c's layouts (`pack` builds them), groups of `group` inputs with scales
+    d and offsets m (float32 [N, K / group], m may be None):
+    - bits 4: q [N, K / 2] uint8, 16 bytes per group of 32 (see cpu_dot.c), w = d q + m;
+    - bits 5: q as for 4 bits holding the low 4 bits, qh [N, K / 32] int32 holding the fifth, w = d (q - offset) + m;
     - bits 8: q [N, K] int8, w = d q + m, groups of 32, or 16 without m."""
 
     q: torch.Tensor
@@ -65,6 +64,23 @@ class IntMatrix:
             raise ValueError(f"no {self.bits}-bit layout {'with' if self.qh is not None else 'without'} fifth bits")
         if self.group not in (16, 32) or (self.group == 16 and (self.bits != 8 or self.m is not None)):
             raise ValueError("groups of 16 are an 8-bit layout without offsets")
+
+    @classmethod
+    def pack(cls, values: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, group: int = 32,
+             offset: int = 0) -> IntMatrix:
+        """The layout of integers values [N, K] (0..2^bits - 1 for 4 and 5 bits, int8 for 8) with w = d (values
+        - offset) + m."""
+        if bits == 8:
+            return cls(values.to(torch.int8).contiguous(), d.contiguous(), _contiguous(m), 8, group)
+        n, k = values.shape
+        runs = values.view(n, k // 32, 2, 2, 8)  # [group, bytes 0-7 | 8-15, low | high nibble, 8]
+        q = ((runs[:, :, :, 0] & 15) | ((runs[:, :, :, 1] & 15) << 4)).to(torch.uint8).reshape(n, k // 2)
+        qh = None
+        if bits == 5:  # bit k of a group's word: the fifth bit of value (R0, R2, R1, R3)[k]
+            fifth = (values.view(n, k // 32, 4, 8)[:, :, [0, 2, 1, 3]].reshape(n, k // 32, 32) >> 4) & 1
+            word = (fifth.to(torch.int64) << torch.arange(32)).sum(-1)
+            qh = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).contiguous()
+        return cls(q.contiguous(), d.contiguous(), _contiguous(m), bits, group, qh, offset)
 
     @property
     def n(self) -> int:
@@ -189,6 +205,10 @@ class CpuDot:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def _cpu_signature() -> str:

@@ -68,15 +68,7 @@ def _layout(bits: int, group: int, with_m: bool, offset: int = 0, n: int = 37, k
     m = torch.randn(n, k // group, generator=g) if with_m else None
     w = ((values - offset).float().view(n, -1, group) * d[..., None]
          + (0 if m is None else m[..., None])).view(n, k)
-    if bits == 8:
-        return cpu_dot.IntMatrix(values.to(torch.int8), d, m, 8, group), w
-    pairs = (values & 15).view(n, k // 32, 2, 16).to(torch.uint8)
-    q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    qh = None
-    if bits == 5:
-        word = ((values >> 4).view(n, k // 32, 32) << torch.arange(32)).sum(-1)
-        qh = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
-    return cpu_dot.IntMatrix(q, d, m, bits, group, qh, offset), w
+    return cpu_dot.IntMatrix.pack(values, d, m, bits, group, offset), w
 
 
 LAYOUTS = {"u4": (4, 32, True), "u5 Q5_0": (5, 32, False, 16), "u5 Q5_K": (5, 32, True),
