@@ -283,7 +283,7 @@ class Engine:
             matcher=req.grammar.matcher() if req.grammar is not None else None,
             spec=self.spec, controller=self._controller,
         )
-        self._controller = decoder.controller
+        self._controller = decoder.shared_controller
         stop_ids = self.tokenizer.stop_ids | req.stop.token_ids
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringFilter(req.stop.strings)

@@ -292,19 +292,19 @@ class GemmaModel(nn.Module):
     def _plan(self, cache: KVCache, pos: torch.Tensor) -> StepPlan:
         """The eager plan of new tokens at positions pos; advances the rings' slot -> position map."""
         T, start, end = pos.shape[0], int(pos[0]), int(pos[-1]) + 1
-        q, kernel = pos[:, None], triton_runs(pos) or self._runs_cpu_layers(T, cache.layers)
+        window, slots = self.config.sliding_window, cache.ring_slots
+        # A ring as long as the cache never wraps, so no new key can overwrite one its own queries still need.
+        fits = T <= slots - window + 1 or slots == cache.max_len
+        q, kernel = pos[:, None], triton_runs(pos) or (fits and self._runs_cpu_layers(T, cache.layers))
         if kernel:
             full = LayerPlan("kernel", pos, end, positions=KeyPositions(pos, None, None))
         else:
             full = LayerPlan("cache", pos, end, None if T == 1 else torch.arange(end, device=pos.device)[None, :] <= q)
 
-        window, slots = self.config.sliding_window, cache.ring_slots
         old_pos = cache.ring_pos
         written = pos[-slots:]
         new_pos = old_pos.clone()
         new_pos[written % slots] = written
-        # A ring as long as the cache never wraps, so no new key can overwrite one its own queries still need.
-        fits = T <= slots - window + 1 or slots == cache.max_len
         if fits and kernel:
             sliding = LayerPlan("kernel", written % slots, positions=KeyPositions(pos, new_pos, window))
         elif fits:

@@ -39,6 +39,9 @@ class Matcher(Protocol):
     def rollback(self, n: int) -> None: ...
 
 
+FEED_EVERY = 256  # queued drafter features fed at most this many rows late, so the queue stays small
+
+
 @dataclass
 class SpecConfig:
     enabled: bool = True
@@ -107,8 +110,8 @@ class LengthController:
         self.arms: list[tuple[str, int]] = [("ar", 0)]
         if drafter:
             self.arms += [("dflash", k) for k in lengths]
-        if ngram:
-            self.arms.append(("ngram", min(8, max_draft)))
+        if ngram:  # a copied span is often long, but verifying a long block costs several steps on a CPU
+            self.arms += [("ngram", k) for k in sorted({min(4, max_draft), min(8, max_draft), max_draft}) if k > 0]
         self.rate: dict[tuple[str, int], float] = {}
         self.step_seconds: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
@@ -188,18 +191,20 @@ class RequestDecoder:
             max_draft = self.spec.block - 1
         max_draft = min(max_draft, cache.slack)  # the sliding rings can roll back `slack` tokens
         use_ngram = self.spec.enabled and self.spec.ngram
-        if sampler.params.seed is not None and not sampler.params.greedy and self.spec.block is None:
-            # A seeded sample must depend on the seed and the prompt alone, but which drafts get verified
-            # (each verification draws from the generator) depends on the adaptive controller's timings;
-            # so such a request decodes plainly (a fixed block is deterministic and keeps drafting).
-            # The drafter is still fed, for the requests after it.
-            controller = LengthController(0, drafter=False, ngram=False, fixed=None)
-        self.controller = controller or LengthController(
+        # The adaptive controller outlives the request: the engine passes it to the next one.
+        self.shared_controller = controller or LengthController(
             max_draft,
             drafter=self.drafter is not None,
             ngram=use_ngram,
             fixed=None if self.spec.block is None else max_draft,
         )
+        self.controller = self.shared_controller
+        if sampler.params.seed is not None and not sampler.params.greedy and self.spec.block is None:
+            # A seeded sample must depend on the seed and the prompt alone, but which drafts get verified
+            # (each verification draws from the generator) depends on the adaptive controller's timings;
+            # so such a request decodes plainly (a fixed block is deterministic and keeps drafting).
+            # The drafter is still fed, for the requests after it.
+            self.controller = LengthController(0, drafter=False, ngram=False, fixed=None)
         self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max) if use_ngram else None
         self.sequence: list[int] = []  # the prompt and every token yielded so far
         self._logits: torch.Tensor | None = None
@@ -280,12 +285,14 @@ class RequestDecoder:
 
     def step(self, anchor: int, budget: int) -> list[int]:
         """Commit the anchor and verify a drafted block after it; returns 1..k+1 new tokens."""
-        started = time.perf_counter()
         start = self.cache.length
         room = min(budget - 1, self.cache.max_len - start - 1)
         if self.ngram is not None:
             self.ngram.extend([anchor])
         arm = self.controller.choose(ngram_available=self._ngram_ready(room))
+        if arm[0] == "dflash":
+            self._feed_drafter()  # the backlog of plain steps, not this step's cost
+        started = time.perf_counter()
         k = min(arm[1], room)
         if k == 0:
             arm = ("ar", 0)  # no room left to draft: this step measures plain decoding
@@ -311,6 +318,8 @@ class RequestDecoder:
         if self.drafter is None or self.drafter_cache is None or n == 0:
             return
         self._unfed.append(torch.cat([captured[i] for i in self.capture], dim=-1))
+        if sum(f.shape[0] for f in self._unfed) >= FEED_EVERY:
+            self._feed_drafter()
 
     def _feed_drafter(self) -> None:
         """Bring the drafter's cache up to the target's committed tokens."""

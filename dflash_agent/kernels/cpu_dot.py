@@ -64,6 +64,8 @@ class IntMatrix:
             raise ValueError(f"no {self.bits}-bit layout {'with' if self.qh is not None else 'without'} fifth bits")
         if self.group not in (16, 32) or (self.group == 16 and (self.bits != 8 or self.m is not None)):
             raise ValueError("groups of 16 are an 8-bit layout without offsets")
+        if self.bits == 4 and (self.m is None or self.offset):
+            raise ValueError("the 4-bit layout takes its offset in m (w = d q + m)")
 
     @classmethod
     def pack(cls, values: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, group: int = 32,

@@ -104,10 +104,13 @@ static void matmul(const dfa_matrix *w, const int16_t *xq, const float *xs, int6
 }
 
 /* Softmax attention of query row t's heads h0..h0+n-1, which share KV head kvh, over the visible slots (see
- * kernels.attention's rule): each key and value is read once for the n heads. scores: [n, n_keys] scratch. */
-static void attend(const dfa_layer *L, const dfa_kv *kv, const float *q, int64_t q_pos, int64_t kvh, int64_t n,
-                   float *scores, float *out) {
+ * kernels.attention's rule): each key and value is read once for the n heads. Returns -1 when its scratch
+ * memory could not be had, else 0. */
+static int attend(const dfa_layer *L, const dfa_kv *kv, const float *q, int64_t q_pos, int64_t kvh, int64_t n,
+                  float *out) {
     const int64_t d = L->head_dim, stride = L->kv_heads * d, S = kv->n_keys;
+    float *scores = malloc((size_t)(n * S) * sizeof(float)); /* per work item: a few per thread at a time */
+    if (!scores) return -1;
     float best[n];
     for (int64_t j = 0; j < n; j++) best[j] = -INFINITY;
     for (int64_t s = 0; s < S; s++) {
@@ -137,6 +140,8 @@ static void attend(const dfa_layer *L, const dfa_kv *kv, const float *q, int64_t
         const float inv = 1.0f / total[j]; /* the query's own key is always visible, so total >= 1 */
         for (int64_t i = 0; i < d; i++) out[j * d + i] *= inv;
     }
+    free(scores);
+    return 0;
 }
 
 /* x [T, hidden] float32 is updated in place to the layer's output; returns 0, or -1 when scratch memory
@@ -154,9 +159,8 @@ int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T,
     float *up = malloc((size_t)(T * I) * sizeof(float));
     int16_t *xq = malloc((size_t)(T * widest) * sizeof(int16_t));
     float *xs = malloc((size_t)(2 * T * (widest / 32)) * sizeof(float));
-    float *scores = malloc((size_t)(T * L->heads * (kv->n_keys > 0 ? kv->n_keys : 1)) * sizeof(float));
-    int status = -1;
-    if (!xn || !q || !k || !v || !att || !gate || !up || !xq || !xs || !scores) goto done;
+    int status = -1, failed = 0;
+    if (!xn || !q || !k || !v || !att || !gate || !up || !xq || !xs) goto done;
 
     /* attention */
     for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->input_norm, H, L->eps, xn + t * H);
@@ -189,9 +193,12 @@ int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T,
 #pragma omp parallel for num_threads(threads) schedule(static) if (items > 1)
     for (int64_t i = 0; i < items; i++) {
         const int64_t t = i / (L->kv_heads * split), kvh = i / split % L->kv_heads, h0 = kvh * group + i % split * per;
-        attend(L, kv, q + (t * L->heads + h0) * d, q_pos[t], kvh, per, scores + (t * L->heads + h0) * kv->n_keys,
-               att + (t * L->heads + h0) * d);
+        if (attend(L, kv, q + (t * L->heads + h0) * d, q_pos[t], kvh, per, att + (t * L->heads + h0) * d)) {
+#pragma omp atomic write
+            failed = 1;
+        }
     }
+    if (failed) goto done;
     quantize(att, T, nq, xq, xs, threads);
     matmul(&L->o_proj, xq, xs, T, xn, threads);
     for (int64_t t = 0; t < T; t++) {
@@ -213,6 +220,6 @@ int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T,
     }
     status = 0;
 done:
-    free(xn); free(q); free(k); free(v); free(att); free(gate); free(up); free(xq); free(xs); free(scores);
+    free(xn); free(q); free(k); free(v); free(att); free(gate); free(up); free(xq); free(xs);
     return status;
 }

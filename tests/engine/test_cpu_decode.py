@@ -120,3 +120,16 @@ def test_a_cache_shorter_than_the_window_still_decodes_through_the_c_layers(tiny
     finally:
         tiny.cpu_layers = layers
     assert (c - eager).norm() / eager.norm() < 1e-3 and torch.equal(c.argmax(-1), eager.argmax(-1))
+
+
+def test_blocks_a_ring_cannot_take_stay_on_the_eager_plan(tiny, monkeypatch):
+    """20 new tokens over a ring of window + 16 slots: the sliding layers need the eager "prefill" plan, so the
+    full layers keep the eager plan too (not the kernel plan, whose CPU fallback copies keys per head)."""
+    calls = []
+    monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a))
+    cache = tiny.new_cache(64)
+    assert cache.ring_slots < cache.max_len
+    plan = tiny._plan(cache, torch.arange(20))
+    assert (plan.full.mode, plan.sliding.mode) == ("cache", "prefill")
+    tiny(torch.arange(20) % VOCAB, tiny.new_cache(64))
+    assert calls == []

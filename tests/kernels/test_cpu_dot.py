@@ -92,5 +92,7 @@ def test_layouts_are_checked():
     q, d = torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1)
     with pytest.raises(ValueError, match="fifth bits"):
         cpu_dot.IntMatrix(q, d, None, bits=5)
+    with pytest.raises(ValueError, match="offset in m"):
+        cpu_dot.IntMatrix(q, d, None, bits=4)
     with pytest.raises(ValueError, match="groups of 16"):
         cpu_dot.IntMatrix(q, torch.ones(2, 2), torch.ones(2, 2), bits=8, group=16)
