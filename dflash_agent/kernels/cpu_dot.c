@@ -93,16 +93,6 @@ void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, 
 
 #define TILE 4
 
-/* Four partial sums: a single chain of float additions would cost a few cycles per element. */
-static inline float dotf(const float *a, const float *b, int64_t n) {
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) s[0] += a[i] * b[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
-}
-
 /* The 4-bit value v (0..31) of a u4 / u5 group, and the bit of its fifth bit (see the layouts above). */
 static inline int nibble(const uint8_t *g, int v) {
     const int run = v / 8, byte = (run / 2) * 8 + v % 8;

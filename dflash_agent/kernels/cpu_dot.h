@@ -16,4 +16,14 @@ void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
                 const uint32_t *qh, int offset, const float *d, const float *m, int64_t group, int64_t N, float *y,
                 int threads);
+
+/* Four partial sums: a single chain of float additions would cost a few cycles per element. */
+static inline float dotf(const float *a, const float *b, int64_t n) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) s[0] += a[i] * b[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
 #endif

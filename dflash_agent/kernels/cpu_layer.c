@@ -41,7 +41,7 @@ typedef struct {
     int64_t n_keys, window;      /* window 0: full attention */
 } dfa_kv;
 
-/* Four partial sums of 8 lanes, in a fixed order. */
+/* Four partial sums of 8 lanes, in a fixed order (dotf where the width is not a multiple of 32). */
 static float dot(const float *a, const float *b, int64_t n) {
 #ifdef DFA_AVX2
     if (n % 32 == 0) {
@@ -60,12 +60,7 @@ static float dot(const float *a, const float *b, int64_t n) {
         return _mm_cvtss_f32(h);
     }
 #endif
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) s[0] += a[i] * b[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+    return dotf(a, b, n);
 }
 
 /* out = x / rms(x) * w (w NULL: no weight); out may be x. */
