@@ -278,7 +278,7 @@ class Engine:
     def _decode(self, job: _Job) -> None:
         req, model = job.request, self.model
         decoder = RequestDecoder(
-            model, self._cache, Sampler(req.sampling, model.device),
+            model, self._cache, Sampler(req.sampling, model.device, model.argmax),
             drafter=self.drafter, drafter_cache=self._drafter_cache,
             matcher=req.grammar.matcher() if req.grammar is not None else None,
             spec=self.spec, controller=self._controller,
@@ -295,15 +295,16 @@ class Engine:
         reuse = prefix.acquire(req.prompt_ids, req.cache_prompt) if prefix is not None else Reuse()
         if req.on_prefix is not None:
             req.on_prefix(reuse.tokens)
-        decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits,
-                        on_chunk=prefix.prefilled if prefix is not None else None)
+        prefilled = decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits,
+                                    on_chunk=prefix.prefilled if prefix is not None else None,
+                                    stop=job.cancelled.is_set)
         timings = Timings(cache_n=reuse.tokens, prompt_n=len(req.prompt_ids) - reuse.tokens)
         timings.prompt_ms = (time.perf_counter() - started) * 1e3
 
         decode_started = time.perf_counter()
         generated: list[int] = []
-        finish, matched = "length", None
-        for token in decoder.tokens(max_tokens):
+        finish, matched = ("length" if prefilled else "cancelled"), None
+        for token in decoder.tokens(max_tokens if prefilled else 0):
             if job.cancelled.is_set():
                 finish = "cancelled"
                 break

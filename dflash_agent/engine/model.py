@@ -285,6 +285,12 @@ class GemmaModel(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def argmax(self, logits: torch.Tensor) -> int:
+        """The index of the largest of logits [V] (greedy decoding's pick), through the C kernels on the CPU."""
+        if self.cpu_layers is not None and logits.device.type == "cpu":
+            return self.cpu_layers.lib.argmax(logits)
+        return int(torch.argmax(logits))
+
     def _runs_cpu_layers(self, rows: int | None, kv: list[LayerKV]) -> bool:
         """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.cpu_decode's layers."""
         return self.cpu_layers is not None and rows is not None and self.cpu_layers.takes(rows, kv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -9,11 +10,17 @@ import torch
 from .types import SamplingParams
 
 
-class Sampler:
-    """Draws tokens for one request; its own generator makes a seeded request reproducible."""
+def torch_argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits))
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
-        self.params = params
+
+class Sampler:
+    """Draws tokens for one request; its own generator makes a seeded request reproducible. `argmax` is greedy
+    decoding's pick (the model's, which may be a faster kernel than torch's)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
+                 argmax: Callable[[torch.Tensor], int] = torch_argmax) -> None:
+        self.params, self.argmax = params, argmax
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -40,7 +47,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """One token from logits [V]."""
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return self.argmax(logits)
         return self.draw(self.probs(logits))
 
     def draw(self, probs: torch.Tensor) -> int:

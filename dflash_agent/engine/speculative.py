@@ -221,8 +221,10 @@ class RequestDecoder:
         cached: int = 0,
         logits: torch.Tensor | None = None,
         on_chunk: Callable[[int, torch.Tensor | None], None] | None = None,
-    ) -> None:
-        """Run the prompt through the target (and its features into the drafter's cache).
+        stop: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Run the prompt through the target (and its features into the drafter's cache); False when `stop()`
+        said to stop before a chunk (a cancelled request: a long prompt is minutes of work on a CPU).
 
         cached: the caches already hold the prompt's first `cached` tokens (a reused prefix; 0 resets them).
         logits: the last prompt token's logits [vocab], needed when all of the prompt is cached.
@@ -243,6 +245,9 @@ class RequestDecoder:
         bounds = [cached, *range((cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK, len(prompt_ids), PREFILL_CHUNK)]
         bounds = [*bounds, len(prompt_ids)] if cached < len(prompt_ids) else []
         for start, end in itertools.pairwise(bounds):
+            if stop is not None and stop():
+                self.sequence = self.sequence[:start]
+                return False
             chunk = torch.tensor(prompt_ids[start:end], device=self.target.device)
             out = self.target(chunk, self.cache, capture=self.capture)
             self._queue_features(out.captured, chunk.shape[0])
@@ -252,6 +257,7 @@ class RequestDecoder:
                 on_chunk(end, out.logits[0] if end == len(prompt_ids) else None)
         if self.ngram is not None:
             self.ngram.extend(prompt_ids)
+        return True
 
     def finish(self) -> list[int]:
         """Cut the caches back to the tokens the caller consumed (generation may stop inside a verified
@@ -351,7 +357,7 @@ class RequestDecoder:
                 if torch.isinf(row).all():
                     break
             if probs is None:
-                token = int(torch.argmax(row))
+                token = self.sampler.argmax(row)
             else:
                 p = self.sampler.probs(row)
                 token = self.sampler.draw(p)
@@ -382,7 +388,7 @@ class RequestDecoder:
             if self.matcher is not None:
                 self.matcher.mask(row)
             if self.sampler.params.greedy:
-                target = int(torch.argmax(row))
+                target = self.sampler.argmax(row)
                 if target != draft:
                     self._advance(target)
                     return i, target

@@ -19,7 +19,8 @@ from .cpu_decode import CpuDecodeLayers
 from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, read_gguf
 from .model import GemmaModel
-from .packed_linear import PackedWeight, keeps_packed
+from ..kernels.cpu_dot import HugePageArena
+from .packed_linear import CpuDotWeight, PackedWeight, keeps_packed
 from .quant import PackedTensor, UnsupportedTensorType, from_numpy
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ def build_model(
         for name, tensor in state.items():
             if isinstance(tensor, PackedWeight):
                 tensor.repack_for_cpu(head=name == head)
+        _into_huge_pages([t.cpu for t in state.values() if isinstance(t, PackedWeight)])
         _release_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
     if repack_cpu:
@@ -259,6 +261,15 @@ def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device, pa
         # Dequantize once at load, in float32, then cast.
         source = source.to(device).dequantize(torch.float32)
     return source.to(device=device, dtype=dtype)
+
+
+def _into_huge_pages(kernels: list) -> None:
+    """The repacked matrices moved into one huge-page arena (kernels.cpu_dot.HugePageArena), one at a time, so
+    each copy's source is freed before the next is made."""
+    weights = [k for k in kernels if isinstance(k, CpuDotWeight)]
+    arena = HugePageArena.sized_for([t for w in weights for t in w.matrix.tensors()])
+    for weight in weights:
+        weight.matrix = weight.matrix.placed(arena)
 
 
 def _release_freed_memory() -> None:

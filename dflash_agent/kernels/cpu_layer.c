@@ -98,44 +98,91 @@ static void matmul(const dfa_matrix *w, const int16_t *xq, const float *xs, int6
                w->group, w->n, y, threads);
 }
 
-/* Softmax attention of query row t's heads h0..h0+n-1, which share KV head kvh, over the visible slots (see
- * kernels.attention's rule): each key and value is read once for the n heads. Returns -1 when its scratch
- * memory could not be had, else 0. */
-static int attend(const dfa_layer *L, const dfa_kv *kv, const float *q, int64_t q_pos, int64_t kvh, int64_t n,
-                  float *out) {
-    const int64_t d = L->head_dim, stride = L->kv_heads * d, S = kv->n_keys;
-    float *scores = malloc((size_t)(n * S) * sizeof(float)); /* per work item: a few per thread at a time */
-    if (!scores) return -1;
-    float best[n];
-    for (int64_t j = 0; j < n; j++) best[j] = -INFINITY;
-    for (int64_t s = 0; s < S; s++) {
+/* Keys are taken CHUNK slots at a time, each chunk a work item of its own, dealt to the threads in turn: the two
+ * cores of a decode step read half the cache each (from memory: the LM head streams through every cache level on
+ * every step). The chunks are cut at fixed slots, so a query's result never depends on how many came with it. */
+#define CHUNK 64
+
+/* One chunk of softmax attention: query row q's n heads (sharing KV head kvh) over the visible slots of
+ * [s0, s1) (see kernels.attention's rule), each key and value read once for the n heads. out [n, d] gets the
+ * chunk's value sum weighted by exp(score - top[j]), total[j] the sum of those weights; top[j] is the chunk's
+ * largest score (-inf: no visible key, out and total 0). */
+static void attend_chunk(const dfa_layer *L, const dfa_kv *kv, const float *q, int64_t q_pos, int64_t kvh, int64_t n,
+                         int64_t s0, int64_t s1, float *out, float *top, float *total) {
+    const int64_t d = L->head_dim, stride = L->kv_heads * d;
+    int64_t seen[CHUNK];
+    float score[n][CHUNK];
+    int64_t V = 0;
+    for (int64_t s = s0; s < s1; s++) {
         const int64_t p = kv->key_pos ? kv->key_pos[s] : s;
-        const int visible = p >= 0 && p <= q_pos && (kv->window == 0 || p > q_pos - kv->window);
-        const float *key = kv->k + s * stride + kvh * d;
-        for (int64_t j = 0; j < n; j++) {
-            const float sc = visible ? dot(q + j * d, key, d) * L->scale : -INFINITY;
-            scores[j * S + s] = sc;
-            if (sc > best[j]) best[j] = sc;
-        }
+        if (p >= 0 && p <= q_pos && (kv->window == 0 || p > q_pos - kv->window)) seen[V++] = s;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        top[j] = -INFINITY;
+        total[j] = 0.0f;
     }
     memset(out, 0, (size_t)(n * d) * sizeof(float));
-    float total[n];
-    for (int64_t j = 0; j < n; j++) total[j] = 0.0f;
-    for (int64_t s = 0; s < S; s++) {
-        if (scores[s] == -INFINITY) continue; /* visibility is the same for every head */
-        const float *v = kv->v + s * stride + kvh * d;
+    if (V == 0) return;
+    for (int64_t u = 0; u < V; u++) {
+        const float *key = kv->k + seen[u] * stride + kvh * d;
         for (int64_t j = 0; j < n; j++) {
-            const float e = expf(scores[j * S + s] - best[j]);
-            total[j] += e;
+            const float sc = dot(q + j * d, key, d) * L->scale;
+            score[j][u] = sc;
+            if (sc > top[j]) top[j] = sc;
+        }
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t u = 0; u < V; u++) {
+            score[j][u] = expf(score[j][u] - top[j]);
+            total[j] += score[j][u];
+        }
+    for (int64_t u = 0; u < V; u++) {
+        const float *v = kv->v + seen[u] * stride + kvh * d;
+        for (int64_t j = 0; j < n; j++) {
+            const float e = score[j][u];
             float *o = out + j * d;
             for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
         }
     }
-    for (int64_t j = 0; j < n; j++) {
-        const float inv = 1.0f / total[j]; /* the query's own key is always visible, so total >= 1 */
-        for (int64_t i = 0; i < d; i++) out[j * d + i] *= inv;
+}
+
+/* Softmax attention of the T query rows over the cache into att [T, heads, d]: one work item per (row, KV head,
+ * chunk of keys), then each row's chunks merged in order. Returns -1 when scratch memory could not be had. */
+static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const int64_t *q_pos, int64_t T,
+                     float *att, int threads) {
+    const int64_t d = L->head_dim, group = L->heads / L->kv_heads, chunks = (kv->n_keys + CHUNK - 1) / CHUNK;
+    const int64_t items = T * L->kv_heads * chunks;
+    float *part = malloc((size_t)(items * group * (d + 2)) * sizeof(float)); /* out, top, total of each item */
+    if (!part) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (items > 1)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t t = i / (L->kv_heads * chunks), kvh = i / chunks % L->kv_heads, c = i % chunks;
+        float *out = part + i * group * (d + 2);
+        const int64_t s1 = (c + 1) * CHUNK < kv->n_keys ? (c + 1) * CHUNK : kv->n_keys;
+        attend_chunk(L, kv, q + (t * L->heads + kvh * group) * d, q_pos[t], kvh, group, c * CHUNK, s1, out,
+                     out + group * d, out + group * d + group);
     }
-    free(scores);
+    for (int64_t r = 0; r < T * L->kv_heads; r++)
+        for (int64_t j = 0; j < group; j++) {
+            float best = -INFINITY;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float top = part[((r * chunks + c) * group) * (d + 2) + group * d + j];
+                if (top > best) best = top;
+            }
+            float *o = att + (r * group + j) * d, sum = 0.0f;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *item = part + ((r * chunks + c) * group) * (d + 2);
+                const float top = item[group * d + j];
+                if (top == -INFINITY) continue; /* no visible key in this chunk */
+                const float f = expf(top - best);
+                sum += f * item[group * d + group + j];
+                for (int64_t x = 0; x < d; x++) o[x] += f * item[j * d + x];
+            }
+            const float inv = 1.0f / sum; /* the query's own key is always visible, so sum >= 1 */
+            for (int64_t x = 0; x < d; x++) o[x] *= inv;
+        }
+    free(part);
     return 0;
 }
 
@@ -154,7 +201,7 @@ int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T,
     float *up = malloc((size_t)(T * I) * sizeof(float));
     int16_t *xq = malloc((size_t)(T * widest) * sizeof(int16_t));
     float *xs = malloc((size_t)(2 * T * (widest / 32)) * sizeof(float));
-    int status = -1, failed = 0;
+    int status = -1;
     if (!xn || !q || !k || !v || !att || !gate || !up || !xq || !xs) goto done;
 
     /* attention */
@@ -181,19 +228,7 @@ int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T,
         memcpy(kv->k + kv->write_slots[t] * nkv, k + t * nkv, (size_t)nkv * sizeof(float));
         memcpy(kv->v + kv->write_slots[t] * nkv, v + t * nkv, (size_t)nkv * sizeof(float));
     }
-    /* work items: a token row's query heads of one KV head, split in two when there are fewer items than
-     * threads (a decode step of a model with one KV head) */
-    const int64_t group = L->heads / L->kv_heads, split = T * L->kv_heads < threads && group % 2 == 0 ? 2 : 1;
-    const int64_t items = T * L->kv_heads * split, per = group / split;
-#pragma omp parallel for num_threads(threads) schedule(static) if (items > 1)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t t = i / (L->kv_heads * split), kvh = i / split % L->kv_heads, h0 = kvh * group + i % split * per;
-        if (attend(L, kv, q + (t * L->heads + h0) * d, q_pos[t], kvh, per, att + (t * L->heads + h0) * d)) {
-#pragma omp atomic write
-            failed = 1;
-        }
-    }
-    if (failed) goto done;
+    if (attention(L, kv, q, q_pos, T, att, threads)) goto done;
     quantize(att, T, nq, xq, xs, threads);
     matmul(&L->o_proj, xq, xs, T, xn, threads);
     for (int64_t t = 0; t < T; t++) {

@@ -59,6 +59,28 @@ def test_a_verified_block_gives_what_token_by_token_decoding_gives(tiny):
     assert torch.equal(together, alone)
 
 
+def test_attention_over_many_key_chunks_matches_eager_and_any_block_size(tiny):
+    """A context of several of cpu_layer.c's key chunks (64 slots each, merged per query): decode and a verified
+    block agree bit for bit, and both agree with the eager layers' attention."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (170,))
+
+    def logits(block: int) -> torch.Tensor:
+        cache = tiny.new_cache(256)
+        tiny(ids[:150], cache)
+        return torch.cat([tiny(ids[i:i + block], cache, logits_at=torch.arange(block)).logits
+                          for i in range(150, 170, block)])
+
+    one, four, five = logits(1), logits(4), logits(5)
+    assert torch.equal(one, four) and torch.equal(one, five)
+    layers, tiny.cpu_layers = tiny.cpu_layers, None
+    try:
+        eager = logits(1)
+    finally:
+        tiny.cpu_layers = layers
+    assert (one - eager).norm() / eager.norm() < 1e-3
+
+
 def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny):
     assert not CpuDecodeLayers.takes(1, tiny.new_cache(64, kv_dtype="q8").layers)
     assert not CpuDecodeLayers.takes(32, tiny.new_cache(64).layers)

@@ -97,6 +97,29 @@ def test_incremental_context_equals_one_shot(pair):
     torch.testing.assert_close(drafter.draft(block, one_shot), drafter.draft(block, pieces))
 
 
+def test_prefill_stops_between_chunks_when_asked(pair, monkeypatch):
+    """A cancelled request stops prefilling at the next chunk; the caches keep what was computed (the prefix
+    cache takes that back), and nothing is decoded."""
+    from dflash_agent.engine import speculative
+
+    monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
+    _, _, target, drafter, _ = pair
+    prompt = _prompts(20)[5] + _prompts(20)[9]  # 30 tokens: chunks end at 8, 16, 24, 30
+    checks = []
+
+    def stop() -> bool:
+        checks.append(1)
+        return len(checks) > 2
+
+    decoder = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()), drafter=drafter,
+                             drafter_cache=drafter.new_cache(N_CTX), spec=SpecConfig())
+    assert decoder.prefill(prompt, stop=stop) is False
+    assert decoder.cache.length == decoder.drafter_cache.length == 16
+    assert list(decoder.tokens(0)) == [] and decoder.finish() == prompt[:16]
+    whole = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()))
+    assert whole.prefill(prompt, stop=lambda: False) is True and whole.cache.length == len(prompt)
+
+
 def test_drafter_matches_reference_forward(pair):
     ref_target, ref_drafter, target, drafter, _ = pair
     ids = torch.tensor(_prompts(20)[3])

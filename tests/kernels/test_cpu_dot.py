@@ -96,3 +96,33 @@ def test_layouts_are_checked():
         cpu_dot.IntMatrix(q, d, None, bits=4)
     with pytest.raises(ValueError, match="groups of 16"):
         cpu_dot.IntMatrix(q, torch.ones(2, 2), torch.ones(2, 2), bits=8, group=16)
+
+
+@pytest.mark.parametrize("n", [1, 7, 9, 65537, 262145])
+def test_argmax_is_torchs(lib, n):
+    """The first of equal maxima, and a NaN above every number, as torch.argmax has it."""
+    gen = torch.Generator().manual_seed(n)
+    for trial in range(12):
+        x = torch.randn(n, generator=gen)
+        if trial % 3 == 0:
+            x = x.round()  # many ties for the largest
+        if trial % 4 == 1:
+            x[torch.randint(n, (2,), generator=gen)] = float("nan")
+        if trial == 2:
+            x[:] = float("-inf")
+        assert lib.argmax(x) == int(torch.argmax(x)), (n, trial)
+
+
+def test_matrices_move_into_a_huge_page_arena_intact():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 32, (96, 64), generator=gen)
+    d, m = torch.rand(96, 2, generator=gen), torch.rand(96, 2, generator=gen)
+    original = cpu_dot.IntMatrix.pack(values, d, m, bits=5, offset=0)
+    arena = cpu_dot.HugePageArena.sized_for(original.tensors())
+    if not arena.enabled:
+        pytest.skip("this kernel takes no transparent huge page advice")
+    placed = original.placed(arena)
+    for before, after in zip(original.tensors(), placed.tensors(), strict=True):
+        assert torch.equal(before, after) and after.data_ptr() % cpu_dot.HugePageArena.ALIGN == 0
+    with pytest.raises(ValueError, match="bytes left"):
+        arena.place(torch.zeros(1 << 20, dtype=torch.uint8))
