@@ -136,7 +136,7 @@ class HugePageArena:
 
     def __init__(self, nbytes: int) -> None:
         self._memory: torch.Tensor | None = None
-        self._used = 0
+        self._used = self._end = 0
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is None or nbytes <= 0:
             return
@@ -149,6 +149,7 @@ class HugePageArena:
             return
         self._memory = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
         self._used = -self._memory.data_ptr() % huge  # pages are huge only where 2 MiB-aligned
+        self._end = self._used + nbytes
 
     @property
     def enabled(self) -> bool:
@@ -164,8 +165,8 @@ class HugePageArena:
             return t
         start = self._used
         end = start + t.nbytes
-        if end > self._memory.numel():
-            raise ValueError(f"the arena has {self._memory.numel() - start} bytes left, not {t.nbytes}")
+        if end > self._end:
+            raise ValueError(f"the arena has {self._end - start} bytes left, not {t.nbytes}")
         out = self._memory[start:end].view(t.dtype).view(t.shape)
         out.copy_(t)
         self._used = -(-end // self.ALIGN) * self.ALIGN
