@@ -70,6 +70,8 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     many = torch.randn(GEMM_ROWS + 3, 512)  # prefill: a float32 GEMM on the rows dequantized bit for bit
     torch.testing.assert_close(F.linear(many, weight), many @ packed.dequantize().T, rtol=0, atol=0)
     assert torch.equal(weight.cpu._dequantized(0, 96), packed.dequantize())
+    ids = torch.tensor([[5, 95, 0], [5, 17, 64]])  # an embedding lookup reads the repacked rows, exactly
+    assert torch.equal(weight[ids], packed.dequantize()[ids])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
