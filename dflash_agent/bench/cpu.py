@@ -69,20 +69,24 @@ def llama_bench_binary(directory: str | None) -> Path | None:
 
 
 def _llama_cpp(binary: Path, gguf: Path, prompt_tokens: int, decode_tokens: int,
-               threads: int) -> tuple[float, float, float]:
-    """(prefill seconds, decode tok/s, decode tok/s after the prompt) from one llama-bench run on the same file and
+               threads: int) -> tuple[float, float, float | None]:
+    """(prefill seconds, decode tok/s, decode tok/s after the prompt) from llama-bench on the same file and
     threads: its pp and tg from an empty context (llama-bench's figures), and tg again at the prompt's depth,
-    where ours decodes (attention over the prompt costs every step)."""
-    out = subprocess.run(
-        [str(binary), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(decode_tokens), "-t", str(threads),
-         "-d", f"0,{prompt_tokens}", "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600, check=True,
-    ).stdout
-    rows = json.loads(out)
+    where ours decodes (attention over the prompt costs every step); None for that where the build has no -d."""
 
-    def speed(gen: bool, depth: int) -> float:
-        return next(r["avg_ts"] for r in rows if bool(r["n_gen"]) == gen and r.get("n_depth", 0) == depth)
+    def bench(*args: str) -> list[dict]:
+        return json.loads(subprocess.run(
+            [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *args],
+            capture_output=True, text=True, timeout=600, check=True).stdout)
 
-    return prompt_tokens / speed(False, 0), speed(True, 0), speed(True, prompt_tokens)
+    rows = bench("-p", str(prompt_tokens), "-n", str(decode_tokens))
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
+    try:
+        deep = bench("-p", "0", "-n", str(decode_tokens), "-d", str(prompt_tokens))
+    except subprocess.CalledProcessError:  # a build from before llama-bench's -d
+        return prompt_tokens / pp, tg, None
+    return prompt_tokens / pp, tg, next(r["avg_ts"] for r in deep if r["n_gen"])
 
 
 def code_prompt(engine: Engine, n_tokens: int) -> list[int]:
@@ -149,7 +153,8 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
         if llama_bench and is_gguf:
             prefill, decode, after_prompt = _llama_cpp(llama_bench, path, len(prompt), decode_tokens, threads)
             round_["llama.cpp"] = (prefill, decode)
-            round_["llama.cpp after prompt"] = (prefill, after_prompt)
+            if after_prompt is not None:
+                round_["llama.cpp after prompt"] = (prefill, after_prompt)
         if i:
             for name, value in round_.items():
                 samples[name].append(value)

@@ -99,17 +99,13 @@ void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, 
 
 /* Start loading `bytes` from p into the cache (no fault past the end of an array: prefetches never trap). */
 static inline void prefetch(const void *p, int64_t bytes) {
-#ifdef DFA_AVX2
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
-#else
-    (void)p;
-    (void)bytes;
-#endif
+    /* GCC's builtin: _mm_prefetch's were dropped from some inlined loops at -O3 */
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
 /* Rows ahead to prefetch, for rows of `row_bytes` bytes. */
 static inline int64_t rows_ahead(int64_t row_bytes) {
-    return PREFETCH_BYTES / row_bytes + 1;
+    return row_bytes > 0 ? PREFETCH_BYTES / row_bytes + 1 : 1;
 }
 
 /* The 4-bit value v (0..31) of a u4 / u5 group, and the bit of its fifth bit (see the layouts above). */
@@ -264,79 +260,100 @@ static void row_s8(const int8_t *qn, const float *dn, int64_t group, const int16
 }
 #endif
 
+/* Weight row n of a u4 / u5 matrix (five 0 / 1) against the M activation rows. Inlined with M == 1 as its own
+ * loop, a decode step's matmul compiles to a loop free of the tiles' bookkeeping (a third fewer instructions). */
+static inline __attribute__((always_inline)) void nibbles_row(int five, const int16_t *xq, const float *xs,
+                                                              const float *xsum, int64_t M, int64_t K,
+                                                              const uint8_t *q, const uint32_t *qh, int offset,
+                                                              const float *d, const float *m, int64_t N, float *y,
+                                                              int64_t n, int64_t ahead) {
+    const int64_t B = K / 32;
+    const uint8_t *qn = q + n * (K / 2);
+    const uint32_t *qhn = five ? qh + n * B : NULL;
+    const float *dn = d + n * B, *mn = m ? m + n * B : NULL;
+    prefetch(qn + ahead * (K / 2), K / 2);
+    if (five) prefetch(qhn + ahead * B, B * 4);
+    prefetch(dn + ahead * B, B * 4);
+    if (mn) prefetch(mn + ahead * B, B * 4);
+    float out[TILE];
+    int64_t r0 = 0;
+    for (; r0 + TILE <= M; r0 += TILE) {
+        row_nibbles(five, qn, qhn, dn, offset, xq, xs, K, r0, TILE, out);
+        for (int i = 0; i < TILE; i++)
+            y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
+    }
+    for (; r0 < M; r0++) {
+        row_nibbles(five, qn, qhn, dn, offset, xq, xs, K, r0, 1, out);
+        y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
+    }
+}
+
 void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const uint8_t *q, const float *d, const float *m, int64_t N, float *y, int threads) {
-    const int64_t B = K / 32, ahead = rows_ahead(K / 2 + 8 * B);
+    const int64_t ahead = rows_ahead(K / 2 + 8 * (K / 32));
+    if (M == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qn = q + n * (K / 2);
-        const float *dn = d + n * B, *mn = m + n * B;
-        float out[TILE];
-        prefetch(qn + ahead * (K / 2), K / 2);
-        prefetch(dn + ahead * B, B * 4);
-        prefetch(mn + ahead * B, B * 4);
-        int64_t r0 = 0;
-        for (; r0 + TILE <= M; r0 += TILE) {
-            row_nibbles(0, qn, NULL, dn, 0, xq, xs, K, r0, TILE, out);
-            for (int i = 0; i < TILE; i++) y[(r0 + i) * N + n] = out[i] + dotf(mn, xsum + (r0 + i) * B, B);
-        }
-        for (; r0 < M; r0++) {
-            row_nibbles(0, qn, NULL, dn, 0, xq, xs, K, r0, 1, out);
-            y[r0 * N + n] = out[0] + dotf(mn, xsum + r0 * B, B);
-        }
+        for (int64_t n = 0; n < N; n++) nibbles_row(0, xq, xs, xsum, 1, K, q, NULL, 0, d, m, N, y, n, ahead);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) nibbles_row(0, xq, xs, xsum, M, K, q, NULL, 0, d, m, N, y, n, ahead);
     }
 }
 
 void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const uint8_t *q, const uint32_t *qh, int offset, const float *d, const float *m, int64_t N,
                    float *y, int threads) {
-    const int64_t B = K / 32, ahead = rows_ahead(K / 2 + 8 * B);
+    const int64_t ahead = rows_ahead(K / 2 + 8 * (K / 32));
+    if (M == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qn = q + n * (K / 2);
-        const uint32_t *qhn = qh + n * B;
-        const float *dn = d + n * B, *mn = m ? m + n * B : NULL;
-        float out[TILE];
-        prefetch(qn + ahead * (K / 2), K / 2);
-        prefetch(qhn + ahead * B, B * 4);
-        prefetch(dn + ahead * B, B * 4);
-        if (mn) prefetch(mn + ahead * B, B * 4);
-        int64_t r0 = 0;
-        for (; r0 + TILE <= M; r0 += TILE) {
-            row_nibbles(1, qn, qhn, dn, offset, xq, xs, K, r0, TILE, out);
-            for (int i = 0; i < TILE; i++)
-                y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
-        }
-        for (; r0 < M; r0++) {
-            row_nibbles(1, qn, qhn, dn, offset, xq, xs, K, r0, 1, out);
-            y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
-        }
+        for (int64_t n = 0; n < N; n++) nibbles_row(1, xq, xs, xsum, 1, K, q, qh, offset, d, m, N, y, n, ahead);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) nibbles_row(1, xq, xs, xsum, M, K, q, qh, offset, d, m, N, y, n, ahead);
+    }
+}
+
+/* Weight row n of an s8 matrix against the M activation rows (group 32 or 16, constants where inlined). */
+static inline __attribute__((always_inline)) void s8_row(const int16_t *xq, const float *xs, const float *xsum,
+                                                         int64_t M, int64_t K, const int8_t *q, const float *d,
+                                                         const float *m, int64_t group, int64_t N, float *y,
+                                                         int64_t n, int64_t ahead) {
+    const int64_t B = K / 32, G = K / group;
+    const int8_t *qn = q + n * K;
+    const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
+    prefetch(qn + ahead * K, K);
+    prefetch(dn + ahead * G, G * 4);
+    if (mn) prefetch(mn + ahead * G, G * 4);
+    float out[TILE];
+    int64_t r0 = 0;
+    for (; r0 + TILE <= M; r0 += TILE) {
+        row_s8(qn, dn, group, xq, xs, K, r0, TILE, out);
+        for (int i = 0; i < TILE; i++)
+            y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
+    }
+    for (; r0 < M; r0++) {
+        row_s8(qn, dn, group, xq, xs, K, r0, 1, out);
+        y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
     }
 }
 
 void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const int8_t *q, const float *d, const float *m, int64_t group, int64_t N, float *y,
                    int threads) {
-    const int64_t B = K / 32, G = K / group; /* group is 32 or 16; m only with 32 */
-    const int64_t ahead = rows_ahead(K + 4 * G);
+    /* group is 32 or 16 (m only with 32): each its own loop, and M == 1 (decode) its own too */
+    const int64_t ahead = rows_ahead(K + 4 * (K / group));
+    if (group == 32 && M == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *qn = q + n * K;
-        const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
-        float out[TILE];
-        prefetch(qn + ahead * K, K);
-        prefetch(dn + ahead * G, G * 4);
-        if (mn) prefetch(mn + ahead * G, G * 4);
-        int64_t r0 = 0;
-        for (; r0 + TILE <= M; r0 += TILE) {
-            row_s8(qn, dn, group, xq, xs, K, r0, TILE, out);
-            for (int i = 0; i < TILE; i++)
-                y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
-        }
-        for (; r0 < M; r0++) {
-            row_s8(qn, dn, group, xq, xs, K, r0, 1, out);
-            y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
-        }
+        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, 1, K, q, d, m, 32, N, y, n, ahead);
+    } else if (group == 32) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, M, K, q, d, m, 32, N, y, n, ahead);
+    } else if (M == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, 1, K, q, d, m, 16, N, y, n, ahead);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, M, K, q, d, m, 16, N, y, n, ahead);
     }
 }
 

@@ -130,7 +130,8 @@ class HugePageArena:
     """One private anonymous mapping advised for transparent huge pages, which tensors are copied into. A decode
     step streams every weight once, and on 2 MiB pages it misses the TLB far less: the 189 MB LM head reads about
     8% faster. Linux backs only memory advised so with huge pages in THP's default "madvise" mode, and torch's
-    allocations are not; where the advice is not available, `place` returns its tensor as it is."""
+    allocations are not; where the advice is not available, `place` returns its tensor as it is. Placed tensors are
+    views of the one mapping: pickling or saving one writes all of it (none is: they are kernel-only copies)."""
 
     ALIGN = 64  # a cache line: rows never straddle one more than they must
 
@@ -141,7 +142,10 @@ class HugePageArena:
         if advice is None or nbytes <= 0:
             return
         huge = 2 << 20
-        mapping = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:  # no room for a second copy (strict overcommit): the tensors stay where they are
+            return
         try:
             mapping.madvise(advice)
         except OSError:  # a kernel without transparent huge pages

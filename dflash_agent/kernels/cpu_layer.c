@@ -128,7 +128,7 @@ static void attend_chunk(const dfa_layer *L, const dfa_kv *kv, const float *q, i
         for (int64_t j = 0; j < n; j++) {
             const float sc = dot(q + j * d, key, d) * L->scale;
             score[j][u] = sc;
-            if (sc > top[j]) top[j] = sc;
+            if (!(sc <= top[j])) top[j] = sc; /* a NaN score makes the top NaN, so it reaches the output */
         }
     }
     for (int64_t j = 0; j < n; j++)
@@ -167,7 +167,7 @@ static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const
             float best = -INFINITY;
             for (int64_t c = 0; c < chunks; c++) {
                 const float top = part[((r * chunks + c) * group) * (d + 2) + group * d + j];
-                if (top > best) best = top;
+                if (!(top <= best)) best = top;
             }
             float *o = att + (r * group + j) * d, sum = 0.0f;
             memset(o, 0, (size_t)d * sizeof(float));

@@ -139,3 +139,30 @@ def test_concurrent_requests_do_not_mix(engine):
         return await asyncio.gather(*(one(p) for p in prompts))
 
     assert asyncio.run(both()) == solo
+
+
+def test_a_request_cancelled_during_prefill_stops_at_the_next_chunk(engine, monkeypatch):
+    """A long prompt is minutes of prefill on a CPU: cancelled, the request stops at the next chunk with no
+    tokens, and the next request (reusing what was computed) decodes what a fresh one does."""
+    from dflash_agent.engine import speculative
+
+    monkeypatch.setattr(speculative, "PREFILL_CHUNK", 16)
+    prefix = engine._prefix
+    chunks: list[int] = []
+    prefilled = prefix.prefilled
+
+    def on_chunk(position, logits):
+        chunks.append(position)
+        prefilled(position, logits)
+        if len(chunks) == 1:
+            assert engine.cancel("long-prompt")
+
+    monkeypatch.setattr(prefix, "prefilled", on_chunk)
+    ids = engine.tokenizer.encode("Once upon a time, in a small village by the sea, " * 10)[:100]
+    final = run(engine, GenerateRequest(ids, max_tokens=50, request_id="long-prompt"))[-1]
+    assert final.finish_reason == "cancelled" and final.usage.completion_tokens == 0
+    assert chunks == [16]
+    monkeypatch.undo()
+    again = run(engine, GenerateRequest(ids, max_tokens=6))
+    fresh = run(engine, GenerateRequest(ids, max_tokens=6, cache_prompt=False))
+    assert [t for e in again[:-1] for t in e.ids] == [t for e in fresh[:-1] for t in e.ids]
