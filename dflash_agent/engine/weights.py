@@ -264,12 +264,17 @@ def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device, pa
 
 
 def _into_huge_pages(kernels: list) -> None:
-    """The repacked matrices moved into one huge-page arena (kernels.cpu_dot.HugePageArena), one at a time, so
-    each copy's source is freed before the next is made."""
+    """The repacked matrices moved into one huge-page arena (kernels.cpu_dot.HugePageArena), one at a time, each
+    copy's source freed (and handed back to the system) as it goes, so peak memory stays near one copy."""
     weights = [k for k in kernels if isinstance(k, CpuDotWeight)]
     arena = HugePageArena.sized_for([t for w in weights for t in w.matrix.tensors()])
+    unreturned = 0
     for weight in weights:
+        unreturned += weight.matrix.nbytes
         weight.matrix = weight.matrix.placed(arena)
+        if unreturned > 32 << 20:  # glibc keeps freed sources in its heap: return them as we go, not at the end
+            _release_freed_memory()
+            unreturned = 0
 
 
 def _release_freed_memory() -> None:
