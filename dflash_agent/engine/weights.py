@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from ..kernels.cpu_dot import HugePageArena
 from .config import ConfigError, ModelConfig
 from .cpu_decode import CpuDecodeLayers
 from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, read_gguf
 from .model import GemmaModel
-from ..kernels.cpu_dot import HugePageArena
 from .packed_linear import CpuDotWeight, PackedWeight, keeps_packed
 from .quant import PackedTensor, UnsupportedTensorType, from_numpy
 
