@@ -102,6 +102,7 @@ static void matmul(const dfa_matrix *w, const int16_t *xq, const float *xs, int6
  * cores of a decode step read half the cache each (from memory: the LM head streams through every cache level on
  * every step). The chunks are cut at fixed slots, so a query's result never depends on how many came with it. */
 #define CHUNK 64
+#define PARTIALS_MAX ((int64_t)8 << 20) /* floats: 32 MiB of chunk partials per pass at most */
 
 /* One chunk of softmax attention: query row q's n heads (sharing KV head kvh) over the visible slots of
  * [s0, s1) (see kernels.attention's rule), each key and value read once for the n heads. out [n, d] gets the
@@ -151,37 +152,43 @@ static void attend_chunk(const dfa_layer *L, const dfa_kv *kv, const float *q, i
 static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const int64_t *q_pos, int64_t T,
                      float *att, int threads) {
     const int64_t d = L->head_dim, group = L->heads / L->kv_heads, chunks = (kv->n_keys + CHUNK - 1) / CHUNK;
-    const int64_t items = T * L->kv_heads * chunks;
-    float *part = malloc((size_t)(items * group * (d + 2)) * sizeof(float)); /* out, top, total of each item */
+    const int64_t per_row = L->kv_heads * chunks * group * (d + 2); /* floats of partials per query row */
+    /* query rows taken a few at a time where a long context would make the partials large (a 27B-sized model at
+     * 128k keys: half a GB for 16 rows); rows are independent, so this changes no result */
+    const int64_t pass = per_row * T > PARTIALS_MAX ? (PARTIALS_MAX / per_row > 0 ? PARTIALS_MAX / per_row : 1) : T;
+    float *part = malloc((size_t)(pass * per_row) * sizeof(float)); /* out, top, total of each item */
     if (!part) return -1;
+    for (int64_t t0 = 0; t0 < T; t0 += pass) {
+        const int64_t rows = T - t0 < pass ? T - t0 : pass, items = rows * L->kv_heads * chunks;
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (items > 1)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t t = i / (L->kv_heads * chunks), kvh = i / chunks % L->kv_heads, c = i % chunks;
-        float *out = part + i * group * (d + 2);
-        const int64_t s1 = (c + 1) * CHUNK < kv->n_keys ? (c + 1) * CHUNK : kv->n_keys;
-        attend_chunk(L, kv, q + (t * L->heads + kvh * group) * d, q_pos[t], kvh, group, c * CHUNK, s1, out,
-                     out + group * d, out + group * d + group);
-    }
-    for (int64_t r = 0; r < T * L->kv_heads; r++)
-        for (int64_t j = 0; j < group; j++) {
-            float best = -INFINITY;
-            for (int64_t c = 0; c < chunks; c++) {
-                const float top = part[((r * chunks + c) * group) * (d + 2) + group * d + j];
-                if (!(top <= best)) best = top;
-            }
-            float *o = att + (r * group + j) * d, sum = 0.0f;
-            memset(o, 0, (size_t)d * sizeof(float));
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *item = part + ((r * chunks + c) * group) * (d + 2);
-                const float top = item[group * d + j];
-                if (top == -INFINITY) continue; /* no visible key in this chunk */
-                const float f = expf(top - best);
-                sum += f * item[group * d + group + j];
-                for (int64_t x = 0; x < d; x++) o[x] += f * item[j * d + x];
-            }
-            const float inv = 1.0f / sum; /* the query's own key is always visible, so sum >= 1 */
-            for (int64_t x = 0; x < d; x++) o[x] *= inv;
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t t = t0 + i / (L->kv_heads * chunks), kvh = i / chunks % L->kv_heads, c = i % chunks;
+            float *out = part + i * group * (d + 2);
+            const int64_t s1 = (c + 1) * CHUNK < kv->n_keys ? (c + 1) * CHUNK : kv->n_keys;
+            attend_chunk(L, kv, q + (t * L->heads + kvh * group) * d, q_pos[t], kvh, group, c * CHUNK, s1, out,
+                         out + group * d, out + group * d + group);
         }
+        for (int64_t r = 0; r < rows * L->kv_heads; r++)
+            for (int64_t j = 0; j < group; j++) {
+                float best = -INFINITY;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float top = part[((r * chunks + c) * group) * (d + 2) + group * d + j];
+                    if (!(top <= best)) best = top;
+                }
+                float *o = att + ((t0 * L->kv_heads + r) * group + j) * d, sum = 0.0f;
+                memset(o, 0, (size_t)d * sizeof(float));
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *item = part + ((r * chunks + c) * group) * (d + 2);
+                    const float top = item[group * d + j];
+                    if (top == -INFINITY) continue; /* no visible key in this chunk */
+                    const float f = expf(top - best);
+                    sum += f * item[group * d + group + j];
+                    for (int64_t x = 0; x < d; x++) o[x] += f * item[j * d + x];
+                }
+                const float inv = 1.0f / sum; /* the query's own key is always visible, so sum >= 1 */
+                for (int64_t x = 0; x < d; x++) o[x] *= inv;
+            }
+    }
     free(part);
     return 0;
 }
