@@ -14,6 +14,7 @@ from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
 from .errors import ContextOverflowError
 from .kv_cache import KVCache, LayerKV
+from .sampling import torch_argmax
 
 
 @dataclass
@@ -289,7 +290,7 @@ class GemmaModel(nn.Module):
         """The index of the largest of logits [V] (greedy decoding's pick), through the C kernels on the CPU."""
         if self.cpu_layers is not None and logits.device.type == "cpu":
             return self.cpu_layers.lib.argmax(logits)
-        return int(torch.argmax(logits))
+        return torch_argmax(logits)
 
     def _runs_cpu_layers(self, rows: int | None, kv: list[LayerKV]) -> bool:
         """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.cpu_decode's layers."""

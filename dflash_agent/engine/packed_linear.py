@@ -261,14 +261,7 @@ class CpuDotWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of the weight, float32 [*ids.shape, in], dequantized exactly (as the GGUF blocks give them)."""
-        flat = ids.reshape(-1)
-        m = self.matrix
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[flat]
-
-        picked = IntMatrix(m.q[flat], m.d[flat], pick(m.m), m.bits, m.group, pick(m.qh), m.offset)
-        return self.lib.dequantize(picked).view(*ids.shape, m.k)
+        return self.lib.dequantize(self.matrix.take(ids.reshape(-1))).view(*ids.shape, self.matrix.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

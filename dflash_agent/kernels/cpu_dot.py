@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,20 +102,23 @@ class IntMatrix:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
+    def _mapped(self, f: Callable[[torch.Tensor], torch.Tensor]) -> IntMatrix:
+        """The same layout with f applied to each of its tensors (rows of q, d, m and qh correspond)."""
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else f(t)
+
+        return IntMatrix(f(self.q), f(self.d), apply(self.m), self.bits, self.group, apply(self.qh), self.offset)
+
     def placed(self, arena: HugePageArena) -> IntMatrix:
         """This matrix with its tensors copied into `arena`."""
-        def place(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else arena.place(t)
-
-        return IntMatrix(arena.place(self.q), arena.place(self.d), place(self.m), self.bits, self.group, place(self.qh),
-                         self.offset)
+        return self._mapped(arena.place)
 
     def rows(self, start: int, end: int) -> IntMatrix:
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[start:end]
+        return self._mapped(lambda t: t[start:end])
 
-        return IntMatrix(self.q[start:end], self.d[start:end], cut(self.m), self.bits, self.group, cut(self.qh),
-                         self.offset)
+    def take(self, ids: torch.Tensor) -> IntMatrix:
+        """Rows ids [R] (a copy)."""
+        return self._mapped(lambda t: t[ids])
 
     def args(self) -> tuple:
         """(q, bits, qh, offset, d, m, group, N): the weight as cpu_dot.c's entry points take it."""
