@@ -9,28 +9,41 @@ the eager layers, which remain the reference the tests hold this path to.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from ..kernels.cpu_dot import CpuDot, LayerCache, LayerWeights, Matrix
+from ..kernels.cpu_dot import CpuDot, IntMatrix, LayerCache, LayerWeights, Matrix
 from .kv_cache import LayerKV
 from .packed_linear import GEMM_ROWS, CpuDotWeight, PackedWeight, cpu_dot
 
 
-def _matrix(linear) -> Matrix | None:
-    if linear is None:
-        return Matrix()
-    weight = linear.weight
+def _weight_matrix(weight) -> Matrix | None:
+    """The C struct of a weight repacked for the C matmuls (None: it is not)."""
     if not isinstance(weight, PackedWeight) or not isinstance(weight.cpu, CpuDotWeight):
         return None
     return weight.cpu.matrix.struct()
 
 
+def _matrix(linear) -> Matrix | None:
+    return Matrix() if linear is None else _weight_matrix(linear.weight)
+
+
 class CpuDecodeLayers:
     """The C layers of one model (see the module doc); `build` gives None when the model does not qualify."""
 
-    def __init__(self, lib: CpuDot, layers: list[LayerWeights], keep: list[torch.Tensor]) -> None:
-        self.lib, self.layers = lib, layers
+    def __init__(self, lib: CpuDot, layers: list[LayerWeights], keep: list[torch.Tensor],
+                 inv_freqs: list[torch.Tensor], head: tuple[torch.Tensor, Matrix, float] | None = None,
+                 embedding: tuple[IntMatrix, torch.Tensor] | None = None) -> None:
+        self.lib, self.layers = lib, (LayerWeights * len(layers))(*layers)
         self._keep = keep  # the norm weights the structs point into
+        # each distinct RoPE once (float32, contiguous) and which one each layer takes
+        index: dict[int, int] = {}
+        self._rope_of_layer = [index.setdefault(id(f), len(index)) for f in inv_freqs]
+        distinct = {index[id(f)]: f for f in inv_freqs}
+        self._inv_freqs = [distinct[i].float().contiguous() for i in range(len(index))]
+        self._head = head  # (final norm as applied, LM head, eps) when the head is repacked for the C matmuls
+        self._embedding = embedding  # (the repacked embedding, its scale) likewise
 
     @classmethod
     def build(cls, model) -> CpuDecodeLayers | None:
@@ -60,35 +73,64 @@ class CpuDecodeLayers:
                 config.hidden_size, config.num_heads, spec.num_kv_heads, spec.head_dim, config.intermediate_size,
                 int(attn.v_norm is not None), config.rms_norm_eps, attn.scale, scalar,
             ))
-        return cls(lib, layers, keep)
+        embedding = model.embed_tokens.weight
+        if isinstance(embedding, PackedWeight) and isinstance(embedding.cpu, CpuDotWeight):
+            embedding = (embedding.cpu.matrix, torch.tensor(config.embed_scale, dtype=torch.float32))
+        else:
+            embedding = None
+        head_matrix = _weight_matrix(model.output_weight)
+        head = None
+        if head_matrix is not None:
+            final_norm = (model.norm.offset + model.norm.weight.float()).contiguous()
+            head = (final_norm, head_matrix, config.rms_norm_eps)
+        return cls(lib, layers, keep, model.layer_inv_freqs(), head, embedding)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Scaled embeddings [T, hidden] float32 of token ids [T] on the CPU, as GemmaModel.embed gives them (None:
+        the embedding is not repacked for the C kernels)."""
+        if self._embedding is None or ids.dim() != 1 or ids.device.type != "cpu":
+            return None
+        matrix, scale = self._embedding
+        return self.lib.dequantize(matrix, ids).mul_(scale)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The final norm and LM head of rows hidden [T, hidden] float32 in one C call (None: the head is not
+        repacked for it, or too many rows); as GemmaModel.logits before its softcap."""
+        if self._head is None or hidden.dim() != 2 or hidden.shape[0] >= GEMM_ROWS or hidden.dtype != torch.float32:
+            return None
+        norm, matrix, eps = self._head
+        return self.lib.norm_linear(hidden.contiguous(), norm, eps, matrix)
 
     @staticmethod
     def takes(rows: int, kv: list[LayerKV]) -> bool:
         """Whether a forward of `rows` new tokens over caches `kv` runs here (before its plan is made)."""
         return rows < GEMM_ROWS and all(layer.k_scale is None and layer.k.dtype == torch.float32 for layer in kv)
 
-    def forward(self, x: torch.Tensor, plan, kv: list[LayerKV], tables: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, x: torch.Tensor, plan, kv: list[LayerKV],
                 capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The layers over embeddings x [T, hidden] with a "kernel" StepPlan (engine.model) and each layer's RoPE
-        cos / sin [T, head_dim]; as GemmaModel.layers_forward."""
+        """The layers over embeddings x [T, hidden] with a "kernel" StepPlan (engine.model), in one C call; as
+        GemmaModel.layers_forward."""
         x = x.contiguous()
         query = plan.positions.contiguous()
-        captured: dict[int, torch.Tensor] = {}
-        keep = []  # the index tensors the cache structs point into, alive until the calls return
-        for i, (weights, layer_kv, (cos, sin)) in enumerate(zip(self.layers, kv, tables, strict=True)):
-            layer_plan = plan.sliding if layer_kv.sliding else plan.full
-            slots = layer_plan.slots.contiguous()
-            key_pos = layer_plan.positions.key
-            if key_pos is not None:
-                key_pos = key_pos.contiguous()
+        n = len(self.layers)
+        tables = [self.lib.rope_table(query, inv_freq) for inv_freq in self._inv_freqs]
+        keep = [t for pair in tables for t in pair]  # what the structs point into, alive until the call returns
+        kinds = {}
+        for layer_plan in (plan.full, plan.sliding):
+            slots, key_pos = layer_plan.slots.contiguous(), layer_plan.positions.key
+            key_pos = None if key_pos is None else key_pos.contiguous()
             keep += [slots, key_pos]
-            cache = LayerCache(
-                layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), slots.data_ptr(),
-                0 if key_pos is None else key_pos.data_ptr(),
-                layer_kv.k.shape[0] if layer_plan.end is None else layer_plan.end,
-                layer_plan.positions.window or 0,
-            )
-            self.lib.layer_forward(weights, cache, x, query, cos.contiguous(), sin.contiguous())
-            if i in capture:
-                captured[i] = x.clone()
+            kinds[id(layer_plan)] = (slots.data_ptr(), 0 if key_pos is None else key_pos.data_ptr(), layer_plan.end,
+                                     layer_plan.positions.window or 0)
+        caches = (LayerCache * n)()
+        for i, layer_kv in enumerate(kv):
+            slots, key_pos, end, window = kinds[id(plan.sliding if layer_kv.sliding else plan.full)]
+            caches[i] = LayerCache(layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), slots, key_pos,
+                                   layer_kv.k.shape[0] if end is None else end, window)
+        captured = {i: torch.empty_like(x) for i in capture if 0 <= i < n}
+        pointers = ctypes.c_void_p * n
+        cos = pointers(*(tables[r][0].data_ptr() for r in self._rope_of_layer))
+        sin = pointers(*(tables[r][1].data_ptr() for r in self._rope_of_layer))
+        copies = pointers(*(captured[i].data_ptr() if i in captured else None for i in range(n)))
+        self.lib.layers_forward(self.layers, caches, x, query, cos, sin, copies)
         return x, captured

@@ -243,17 +243,21 @@ class GemmaModel(nn.Module):
             out = self.step_graphs.replay(ids, cache, logits_at, capture)
             if out is not None:
                 return out
-        plan = self._plan(cache, torch.arange(start, end, device=self.device))
+        plan = self._plan(cache, torch.arange(start, end, device=ids.device), start, end)
         x, captured = self.layers_forward(self.embed(ids), plan, cache.layers, capture)
         cache.length = end
         if logits_at is None:
-            logits_at = torch.tensor([T - 1], device=self.device)
+            return ForwardOutput(self.logits(x[T - 1:]), captured)
         if logits_at.numel() == 0:
             return ForwardOutput(None, captured)
         return ForwardOutput(self.logits(x[logits_at]), captured)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Scaled input embeddings of token ids [..., T] -> [..., T, hidden]."""
+        if self.cpu_layers is not None:
+            x = self.cpu_layers.embed(ids)
+            if x is not None:
+                return x
         return self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
 
     def layers_forward(
@@ -262,11 +266,10 @@ class GemmaModel(nn.Module):
         """The decoder layers over embeddings x [..., T, hidden]: the one layer loop that eager steps, CUDA-graph
         steps (engine.cuda_graphs) and training-data generation (train.target) run. Returns the last layer's
         output and the outputs of the layers in `capture`."""
-        tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
         rows = x.shape[0] if x.dim() == 2 else None
         if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
-            layer_tables = [tables[_rope_key(spec)] for spec in self.config.layers]
-            return self.cpu_layers.forward(x, plan, kv, layer_tables, capture)
+            return self.cpu_layers.forward(x, plan, kv, capture)
+        tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, spec, layer_kv) in enumerate(zip(self.layers, self.config.layers, kv, strict=True)):
             x = layer(x, *tables[_rope_key(spec)], layer_kv, plan.sliding if layer_kv.sliding else plan.full)
@@ -274,13 +277,19 @@ class GemmaModel(nn.Module):
                 captured[i] = x
         return x, captured
 
+    def layer_inv_freqs(self) -> list[torch.Tensor]:
+        """Each layer's RoPE inverse frequencies (layers of a type share one tensor)."""
+        return [self._inv_freq[_rope_key(spec)] for spec in self.config.layers]
+
     @property
     def output_weight(self) -> torch.Tensor:
         """The LM head [vocab, hidden] (the embedding when tied); the DFlash drafter reads it too."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.norm(hidden), self.output_weight).float()
+        logits = None if self.cpu_layers is None else self.cpu_layers.logits(hidden)
+        if logits is None:
+            logits = F.linear(self.norm(hidden), self.output_weight).float()
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -296,33 +305,35 @@ class GemmaModel(nn.Module):
         """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.cpu_decode's layers."""
         return self.cpu_layers is not None and rows is not None and self.cpu_layers.takes(rows, kv)
 
-    def _plan(self, cache: KVCache, pos: torch.Tensor) -> StepPlan:
-        """The eager plan of new tokens at positions pos; advances the rings' slot -> position map."""
-        T, start, end = pos.shape[0], int(pos[0]), int(pos[-1]) + 1
+    def _plan(self, cache: KVCache, pos: torch.Tensor, start: int, end: int) -> StepPlan:
+        """The eager plan of new tokens at positions pos = start..end-1; advances the rings' slot -> position map."""
+        T = end - start
         window, slots = self.config.sliding_window, cache.ring_slots
         # A ring as long as the cache never wraps, so no new key can overwrite one its own queries still need.
         fits = T <= slots - window + 1 or slots == cache.max_len
-        q, kernel = pos[:, None], triton_runs(pos) or (fits and self._runs_cpu_layers(T, cache.layers))
+        kernel = triton_runs(pos) or (fits and self._runs_cpu_layers(T, cache.layers))
+        q = None if kernel and fits else pos[:, None]
         if kernel:
             full = LayerPlan("kernel", pos, end, positions=KeyPositions(pos, None, None))
         else:
             full = LayerPlan("cache", pos, end, None if T == 1 else torch.arange(end, device=pos.device)[None, :] <= q)
 
         old_pos = cache.ring_pos
-        written = pos[-slots:]
+        written = pos[-slots:] if T > slots else pos
+        ring = written % slots
         new_pos = old_pos.clone()
-        new_pos[written % slots] = written
+        new_pos[ring] = written
         if fits and kernel:
-            sliding = LayerPlan("kernel", written % slots, positions=KeyPositions(pos, new_pos, window))
+            sliding = LayerPlan("kernel", ring, positions=KeyPositions(pos, new_pos, window))
         elif fits:
             k_pos = new_pos[None, :]
-            sliding = LayerPlan("cache", written % slots, mask=(k_pos >= 0) & (k_pos <= q) & (k_pos > q - window))
+            sliding = LayerPlan("cache", ring, mask=(k_pos >= 0) & (k_pos <= q) & (k_pos > q - window))
         else:
             old = old_pos[None, :]
             old_mask = (old >= 0) & (old < start) & (old > q - window)
             k_new = pos[None, :]
             new_mask = (k_new <= q) & (k_new > q - window)
-            sliding = LayerPlan("prefill", written % slots, mask=torch.cat((old_mask, new_mask), dim=1))
+            sliding = LayerPlan("prefill", ring, mask=torch.cat((old_mask, new_mask), dim=1))
         cache.ring_pos = new_pos
         return StepPlan(pos, full, sliding)
 

@@ -261,7 +261,7 @@ class CpuDotWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of the weight, float32 [*ids.shape, in], dequantized exactly (as the GGUF blocks give them)."""
-        return self.lib.dequantize(self.matrix.take(ids.reshape(-1))).view(*ids.shape, self.matrix.k)
+        return self.lib.dequantize(self.matrix, ids.reshape(-1)).view(*ids.shape, self.matrix.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

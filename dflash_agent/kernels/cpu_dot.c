@@ -359,14 +359,16 @@ void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_
 
 /* w [N, K] float32 = d q + m (u4, s8) or d (q - offset) + m (u5), exactly as the GGUF dequantization computes
  * it (one product, one sum, no fused multiply-add: the build passes -ffp-contract=off): for blocks of many
- * activation rows (prefill), where a float32 GEMM on the dequantized rows beats the integer dot. */
+ * activation rows (prefill), where a float32 GEMM on the dequantized rows beats the integer dot; and (ids [N],
+ * else NULL: rows 0..N-1) the embedding rows of a step's tokens. */
 void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const float *d, const float *m,
-                    int64_t group, int64_t N, int64_t K, float *w, int threads) {
+                    int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads) {
     const int64_t G = K / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (N > 1)
+    for (int64_t i = 0; i < N; i++) {
+        const int64_t n = ids ? ids[i] : i;
         const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
-        float *wn = w + n * K;
+        float *wn = w + i * K;
         if (bits == 8) {
             const int8_t *qn = (const int8_t *)q + n * K;
             for (int64_t k = 0; k < K; k++) {
@@ -415,12 +417,14 @@ void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M
 }
 
 /* The index of the first largest of x[0..n), a NaN counting as larger than any number (torch.argmax's rule):
- * greedy decoding's pick from the 262k logits of a vocabulary, which torch's argmax takes 0.3 ms over. The
- * largest value is found in `threads` chunks, then its first occurrence. */
+ * greedy decoding's pick from the 262k logits of a vocabulary, which torch's argmax takes 0.3 ms over. Each of
+ * `threads` chunks finds its largest value (and whether it holds a NaN), then the first occurrence of the overall
+ * pick in the first chunk that holds it: no single-threaded pass over the whole vocabulary. */
 int64_t dfa_argmax(const float *x, int64_t n, int threads) {
-    float best = -INFINITY;
-    int nan = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : best) reduction(| : nan) if (n > 65536)
+    if (threads < 1) threads = 1;
+    float top[threads];
+    int nan[threads];
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > 65536)
     for (int64_t c = 0; c < threads; c++) {
         const int64_t lo = n * c / threads, hi = n * (c + 1) / threads;
         int64_t i = lo;
@@ -442,10 +446,28 @@ int64_t dfa_argmax(const float *x, int64_t n, int threads) {
             bad |= isnan(x[i]);
             m = x[i] > m ? x[i] : m;
         }
-        best = m > best ? m : best;
-        nan |= bad;
+        top[c] = m;
+        nan[c] = bad;
     }
-    for (int64_t i = 0; i < n; i++)
-        if (nan ? isnan(x[i]) : x[i] == best) return i;
+    int any_nan = 0;
+    float best = -INFINITY;
+    for (int c = 0; c < threads; c++) {
+        any_nan |= nan[c];
+        best = top[c] > best ? top[c] : best;
+    }
+    for (int c = 0; c < threads; c++) {
+        if (any_nan ? !nan[c] : top[c] != best) continue;
+        int64_t i = n * c / threads;
+        const int64_t hi = n * (c + 1) / threads;
+#ifdef DFA_AVX2
+        const __m256 target = _mm256_set1_ps(best);
+        for (; !any_nan && i + 8 <= hi; i += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+            if (hit) return i + __builtin_ctz((unsigned)hit);
+        }
+#endif
+        for (; i < hi; i++)
+            if (any_nan ? isnan(x[i]) : x[i] == best) return i;
+    }
     return 0; /* n == 0, or all -inf: index 0, as torch */
 }

@@ -39,10 +39,12 @@ _SIGNATURES = {
     "dfa_simd": ([], ctypes.c_int),
     "dfa_quantize": ([_P, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "dfa_matmul": ([_P, _P, _P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
-    "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int], None),
     "dfa_linear": ([_P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
-    "dfa_layer_forward": ([_P, _P, _P, _I, _P, _P, _P, ctypes.c_int], ctypes.c_int),
+    "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int], ctypes.c_int),
+    "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
+    "dfa_norm_linear": ([_P, _I, _P, ctypes.c_float, _P, _P, ctypes.c_int], ctypes.c_int),
 }
 
 
@@ -115,10 +117,6 @@ class IntMatrix:
 
     def rows(self, start: int, end: int) -> IntMatrix:
         return self._mapped(lambda t: t[start:end])
-
-    def take(self, ids: torch.Tensor) -> IntMatrix:
-        """Rows ids [R] (a copy)."""
-        return self._mapped(lambda t: t[ids])
 
     def args(self) -> tuple:
         """(q, bits, qh, offset, d, m, group, N): the weight as cpu_dot.c's entry points take it."""
@@ -256,14 +254,31 @@ class CpuDot:
         self.lib.dfa_linear(x.data_ptr(), rows, k, *w.args(), y.data_ptr(), torch.get_num_threads())
         return y
 
-    def layer_forward(self, layer: LayerWeights, kv: LayerCache, x: torch.Tensor, q_pos: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """One decoder layer (cpu_layer.c) over x [T, hidden] float32, in place; q_pos [T] int64, cos / sin
-        [T, head_dim] float32, all contiguous. The structs must point at live tensors."""
-        status = self.lib.dfa_layer_forward(ctypes.byref(layer), ctypes.byref(kv), x.data_ptr(), x.shape[0],
-                                            q_pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    def layers_forward(self, layers: ctypes.Array, caches: ctypes.Array, x: torch.Tensor, q_pos: torch.Tensor,
+                       cos: ctypes.Array, sin: ctypes.Array, capture: ctypes.Array) -> None:
+        """The decoder layers (cpu_layer.c, arrays of LayerWeights and LayerCache) over x [T, hidden] float32, in
+        place; q_pos [T] int64; cos / sin: each layer's RoPE tables [T, head_dim] float32; capture: where each
+        layer's output is copied (None: nowhere). All contiguous; the structs must point at live tensors."""
+        status = self.lib.dfa_layers_forward(layers, caches, len(layers), x.data_ptr(), x.shape[0], q_pos.data_ptr(),
+                                             cos, sin, capture, torch.get_num_threads())
         if status != 0:
             raise MemoryError("the CPU decoder layer could not allocate its scratch memory")
+
+    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [T, 2 len(inv_freq)] float32 of NeoX RoPE at positions [T] int64 (engine.model.rope_tables)."""
+        half = inv_freq.shape[0]
+        cos, sin = torch.empty(positions.shape[0], 2 * half), torch.empty(positions.shape[0], 2 * half)
+        self.lib.dfa_rope_table(positions.data_ptr(), positions.shape[0], inv_freq.data_ptr(), half, cos.data_ptr(),
+                                sin.data_ptr())
+        return cos, sin
+
+    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, w: Matrix) -> torch.Tensor:
+        """(x / rms(x) * norm) @ w^T for x [T, K] float32 (contiguous), norm [K] float32 as applied (offset + w)."""
+        y = torch.empty(x.shape[0], w.n)
+        if self.lib.dfa_norm_linear(x.data_ptr(), x.shape[0], norm.data_ptr(), eps, ctypes.byref(w), y.data_ptr(),
+                                    torch.get_num_threads()):
+            raise MemoryError("the CPU LM head could not allocate its scratch memory")
+        return y
 
     def argmax(self, x: torch.Tensor) -> int:
         """int(torch.argmax(x)) for a contiguous float32 CPU tensor, several times faster on a vocabulary."""
@@ -271,11 +286,18 @@ class CpuDot:
             x = x.float().contiguous()
         return self.lib.dfa_argmax(x.data_ptr(), x.numel(), torch.get_num_threads())
 
-    def dequantize(self, w: IntMatrix) -> torch.Tensor:
-        """w [N, K] float32, bit for bit what the GGUF dequantization gives."""
-        out = torch.empty(w.n, w.k)
+    def dequantize(self, w: IntMatrix, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """w [N, K] float32, bit for bit what the GGUF dequantization gives; or its rows ids [R] only."""
+        rows = w.n
+        if ids is not None:
+            ids = ids.to(torch.int64).contiguous()
+            wanted = ids.tolist()
+            rows = len(wanted)
+            if rows and not 0 <= min(wanted) <= max(wanted) < w.n:  # C reads past no array
+                raise IndexError(f"row {max(wanted) if max(wanted) >= w.n else min(wanted)} of a matrix of {w.n}")
+        out = torch.empty(rows, w.k)
         self.lib.dfa_dequantize(w.q.data_ptr(), w.bits, _ptr(w.qh), w.offset, w.d.data_ptr(), _ptr(w.m), w.group,
-                                w.n, w.k, out.data_ptr(), torch.get_num_threads())
+                                rows, w.k, _ptr(ids), out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -260,3 +260,46 @@ done:
     free(xn); free(q); free(k); free(v); free(att); free(gate); free(up); free(xq); free(xs);
     return status;
 }
+
+/* y [T, w->n] = (x / rms(x) * norm) @ w^T for x [T, w->k]: the final norm and the LM head of a step in one call
+ * (each row alone, as everywhere here). Returns 0, or -1 when scratch memory could not be had. */
+int dfa_norm_linear(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w, float *y,
+                    int threads) {
+    const int64_t K = w->k;
+    float *xn = malloc((size_t)(T * K) * sizeof(float));
+    int16_t *xq = malloc((size_t)(T * K) * sizeof(int16_t));
+    float *xs = malloc((size_t)(2 * T * (K / 32)) * sizeof(float));
+    int status = -1;
+    if (xn && xq && xs) {
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * K, norm, K, eps, xn + t * K);
+        quantize(xn, T, K, xq, xs, threads);
+        matmul(w, xq, xs, T, y, threads);
+        status = 0;
+    }
+    free(xn); free(xq); free(xs);
+    return status;
+}
+
+/* cos / sin [T, 2 half] of NeoX RoPE at positions pos [T] with inv_freq [half] (dim i and i + half share an
+ * angle), the angle a float32 product as engine.model.rope_tables computes it. */
+void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_t half, float *cos, float *sin) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            const float angle = (float)pos[t] * inv_freq[i];
+            cos[t * 2 * half + i] = cos[t * 2 * half + half + i] = cosf(angle);
+            sin[t * 2 * half + i] = sin[t * 2 * half + half + i] = sinf(angle);
+        }
+}
+
+/* n decoder layers in turn over x [T, hidden] (dfa_layer_forward each): a step's layers in one call. Layer i reads
+ * the RoPE tables cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0, or -1 (x
+ * then holds the output of the layers before the one that failed). */
+int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
+                       const int64_t *q_pos, const float *const *cos, const float *const *sin,
+                       float *const *capture, int threads) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dfa_layer_forward(layers + i, kvs + i, x, T, q_pos, cos[i], sin[i], threads)) return -1;
+        if (capture[i]) memcpy(capture[i], x, (size_t)(T * layers[i].hidden) * sizeof(float));
+    }
+    return 0;
+}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_agent.engine.cpu_decode import CpuDecodeLayers
 from dflash_agent.engine.packed_linear import cpu_dot
@@ -81,12 +82,28 @@ def test_attention_over_many_key_chunks_matches_eager_and_any_block_size(tiny):
     assert (one - eager).norm() / eager.norm() < 1e-3
 
 
-def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny):
+def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny, monkeypatch):
     assert not CpuDecodeLayers.takes(1, tiny.new_cache(64, kv_dtype="q8").layers)
     assert not CpuDecodeLayers.takes(32, tiny.new_cache(64).layers)
     assert CpuDecodeLayers.takes(16, tiny.new_cache(64).layers)
-    for c, eager in zip(run_steps(tiny, "q8"), _eager(tiny, "q8"), strict=True):
-        assert torch.equal(c, eager)
+    calls = []
+    forward = CpuDecodeLayers.forward
+    monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
+    q8_steps = run_steps(tiny, "q8")
+    assert calls == []
+    for c, eager in zip(q8_steps, _eager(tiny, "q8"), strict=True):  # the final norm and head ran in C
+        assert (c - eager).norm() / eager.norm() < 1e-5
+        assert torch.equal(c.argmax(-1), eager.argmax(-1))
+
+
+def test_the_final_norm_and_head_run_in_one_c_call_for_a_few_rows(tiny):
+    hidden = torch.randn(5, tiny.config.hidden_size)
+    fused = tiny.cpu_layers.logits(hidden)
+    assert fused is not None and fused.shape == (5, tiny.config.vocab_size)
+    torch.testing.assert_close(fused, F.linear(tiny.norm(hidden), tiny.output_weight), rtol=1e-5, atol=1e-5)
+    for row in range(5):  # each row alone gives the same bits (verify steps give what decode steps give)
+        assert torch.equal(tiny.cpu_layers.logits(hidden[row:row + 1]), fused[row:row + 1])
+    assert tiny.cpu_layers.logits(torch.randn(40, tiny.config.hidden_size)) is None  # prefill: torch's GEMM
 
 
 def test_exact_weights_have_no_c_layers():
@@ -151,7 +168,7 @@ def test_blocks_a_ring_cannot_take_stay_on_the_eager_plan(tiny, monkeypatch):
     monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a))
     cache = tiny.new_cache(64)
     assert cache.ring_slots < cache.max_len
-    plan = tiny._plan(cache, torch.arange(20))
+    plan = tiny._plan(cache, torch.arange(20), 0, 20)
     assert (plan.full.mode, plan.sliding.mode) == ("cache", "prefill")
     tiny(torch.arange(20) % VOCAB, tiny.new_cache(64))
     assert calls == []
