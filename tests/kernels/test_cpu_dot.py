@@ -86,6 +86,9 @@ def test_matmul_is_the_float_matmul_and_dequantize_is_exact(lib, layout):
     assert torch.equal(lib.linear(x, matrix), y)
     assert torch.equal(lib.dequantize(matrix), w)
     assert torch.equal(lib.dequantize(matrix.rows(5, 9)), w[5:9])
+    assert torch.equal(lib.dequantize(matrix, torch.tensor([8, 0, 36, 8])), w[[8, 0, 36, 8]])
+    with pytest.raises(IndexError, match="row 37 of a matrix of 37"):
+        lib.dequantize(matrix, torch.tensor([3, 37]))
 
 
 def test_layouts_are_checked():
