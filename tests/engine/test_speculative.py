@@ -306,7 +306,7 @@ def test_controller_stops_drafting_that_does_not_pay_and_bounds_exploration():
     assert spent[("ar", 0)] / sum(spent.values()) > 0.95
     # time an arm spent, less what plain decoding would have taken for the tokens it committed
     wasted = sum(spent[a] * (1 - tokens[a] / seconds[a] * seconds[("ar", 0)]) for a in arms)
-    # the 2% exploration budget, plus measuring each of the 7 other arms at first
+    # the exploration budget, plus measuring each of the 7 other arms at first
     assert wasted / sum(spent.values()) < LengthController.EXPLORE_BUDGET + 0.015
 
 
