@@ -1,8 +1,9 @@
-"""Decode and verification steps on the CPU, each decoder layer one call into kernels.cpu_dot's C layer.
+"""Decode and verification steps on the CPU: the decoder layers in one call into kernels.cpu_dot's C layer,
+the final norm and LM head in another, the embedding rows read by id in C.
 
 With every matrix repacked for the C matmuls (engine.packed_linear), a decode step of the eager model spends
 more time dispatching PyTorch's small ops (norms, RoPE, attention of one token) than in the matmuls; the C
-layer does the same computation per token row in one call. It takes the steps the eager path would run with
+layer does the same computation per token row. It takes the steps the eager path would run with
 the "kernel" cache plan (a few new tokens, a float32 cache); prefill, int8 caches and anything else stay on
 the eager layers, which remain the reference the tests hold this path to.
 """
@@ -13,7 +14,7 @@ import ctypes
 
 import torch
 
-from ..kernels.cpu_dot import CpuDot, IntMatrix, LayerCache, LayerWeights, Matrix
+from ..kernels.cpu_dot import CpuDot, LayerCache, LayerWeights, Matrix
 from .kv_cache import LayerKV
 from .packed_linear import GEMM_ROWS, CpuDotWeight, PackedWeight, cpu_dot
 
@@ -34,7 +35,7 @@ class CpuDecodeLayers:
 
     def __init__(self, lib: CpuDot, layers: list[LayerWeights], keep: list[torch.Tensor],
                  inv_freqs: list[torch.Tensor], head: tuple[torch.Tensor, Matrix, float] | None = None,
-                 embedding: tuple[IntMatrix, torch.Tensor] | None = None) -> None:
+                 embedding: tuple[CpuDotWeight, torch.Tensor] | None = None) -> None:
         self.lib, self.layers = lib, (LayerWeights * len(layers))(*layers)
         self._keep = keep  # the norm weights the structs point into
         # each distinct RoPE once (float32, contiguous) and which one each layer takes
@@ -75,7 +76,7 @@ class CpuDecodeLayers:
             ))
         embedding = model.embed_tokens.weight
         if isinstance(embedding, PackedWeight) and isinstance(embedding.cpu, CpuDotWeight):
-            embedding = (embedding.cpu.matrix, torch.tensor(config.embed_scale, dtype=torch.float32))
+            embedding = (embedding.cpu, torch.tensor(config.embed_scale, dtype=torch.float32))
         else:
             embedding = None
         head_matrix = _weight_matrix(model.output_weight)
@@ -90,8 +91,8 @@ class CpuDecodeLayers:
         the embedding is not repacked for the C kernels)."""
         if self._embedding is None or ids.dim() != 1 or ids.device.type != "cpu":
             return None
-        matrix, scale = self._embedding
-        return self.lib.dequantize(matrix, ids).mul_(scale)
+        weight, scale = self._embedding
+        return weight.rows(ids).mul_(scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The final norm and LM head of rows hidden [T, hidden] float32 in one C call (None: the head is not
@@ -115,16 +116,16 @@ class CpuDecodeLayers:
         n = len(self.layers)
         tables = [self.lib.rope_table(query, inv_freq) for inv_freq in self._inv_freqs]
         keep = [t for pair in tables for t in pair]  # what the structs point into, alive until the call returns
-        kinds = {}
-        for layer_plan in (plan.full, plan.sliding):
+        kinds = {}  # sliding or not -> where that kind of layer writes and which slots it reads
+        for sliding, layer_plan in ((False, plan.full), (True, plan.sliding)):
             slots, key_pos = layer_plan.slots.contiguous(), layer_plan.positions.key
             key_pos = None if key_pos is None else key_pos.contiguous()
             keep += [slots, key_pos]
-            kinds[id(layer_plan)] = (slots.data_ptr(), 0 if key_pos is None else key_pos.data_ptr(), layer_plan.end,
-                                     layer_plan.positions.window or 0)
+            kinds[sliding] = (slots.data_ptr(), 0 if key_pos is None else key_pos.data_ptr(), layer_plan.end,
+                              layer_plan.positions.window or 0)
         caches = (LayerCache * n)()
         for i, layer_kv in enumerate(kv):
-            slots, key_pos, end, window = kinds[id(plan.sliding if layer_kv.sliding else plan.full)]
+            slots, key_pos, end, window = kinds[layer_kv.sliding]
             caches[i] = LayerCache(layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), slots, key_pos,
                                    layer_kv.k.shape[0] if end is None else end, window)
         captured = {i: torch.empty_like(x) for i in capture if 0 <= i < n}

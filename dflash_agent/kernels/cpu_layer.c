@@ -1,6 +1,6 @@
-/* One Gemma decoder layer for a few new tokens (decode, speculative verification) on the CPU, in one call:
- * the same computation as engine.model.DecoderLayer with the "kernel" cache plan, on weights repacked for
- * cpu_dot.c. A decode step through PyTorch's eager ops spends more time dispatching its ~370 small ops per
+/* The Gemma decoder layers for a few new tokens (decode, speculative verification) on the CPU, all of a step's in
+ * one call (and its final norm and LM head in another): the same computation as engine.model.DecoderLayer with
+ * the "kernel" cache plan, on weights repacked for cpu_dot.c. A decode step through PyTorch's eager ops spends more time dispatching its ~370 small ops per
  * layer than computing them; here the only per-layer cost besides the matmuls is a few microseconds.
  *
  * Every step works on one token row at a time (norms, RoPE, attention) or through the matmuls, whose rows are
@@ -233,8 +233,8 @@ static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const
 
 /* x [T, hidden] float32 is updated in place to the layer's output; returns 0, or -1 when scratch memory
  * could not be had (x is then untouched). */
-int dfa_layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T, const int64_t *q_pos,
-                      const float *cos, const float *sin, int threads) {
+static int layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T, const int64_t *q_pos,
+                         const float *cos, const float *sin, int threads) {
     const int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->intermediate;
     const int64_t widest = I > nq ? (I > H ? I : H) : (nq > H ? nq : H);
     float *xn = malloc((size_t)(T * widest) * sizeof(float));
@@ -329,14 +329,14 @@ void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_
         }
 }
 
-/* n decoder layers in turn over x [T, hidden] (dfa_layer_forward each): a step's layers in one call. Layer i reads
+/* n decoder layers in turn over x [T, hidden] (layer_forward each): a step's layers in one call. Layer i reads
  * the RoPE tables cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0, or -1 (x
  * then holds the output of the layers before the one that failed). */
 int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
                        const int64_t *q_pos, const float *const *cos, const float *const *sin,
                        float *const *capture, int threads) {
     for (int64_t i = 0; i < n; i++) {
-        if (dfa_layer_forward(layers + i, kvs + i, x, T, q_pos, cos[i], sin[i], threads)) return -1;
+        if (layer_forward(layers + i, kvs + i, x, T, q_pos, cos[i], sin[i], threads)) return -1;
         if (capture[i]) memcpy(capture[i], x, (size_t)(T * layers[i].hidden) * sizeof(float));
     }
     return 0;
