@@ -6,7 +6,8 @@ plain text turns before its template renders it.
 - Earlier assistant tool calls are written back as those blocks, so the model sees its own format.
 - Tool results become a user turn of ```tool_result blocks (`{"name": ..., "content": ...}`).
 - Gemma 3 has no system turn: a system message after the first (Anthropic's mid-conversation system
-  messages) is merged into the user turn next to it, as tool results are, since turns must alternate.
+  messages) is merged into the user turn next to it, as tool results are, since turns must alternate. In that
+  turn system text comes first, as Gemma 3's template puts the system prompt first.
 
 `chat/parser.py` reads the model's blocks back and the tool-call grammar forces them; both rely on the
 exact fence written here."""
@@ -69,24 +70,34 @@ def inline_tools(conversation: Conversation) -> Conversation:
             declared = f"{_text(messages[0])}\n\n{declared}"
             messages = messages[1:]
         out.append(Message(role="system", content=[TextPart(declared)]))
+    group: list[Message] = []  # the user, tool and later system messages between two assistant turns
     for message in messages:
-        if message.role == "tool":
-            turn = Message(role="user", content=[TextPart(format_tool_result(message.name or "", message.text))])
-        elif message.role == "assistant":
+        if message.role == "assistant":
+            if group:
+                out.append(_user_turn(group))
+                group = []
             # Gemma 3 does not think, so earlier reasoning has nowhere to go.
             blocks = [_text(message), *(format_tool_call(c) for c in message.tool_calls)]
-            turn = Message(role="assistant", content=[TextPart("\n\n".join(b for b in blocks if b))])
-        elif message.role in ("system", "developer") and out:
-            turn = Message(role="user", content=[TextPart(_text(message))])
+            out.append(Message(role="assistant", content=[TextPart("\n\n".join(b for b in blocks if b))]))
         else:
-            turn = message
-        # Results of parallel calls, later system text, and the user text around them form one user
-        # turn: Gemma 3's turns must alternate.
-        if turn.role == "user" and out and out[-1].role == "user":
-            turn = Message(role="user", content=[TextPart(f"{_text(out[-1])}\n\n{_text(turn)}")])
-            out.pop()
-        out.append(turn)
+            group.append(message)
+    if group:
+        out.append(_user_turn(group))
     return Conversation(messages=out)
+
+
+def _user_turn(group: list[Message]) -> Message:
+    """One user turn from the messages between two assistant turns, since Gemma 3's turns must alternate.
+    System text comes first, as Gemma 3's template puts the system prompt before the first user message, so the
+    turn ends with what the user and the tools said: Claude Code sends its agent and skill listings as system
+    messages after the user's request, and a small model that reads them last continues the listing instead
+    of answering."""
+    if len(group) == 1 and group[0].role == "user":
+        return group[0]
+    system = [_text(m) for m in group if m.role in ("system", "developer")]
+    said = [format_tool_result(m.name or "", m.text) if m.role == "tool" else _text(m)
+            for m in group if m.role not in ("system", "developer")]
+    return Message(role="user", content=[TextPart("\n\n".join(t for t in system + said if t))])
 
 
 def _text(message: Message) -> str:

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+from dflash_agent.chat.anthropic_messages import conversation_from_anthropic
 from dflash_agent.chat.gemma3_tools import (
     TOOL_CALL_FENCE,
     TOOL_RESULT_FENCE,
@@ -257,16 +258,44 @@ def test_gemma3_roles_must_alternate(messages, fragment):
         builtin_template("gemma3").render(conversation_from_openai(messages))
 
 
-def test_gemma3_later_system_messages_join_the_neighbouring_user_turn():
+def test_gemma3_later_system_messages_join_the_neighbouring_user_turn_first():
+    """System text before what the user said, wherever the client put it, so a turn ends with the user's words."""
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
                 {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": "A"}, {"role": "system", "content": "R"},
                 {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
                 {"role": "system", "content": "last"}]
     assert builtin_template("gemma3").render(conversation_from_openai(messages)) == (
-        "<bos><start_of_turn>user\nS\n\nQ\n\na\n\nb<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
+        "<bos><start_of_turn>user\nS\n\na\n\nb\n\nQ<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
         "<start_of_turn>user\nR\n\nQ2<end_of_turn>\n<start_of_turn>model\nA2<end_of_turn>\n"
         "<start_of_turn>user\nlast<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_gemma3_a_claude_code_request_ends_with_the_users_words():
+    """Claude Code 2.1 sends its agent and skill listings as system messages after the user's request (and
+    reminders after tool results); the 270M model read them last and went on listing skills instead of
+    answering. The conversation growing at its end still extends the previous prompt."""
+    tools = [{"name": "Bash", "description": "Run a command.",
+              "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+    asked = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                                          {"type": "text", "text": "list the files here"}]},
+             {"role": "system", "content": "Agents: Explore"}, {"role": "system", "content": "Skills: review"}]
+    answered = [*asked, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "Bash",
+                                                         "input": {"command": "ls"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "a.py"}]},
+                {"role": "system", "content": "Reminder: no todos"}]
+    gemma3 = builtin_template("gemma3")
+    prompt = gemma3.render(conversation_from_anthropic(asked, "You are Claude Code.", tools),
+                           RenderOptions(add_generation_prompt=True))
+    assert prompt.endswith("```\nWrite one block per call; to make several calls, write several blocks one after "
+                           "another. Each result comes back in a ```tool_result block.\n\nAgents: Explore\n\n"
+                           "Skills: review\n\n<system-reminder>ctx</system-reminder>\n\nlist the files here"
+                           "<end_of_turn>\n<start_of_turn>model\n")
+    grown = gemma3.render(conversation_from_anthropic(answered, "You are Claude Code.", tools),
+                          RenderOptions(add_generation_prompt=True))
+    assert grown.startswith(prompt)
+    assert grown.endswith('<start_of_turn>user\nReminder: no todos\n\n```tool_result\n{"name": "Bash", '
+                          '"content": "a.py"}\n```<end_of_turn>\n<start_of_turn>model\n')
 
 
 TOOLS = [Tool("read_file", "Read a file.", {"type": "object", "properties": {"path": {"type": "string"}},
