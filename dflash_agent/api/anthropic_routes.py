@@ -64,7 +64,8 @@ def _stop_reason(final: FinalEvent, tool_calls: bool, stop_sequences: tuple[str,
     if tool_calls:
         return "tool_use", None
     if final.finish_reason == "length":
-        return "max_tokens", None
+        # Anthropic's reason when the window, not max_tokens, ended the answer (Claude Code tells them apart).
+        return ("model_context_window_exceeded" if final.context_full else "max_tokens"), None
     if isinstance(final.stop, str) and final.stop in stop_sequences:
         return "stop_sequence", final.stop
     return "end_turn", None

@@ -43,9 +43,11 @@ class APIError(Exception):
 
 
 def context_overflow(n_prompt_tokens: int, n_ctx: int) -> APIError:
+    """Anthropic's wording, which Claude Code parses ("prompt is too long: N tokens > M") to compact the
+    conversation by the excess; llama.cpp's fields and OpenAI's code, which Codex CLI and others read."""
     return APIError(
-        400, f"the request needs {n_prompt_tokens} tokens but the context holds {n_ctx}: shorten the prompt "
-        "or start the server with a larger --ctx-size",
+        400, f"prompt is too long: {n_prompt_tokens + 1} tokens > {n_ctx} maximum (the prompt and one token of "
+        "answer): shorten the prompt or start the server with a larger --ctx-size",
         code="context_length_exceeded", extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx},
     )
 
@@ -57,7 +59,7 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, ChatError):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ContextOverflowError):
-        return context_overflow(exc.needed, exc.n_ctx)
+        return context_overflow(exc.needed - 1, exc.n_ctx)  # needed counts one token of answer
     if isinstance(exc, UnicodeDecodeError):  # Litestar decodes the body before any check of ours
         return APIError(400, f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}")
     if isinstance(exc, RecursionError):  # msgspec's depth limit, from the body or a structure inside it

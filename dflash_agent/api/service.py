@@ -214,10 +214,11 @@ class ServerState:
         n_ctx = model.engine.n_ctx
         limit = n_ctx * self.max_piece_chars
         if n_chars > limit:
+            at_least = -(-n_chars // self.max_piece_chars)
             raise APIError(
-                400, f"the prompt has {n_chars} characters, more than a context of {n_ctx} tokens holds (at most "
-                f"{limit} characters, {self.max_piece_chars} per token): shorten it or start the server with a "
-                "larger --ctx-size", code="context_length_exceeded",
+                400, f"prompt is too long: at least {at_least} tokens > {n_ctx} maximum (its {n_chars} characters, "
+                f"at most {self.max_piece_chars} per token): shorten it or start the server with a larger --ctx-size",
+                code="context_length_exceeded",
                 extra={"n_prompt_chars": n_chars, "max_prompt_chars": limit, "n_ctx": n_ctx})
 
     async def encode(self, text: str, add_bos: bool = True) -> list[int]:

@@ -334,7 +334,8 @@ class Engine:
         timings.predicted_per_second = _rate(timings.predicted_n, timings.predicted_ms)
         timings.draft_n, timings.draft_n_accepted = decoder.stats.drafted, decoder.stats.accepted
         usage = Usage(len(req.prompt_ids), len(generated), cached_tokens=reuse.tokens)
-        job.emit(FinalEvent(finish, usage, timings, matched, decoder.stats))
+        context_full = finish == "length" and (req.max_tokens is None or req.max_tokens > budget)
+        job.emit(FinalEvent(finish, usage, timings, matched, decoder.stats, context_full))
 
 
 def physical_cores() -> int:

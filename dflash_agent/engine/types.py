@@ -165,6 +165,7 @@ class FinalEvent:
     timings: Timings
     stop: int | str | None = None  # the stop token id or stop string that ended generation
     spec: SpecStats = field(default_factory=SpecStats)
+    context_full: bool = False  # "length" because the context filled up before max_tokens ran out
 
 
 @dataclass

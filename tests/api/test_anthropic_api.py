@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -185,3 +186,27 @@ def test_a_bad_structured_output_format_is_a_400(client, extra):
     with pytest.raises(anthropic.BadRequestError, match="json_schema"):
         client.messages.create(model="any", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                extra_body=extra)
+
+
+# The pattern Claude Code 2.1 reads a prompt-too-long error with, to compact the conversation by the excess.
+CLAUDE_CODE_PTL = r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)"
+
+
+def test_the_context_limits_read_as_anthropic_words_them(strict_url):
+    """A prompt past the context is Anthropic's "prompt is too long: N tokens > M maximum"; an answer the context
+    cut short stops with model_context_window_exceeded, one max_tokens cut with max_tokens."""
+    from tests.api.conftest import API_KEY
+    client = anthropic.Anthropic(base_url=strict_url, api_key=API_KEY, max_retries=0, timeout=300)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model="m", max_tokens=64000, messages=[{"role": "user", "content": "word " * 400}])
+    found = re.search(CLAUDE_CODE_PTL, info.value.message, re.IGNORECASE)
+    assert found and int(found[1]) > int(found[2]) == 256, info.value.message
+    assert "--ctx-size" in info.value.message
+    counting = [{"role": "user", "content": "Count on: " + " ".join(map(str, range(1, 60)))}]
+    full = client.messages.create(model="m", max_tokens=64000, messages=counting, extra_body=GREEDY)
+    assert full.stop_reason == "model_context_window_exceeded", full
+    assert full.usage.input_tokens + full.usage.output_tokens == 256
+    with client.messages.stream(model="m", max_tokens=64000, messages=counting, extra_body=GREEDY) as stream:
+        assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
+    cut = client.messages.create(model="m", max_tokens=3, messages=counting, extra_body=GREEDY)
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
