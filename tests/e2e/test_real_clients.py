@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -141,6 +142,43 @@ def test_a_second_claude_code_run_is_served_from_the_prefix_cache(repo, tmp_path
     usages = engine.usages[before:]
     prompt, cached = sum(u.prompt_tokens for u in usages), sum(u.cached_tokens for u in usages)
     assert prompt > 10_000 and cached / prompt > 0.9, usages
+
+
+def _reader(repo, n_files: int):
+    """Reads f0.txt, f1.txt, ... one call per turn, then answers; summarises when Claude Code compacts."""
+    def reply(prompt: str) -> str:
+        done = max([int(k) for k in re.findall(r"file (\d+) line 29", prompt)]
+                   + [int(k) for k in re.findall(r"READ_UP_TO=(\d+)", prompt)] + [-1])
+        if "<summary> block" in prompt[-2000:]:  # Claude Code's compaction request
+            return f"<analysis>Reading files.</analysis>\n<summary>Listing the files. READ_UP_TO={done}</summary>"
+        if done == n_files - 1:
+            return ANSWER
+        return "Reading.\n" + fenced_call("Read", {"file_path": str(repo / f"f{done + 1}.txt")})
+    return reply
+
+
+@_installed("claude")
+def test_claude_code_compacts_a_session_that_outgrows_the_context(repo, tmp_path):
+    """Claude Code believes in a 1M-token window; ours is 32K. When a request no longer fits, the 400 says "prompt
+    is too long: N tokens > M maximum", which Claude Code reads to compact the conversation and go on (with our
+    earlier wording it stopped with is_error: true)."""
+    for k in range(24):  # about 770 tokens of tool result each: 18.7K + 24 x 0.77K outgrows 32K once
+        (repo / f"f{k}.txt").write_text("\n".join(f"file {k} line {i}: the quick brown fox" for i in range(30)))
+    engine = None
+
+    def load():
+        nonlocal engine
+        engine = ScriptedEngine(Engine.load(progress=False, ctx_size=32768), _reader(repo, 24))
+        return engine
+
+    with live_server(load) as url:
+        result = _claude(url, repo, tmp_path / "claude-config", 600)
+    answer = json.loads(result.stdout)
+    assert answer["is_error"] is False and answer["result"] == ANSWER, answer
+    compactions = [i for i, p in enumerate(engine.prompts) if "<summary> block" in p[-2000:]]
+    assert compactions, "Claude Code never compacted"
+    after = engine.usages[compactions[0] + 1].prompt_tokens
+    assert after < engine.usages[compactions[0] - 1].prompt_tokens - 4000 and max(u.prompt_tokens for u in engine.usages) < 32768
 
 
 @_wanted("codex")
