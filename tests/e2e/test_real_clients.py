@@ -1,9 +1,11 @@
-"""Real coding assistants against a live server: Codex CLI (`@openai/codex`, the Responses API) and Claude Code
-(`@anthropic-ai/claude-code`, the Messages API), each unmodified, run as a user runs them.
+"""Real coding assistants against a live server: Codex CLI (`@openai/codex`, the Responses API), Claude Code
+(`@anthropic-ai/claude-code`, the Messages API) and aider (`aider-chat`, streamed chat completions), each
+unmodified, run as a user runs them.
 
 - With a scripted model (tests/e2e/scripted_engine.py): the client's whole cycle of a tool call, the tool's
   result sent back, and a final answer, through the real tokenizer, template, tool syntax and routes. These run
-  whenever the client is installed (`npm install -g @openai/codex @anthropic-ai/claude-code`) and take seconds.
+  whenever the client is installed (`npm install -g @openai/codex @anthropic-ai/claude-code`; aider in a venv
+  of its own, as .ci/run does) and take seconds.
 - With the embedded model: the same first prompt prefilled and answered for real. They also need
   DFLASH_AGENT_REAL_CLIENTS=1: on a 2-core CPU a run prefills Codex's 8K-token or Claude Code's 27K-token first
   prompt and takes many minutes, and the 270M base model may not end its turn on such a prompt."""
@@ -179,6 +181,33 @@ def test_claude_code_compacts_a_session_that_outgrows_the_context(repo, tmp_path
     assert compactions, "Claude Code never compacted"
     after = engine.usages[compactions[0] + 1].prompt_tokens
     assert after < engine.usages[compactions[0] - 1].prompt_tokens - 4000 and max(u.prompt_tokens for u in engine.usages) < 32768
+
+
+@_installed("aider")
+def test_aider_applies_an_edit(tmp_path):
+    """aider (litellm's OpenAI client, streamed chat completions) with its default edit format for a model it does
+    not know: the whole file back, which aider writes."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hello.py").write_text("print('hi')\n")
+    engine = None
+
+    def load():
+        nonlocal engine
+        engine = ScriptedEngine(Engine.load(progress=False),
+                                lambda prompt: "hello.py\n```python\nprint('hello')\n```\n" if "hello.py" in prompt else "OK.")
+        return engine
+
+    with live_server(load) as url:
+        env = {**os.environ, "HOME": str(tmp_path), "OPENAI_API_KEY": "unused", "OPENAI_API_BASE": f"{url}/v1"}
+        result = subprocess.run(
+            ["aider", "--model", "openai/gemma", "--no-git", "--yes-always", "--no-show-model-warnings",
+             "--no-check-update", "--no-analytics", "--no-pretty", "--message", "Make hello.py say hello.", "hello.py"],
+            check=False, cwd=work, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Applied edit to hello.py" in result.stdout, result.stdout[-3000:]
+    assert (work / "hello.py").read_text() == "print('hello')\n"
+    assert "Make hello.py say hello." in engine.prompts[-1]
 
 
 @_wanted("codex")
