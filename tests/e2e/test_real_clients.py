@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 
 import pytest
 
@@ -30,9 +31,12 @@ ANSWER = f"The files here are README.md and {MARKER}."
 RESULT = '```tool_result\n{"name": '  # a tool's result as chat/gemma3_tools.py writes it back
 
 
-def _wanted(binary: str) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(shutil.which(binary) is None or os.environ.get("DFLASH_AGENT_REAL_CLIENTS") != "1",
+def _wanted(binary: str) -> Callable:
+    """Real model runs: skipped unless asked for, and given the client's own TIMEOUT_S rather than the suite's 900 s
+    (a base-model answer that runs to the end of a 32K context takes longer than that on 2 cores)."""
+    skip = pytest.mark.skipif(shutil.which(binary) is None or os.environ.get("DFLASH_AGENT_REAL_CLIENTS") != "1",
                               reason=f"{binary} not installed or DFLASH_AGENT_REAL_CLIENTS not 1")
+    return lambda test: skip(pytest.mark.timeout(TIMEOUT_S + 120)(test))
 
 
 def _installed(binary: str) -> pytest.MarkDecorator:
