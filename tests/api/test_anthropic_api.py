@@ -9,6 +9,8 @@ import anthropic
 import httpx
 import pytest
 
+from .conftest import API_KEY
+
 TOOLS = [
     {"name": "set_mode", "description": "Switch the editor mode.",
      "input_schema": {"type": "object", "properties": {"mode": {"type": "string", "enum": ["insert", "normal"]}},
@@ -195,7 +197,6 @@ CLAUDE_CODE_PTL = r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)"
 def test_the_context_limits_read_as_anthropic_words_them(strict_url):
     """A prompt past the context is Anthropic's "prompt is too long: N tokens > M maximum"; an answer the context
     cut short stops with model_context_window_exceeded, one max_tokens cut with max_tokens."""
-    from tests.api.conftest import API_KEY
     client = anthropic.Anthropic(base_url=strict_url, api_key=API_KEY, max_retries=0, timeout=300)
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="m", max_tokens=64000, messages=[{"role": "user", "content": "word " * 400}])

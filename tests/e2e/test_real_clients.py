@@ -7,7 +7,7 @@ unmodified, run as a user runs them.
   whenever the client is installed (`npm install -g @openai/codex @anthropic-ai/claude-code`; aider in a venv
   of its own, as .ci/run does) and take seconds.
 - With the embedded model: the same first prompt prefilled and answered for real. They also need
-  DFLASH_AGENT_REAL_CLIENTS=1: on a 2-core CPU a run prefills Codex's 8K-token or Claude Code's 27K-token first
+  DFLASH_AGENT_REAL_CLIENTS=1: on a 2-core CPU a run prefills Codex's 8K-token or Claude Code's 19K-token first
   prompt and takes many minutes, and the 270M base model may not end its turn on such a prompt."""
 
 from __future__ import annotations
