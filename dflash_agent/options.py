@@ -59,6 +59,18 @@ kv_cache_option = click.option(
     help="KV cache storage: auto (the model's dtype) or q8 (8-bit, about half the memory: longer contexts).")
 
 
+def sandbox_options(f):
+    """How the tools' processes are confined (tools/sandbox.py); the commands with workspace tools take these."""
+    f = click.option("--sandbox-network/--no-sandbox-network", default=True, show_default=True,
+                     help="Whether sandboxed bash commands may use the network (pip install, git fetch).")(f)
+    f = click.option("--sandbox", type=click.Choice(["auto", "bwrap", "off"]), default="auto", show_default=True,
+                     help="Run the tools' commands (bash, grep's helper) under bubblewrap: in their own PID namespace "
+                          "(the server's processes and keys out of sight, nothing a command starts outlives it), the "
+                          "filesystem read-only but the workspace and a private /tmp. auto: bwrap where it can start, "
+                          "else one warning and no sandbox; bwrap: refuse to run commands without it; off: none.")(f)
+    return f
+
+
 def check_spec_options(no_spec: bool, draft: str | None, spec_block: int | None) -> None:
     """Also called before the load by the commands that load in the background (`serve`, `mcp`), so the mistake
     is told at once."""

@@ -15,9 +15,10 @@ import click
 from rich.console import Console
 
 from ..engine import SamplingParams
-from ..options import load_engine, model_options, user_errors
+from ..options import load_engine, model_options, sandbox_options, user_errors
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import workspace_tools
+from ..tools.sandbox import Sandbox
 from ..tools.workspace import Workspace
 from .backend import Backend
 from .loop import EXIT_CODES, Agent, AgentConfig
@@ -65,7 +66,7 @@ def agent_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return f
+    return sandbox_options(f)
 
 
 @dataclass
@@ -80,7 +81,9 @@ def open_session(stack: ExitStack, params: dict, console: Console) -> Session:
     """Workspace, tools, model, transcript and view from the command's options; `stack` closes them."""
     ctx = click.get_current_context()
     workspace = Workspace(params["repo"], read_only=params["read_only"])
-    registry = workspace_tools(workspace, (*DEFAULT_DENY, *params["deny"]))
+    sandbox = Sandbox(params["sandbox"], params["sandbox_network"])
+    sandboxing = sandbox.describe()  # now, not at the first command: a required sandbox that cannot start ends here
+    registry = workspace_tools(workspace, (*DEFAULT_DENY, *params["deny"]), sandbox)
     backend, model_name, close_backend = _backend(stack, ctx, params)
     transcript = Transcript(params["transcript"] or default_transcript_path(workspace.root, params["read_only"]))
     stack.callback(transcript.close)
@@ -97,7 +100,7 @@ def open_session(stack: ExitStack, params: dict, console: Console) -> Session:
                              "enable_thinking": config.enable_thinking, "temperature": params["temperature"]})
     agent = Agent(backend, registry, system_prompt(workspace), config, view, transcript)
     print_welcome(console, {**where, "model": model_name, "repo": workspace.root, "tools": ", ".join(registry.names),
-                            "transcript": transcript.path})
+                            "sandbox": sandboxing, "transcript": transcript.path})
     return Session(agent, console, transcript, close_backend)
 
 

@@ -3,7 +3,9 @@ timestamp, written as it happens (a crashed or interrupted run keeps what it did
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import tempfile
 from datetime import datetime, timezone
@@ -11,27 +13,43 @@ from pathlib import Path
 from typing import Any
 
 from ..chat.types import Message
+from ..tools.workspace import open_dir
 
 STATE_DIR = ".dflash-agent"
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+log = logging.getLogger(__name__)
 
 
 def default_transcript_path(repo: Path, read_only: bool) -> Path:
     """REPO/.dflash-agent/transcripts/run-<time>-<pid>.jsonl, or under the temp dir for a read-only
     workspace (which the agent must not write into)."""
     base = Path(tempfile.gettempdir()) / "dflash-agent" if read_only else repo / STATE_DIR
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # microseconds: an MCP server starts runs often
     return base / "transcripts" / f"run-{stamp}-{os.getpid()}.jsonl"
 
 
 class Transcript:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         state = next((p for p in self.path.parents if p.name == STATE_DIR), None)
-        if state is not None and not (state / ".gitignore").exists():
-            # Keeps `git status` (which the agent reads) clean, as .pytest_cache does.
-            (state / ".gitignore").write_text("*\n")
-        self._file = open(self.path, "a", encoding="utf-8")
+        if state is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+            return
+        try:
+            fd = _open_in_state_dir(state, self.path.relative_to(state))
+        except OSError as exc:
+            # The repo (which the agent, or whoever wrote it, controls) made a part of the state dir
+            # a symlink or a file: writing through it would put the transcript anywhere.
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            fallback = default_transcript_path(state.parent, read_only=True)
+            log.warning("%s holds a symlink or a file where a directory belongs; not writing through it: "
+                        "the transcript goes to %s", state, fallback)
+            self.path = fallback
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, _APPEND, 0o644)
+        self._file = open(fd, "a", encoding="utf-8")
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "type": kind, **fields}
@@ -51,3 +69,30 @@ class Transcript:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _open_in_state_dir(state: Path, rel: Path) -> int:
+    """`state / rel` opened for appending, its directories created, one component at a time from the
+    repo with O_NOFOLLOW (ELOOP or ENOTDIR where one is a symlink); the state dir gets a .gitignore."""
+    fd = os.open(state.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for depth, name in enumerate((state.name, *rel.parts[:-1])):
+            child = open_dir(fd, name, make=True)
+            os.close(fd)
+            fd = child
+            if depth == 0:
+                _ignore_all(fd)
+        return os.open(rel.name, _APPEND | os.O_NOFOLLOW, 0o644, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _ignore_all(state: int) -> None:
+    # Keeps `git status` (which the agent reads) clean, as .pytest_cache does.
+    try:
+        fd = os.open(".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=state)
+    except FileExistsError:
+        return
+    with open(fd, "w") as f:
+        f.write("*\n")

@@ -1,14 +1,16 @@
 """`dflash-agent mcp`: the MCP server over stdio, the way editors and coding agents spawn one.
 
 Editors start their MCP servers with the editor and expect the handshake at once, while a 31B model
-takes minutes to load: so the server answers immediately and the model comes either from a running
-`dflash-agent serve` (no second copy of the weights) or from a load started in the background, which
+takes minutes to load: so the server answers immediately and the model comes either from the server the
+user names (`--server`: no second copy of the weights) or from a load started in the background, which
 the tools that need the model wait for. A failed load ends the process with one line on stderr, as
-`serve` does."""
+`serve` does. No server is ever guessed: whatever listens on a well-known port is not trusted with
+prompts, file contents or an API key."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import threading
@@ -18,20 +20,19 @@ from pathlib import Path
 
 import anyio
 import click
-import httpx
 from mcp.server import Server
 from mcp.server.stdio import stdio_server
 
 from ..agent.commands import ENGINE_ONLY
 from ..chat.chat_format import LoadedModel
 from ..engine import Engine
-from ..options import check_spec_options, load_engine, model_options, report_error, user_errors
+from ..options import check_spec_options, load_engine, model_options, report_error, sandbox_options, user_errors
 from ..tools.bash import DEFAULT_DENY
+from ..tools.sandbox import Sandbox
 from .model import LocalModel, ModelAccess, RemoteModel
 from .server import workspace_server
 
-DEFAULT_SERVER = "http://127.0.0.1:8080"  # where `dflash-agent serve` listens by default
-PROBE_TIMEOUT_S = 0.5  # the handshake must not wait on a server that is not there
+log = logging.getLogger(__name__)
 
 
 @click.command()
@@ -42,17 +43,19 @@ PROBE_TIMEOUT_S = 0.5  # the handshake must not wait on a server that is not the
                    "MCP tools, with read-only / destructive annotations.")
 @click.option("--read-only", is_flag=True, help="No writes and no bash: list, read and search only.")
 @click.option("--server", envvar="DFLASH_AGENT_SERVER", default=None, metavar="URL",
-              help="Use a running OpenAI-compatible server for the model (e.g. http://127.0.0.1:8080/v1; its key "
-                   "from DFLASH_AGENT_API_KEY or OPENAI_API_KEY); --model then names the served model. Default: a "
-                   "server at 127.0.0.1:8080 if one answers and no model option is given, else the model loads in "
-                   "this process. Env: DFLASH_AGENT_SERVER.")
-@click.option("--local", is_flag=True, help="Load the model in this process even if a server is running.")
+              help="Use this running OpenAI-compatible server for the model (e.g. http://127.0.0.1:8080/v1), "
+                   "sending it DFLASH_AGENT_API_KEY (else OPENAI_API_KEY) as its key; --model then names the served "
+                   "model. Without it the model loads in this process: no server is guessed. "
+                   "Env: DFLASH_AGENT_SERVER.")
+@click.option("--local", is_flag=True,
+              help="Load the model in this process (the default without --server; kept for existing configs).")
 @click.option("--deny", multiple=True, metavar="REGEX",
               help="Refuse bash commands matching REGEX (repeatable), besides the built-in deny-list.")
+@sandbox_options
 @model_options
 @user_errors
 def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, local: bool, deny: tuple[str, ...],
-        **model_params) -> None:
+        sandbox: str, sandbox_network: bool, **model_params) -> None:
     """MCP server over stdio (what editors spawn): run_task (the coding agent, with a progress notification
     per step, cancellable), complete and chat (the local model), a status resource, and with
     --expose-tools the workspace tools. stdout carries the protocol; logs go to stderr."""
@@ -61,8 +64,6 @@ def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, loc
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     if server and local:
         raise click.UsageError("--server and --local exclude each other")
-    if server is None and not local and not given and _server_answers(DEFAULT_SERVER):
-        server = DEFAULT_SERVER
     loading: Future[LoadedModel] | None = None
     if server:
         engine_given = [f"--{name.replace('_', '-')}" for name in given if name != "model"]
@@ -78,16 +79,20 @@ def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, loc
         loading = Future()
         model = LocalModel(lambda: loading.result() if loading.done() else None, model_params["model"])
         where = f"{model_params['model']} (loading in this process)"
-    mcp_server = workspace_server(model, repo, expose_tools, read_only, (*DEFAULT_DENY, *deny))
+    tool_sandbox = Sandbox(sandbox, sandbox_network)
+    sandboxing = tool_sandbox.describe()  # before the handshake: a required sandbox that cannot start ends here
+    mcp_server = workspace_server(model, repo, expose_tools, read_only, (*DEFAULT_DENY, *deny), tool_sandbox)
     if loading is not None:
         _load_in_background(lambda: load_engine(**model_params), loading)
     click.echo(f"dflash-agent mcp: serving MCP on stdio; workspace {repo.resolve()}"
-               f"{' (read-only)' if read_only else ''}; model: {where}", err=True)
+               f"{' (read-only)' if read_only else ''}; model: {where}; sandbox: {sandboxing}", err=True)
     try:
         anyio.run(_serve, mcp_server, model, loading)
     finally:
         if loading is not None and loading.done() and loading.exception() is None:
             loading.result().engine.close()
+        elif loading is not None and not loading.done():
+            log.info("the client left before the model had loaded")
 
 
 async def _serve(server: Server, model: ModelAccess, loading: Future[LoadedModel] | None) -> None:
@@ -116,6 +121,9 @@ async def _watch_load(loading: Future[LoadedModel]) -> None:
 
 def _load_in_background(load: Callable[[], Engine], future: Future[LoadedModel]) -> None:
     """The load in a daemon thread, so a client that quits early does not wait for it to finish."""
+    # Running, as an executor marks its futures: cancelling the watcher's asyncio view of it (the client
+    # left) then leaves it be, where a pending one would be cancelled under the thread.
+    future.set_running_or_notify_cancel()
 
     def run() -> None:
         try:
@@ -125,11 +133,3 @@ def _load_in_background(load: Callable[[], Engine], future: Future[LoadedModel])
 
     threading.Thread(target=run, name="dflash-agent-load", daemon=True).start()
 
-
-def _server_answers(root: str) -> bool:
-    """A server at `root` is up: ready (200) or still loading its model (503), either way better than a
-    second copy of the weights in this process."""
-    try:
-        return httpx.get(f"{root}/health", timeout=PROBE_TIMEOUT_S).status_code in (200, 503)
-    except httpx.HTTPError:
-        return False

@@ -19,6 +19,7 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 
 from ..chat.chat_format import LoadedModel
+from ..tools.sandbox import Sandbox
 from .model import LocalModel
 from .server import workspace_server
 
@@ -44,7 +45,8 @@ class MCPPlugin(InitPluginProtocol):
     """`served` returns the model once loaded (None while loading; it raises if the load failed)."""
 
     def __init__(self, served: Callable[[], LoadedModel | None], name: str, repo: Path | None = None,
-                 expose_tools: bool = False, read_only: bool = False, host: str = "127.0.0.1") -> None:
+                 expose_tools: bool = False, read_only: bool = False, host: str = "127.0.0.1",
+                 sandbox: Sandbox | None = None) -> None:
         if expose_tools and repo is None:
             raise click.UsageError("--mcp-expose-tools needs --mcp-repo")
         self.served = served
@@ -53,11 +55,12 @@ class MCPPlugin(InitPluginProtocol):
         self.expose_tools = expose_tools
         self.read_only = read_only
         self.host = host
+        self.sandbox = sandbox
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         model = LocalModel(self.served, self.name)
         manager = StreamableHTTPSessionManager(
-            workspace_server(model, self.repo, self.expose_tools, self.read_only),
+            workspace_server(model, self.repo, self.expose_tools, self.read_only, sandbox=self.sandbox),
             security_settings=_security(self.host), max_request_body_size=app_config.request_max_body_size)
 
         @asgi(MCP_PATH, is_mount=True, copy_scope=True)

@@ -47,6 +47,7 @@ from ..chat.openai_messages import conversation_from_openai
 from ..errors import UserError
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import Registry, workspace_tools
+from ..tools.sandbox import Sandbox
 from ..tools.tool import ToolError, ToolResult, ToolSpec, struct_schema
 from ..tools.workspace import Workspace
 from .model import ModelAccess
@@ -103,13 +104,14 @@ class ServerTool:
 
 
 def agent_factory(model: ModelAccess, deny: tuple[str, ...] = DEFAULT_DENY,
-                  temperature: float | None = None) -> AgentFactory:
+                  temperature: float | None = None, sandbox: Sandbox | None = None) -> AgentFactory:
     """Agents on `model` with the workspace tools, each run recorded in a transcript (as `dflash-agent
-    run` records its runs)."""
+    run` records its runs). One `sandbox` for them all: bwrap is probed once."""
+    sandbox = sandbox if sandbox is not None else Sandbox()
 
     async def make(workspace: Workspace, config: AgentConfig, on_event: OnEvent) -> Agent:
         backend = await model.backend(temperature)
-        registry = workspace_tools(workspace, deny)
+        registry = workspace_tools(workspace, deny, sandbox)
         transcript = Transcript(default_transcript_path(workspace.root, workspace.read_only))
         transcript.event("start", command="mcp run_task", repo=str(workspace.root), model=model.name,
                          read_only=workspace.read_only, tools=registry.names,
@@ -173,16 +175,18 @@ def build_server(model: ModelAccess, workspace: Workspace | None = None, registr
 
 
 def workspace_server(model: ModelAccess, repo: os.PathLike | str | None, expose_tools: bool = False,
-                     read_only: bool = False, deny: tuple[str, ...] = DEFAULT_DENY) -> Server:
+                     read_only: bool = False, deny: tuple[str, ...] = DEFAULT_DENY,
+                     sandbox: Sandbox | None = None) -> Server:
     """The server the `mcp` command and `serve`'s /mcp run: run_task on `repo` (when given), the
-    model, and with `expose_tools` the workspace tools."""
+    model, and with `expose_tools` the workspace tools; `sandbox` confines their commands."""
     if repo is None:
         if expose_tools:
             raise UserError("exposing the workspace tools needs a workspace (a repo directory)")
         return build_server(model)
     workspace = Workspace(repo, read_only=read_only)
-    registry = workspace_tools(workspace, deny) if expose_tools else None
-    return build_server(model, workspace, registry, agent_factory(model, deny))
+    sandbox = sandbox if sandbox is not None else Sandbox()
+    registry = workspace_tools(workspace, deny, sandbox) if expose_tools else None
+    return build_server(model, workspace, registry, agent_factory(model, deny, sandbox=sandbox))
 
 
 # --- the tools ------------------------------------------------------------------------------------

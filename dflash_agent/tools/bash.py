@@ -1,12 +1,15 @@
-"""The bash tool. Each call is a fresh, non-interactive `bash -c` under a launcher (launcher.py) that
-holds no secrets and sees every process the command starts: the timeout kills them all, and so does
-the command's end (nothing it started outlives it, not even what left its session with `setsid`).
-Only the working directory carries over from one call to the next, and it never leaves the
-workspace. This confines the agent's habits, not a hostile program: use a container for that."""
+"""The bash tool. Each call is a fresh, non-interactive `bash -c` with no secrets in its environment,
+in the sandbox (sandbox.py: its own PID namespace, the filesystem read-only but the workspace and a
+private /tmp) or, where that cannot start, under a launcher (launcher.py) that sees every process the
+command starts. Either way the timeout kills them all, and so does the command's end (nothing it
+started outlives it, not even what left its session with `setsid`). Only the working directory
+carries over from one call to the next, and it never leaves the workspace. Without the sandbox this
+confines the agent's habits, not a hostile program."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import selectors
@@ -17,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ from typing import Annotated
 import msgspec
 
 from ..errors import UserError
+from .sandbox import Sandbox, SandboxError
 from .tool import ToolError, ToolSpec, elision_note
 from .workspace import Workspace
 
@@ -114,6 +119,40 @@ class CommandOutcome:
     detached: bool  # a process outside the group kept the output open; reading stopped
 
 
+class _Streams:
+    """A command's output, and the launcher's status pipe if any, read as they come without blocking."""
+
+    def __init__(self, selector: selectors.BaseSelector, out_fd: int, capture: OutputCapture,
+                 status_fd: int | None = None) -> None:
+        self.selector = selector
+        self.capture = capture
+        self.status_fd = status_fd
+        self.status = bytearray()
+        self.eof = False
+        self.finished = False  # the status pipe closed: the launcher is done
+        selector.register(out_fd, selectors.EVENT_READ)
+        if status_fd is not None:
+            selector.register(status_fd, selectors.EVENT_READ)
+
+    def pump(self, wait: float) -> None:
+        for key, _ in self.selector.select(wait):
+            chunk = os.read(key.fd, 65536)
+            if key.fd == self.status_fd:
+                self.status.extend(chunk)
+                self.finished = not chunk
+            else:
+                self.capture.add(chunk)
+                self.eof = not chunk
+            if not chunk:
+                self.selector.unregister(key.fd)
+
+    def drain(self) -> None:
+        """Output still in the pipe after the command ended."""
+        until = time.monotonic() + _DRAIN_S
+        while not self.eof and time.monotonic() < until:
+            self.pump(_POLL_S)
+
+
 LAUNCHER = Path(__file__).with_name("launcher.py")
 
 
@@ -137,63 +176,76 @@ def run_command(argv: list[str], cwd: Path, env: Mapping[str, str], timeout: flo
         os.close(status_w)
         os.close(control_r)
     assert proc.stdout is not None
-    out_fd = proc.stdout.fileno()
-    capture = OutputCapture(max_output)
-    status = bytearray()
     deadline = time.monotonic() + timeout
-    timed_out = eof = finished = False
+    timed_out = False
     with selectors.DefaultSelector() as selector:
-        selector.register(out_fd, selectors.EVENT_READ)
-        selector.register(status_r, selectors.EVENT_READ)
-
-        def pump(wait: float) -> None:
-            nonlocal eof, finished
-            for key, _ in selector.select(wait):
-                chunk = os.read(key.fd, 65536)
-                if key.fd == status_r:
-                    status.extend(chunk)
-                    finished = not chunk
-                else:
-                    capture.add(chunk)
-                    eof = not chunk
-                if not chunk:
-                    selector.unregister(key.fd)
-
+        streams = _Streams(selector, proc.stdout.fileno(), OutputCapture(max_output), status_r)
         try:
             proc.wait()  # the launcher's first process, which exits as soon as it has detached
-            while not finished:
+            while not streams.finished:
                 now = time.monotonic()
                 if cancel.is_set() or now >= deadline:
                     timed_out = not cancel.is_set()
                     break
-                pump(min(_POLL_S, deadline - now))
+                streams.pump(min(_POLL_S, deadline - now))
         finally:
             # Hanging up tells the launcher to kill everything; it reports once that is done.
             os.close(control_w)
         until = time.monotonic() + _STOP_S
-        while not finished and time.monotonic() < until:
-            pump(_POLL_S)
-        # Output still in the pipe after the command ended.
-        until = time.monotonic() + _DRAIN_S
-        while not eof and time.monotonic() < until:
-            pump(_POLL_S)
+        while not streams.finished and time.monotonic() < until:
+            streams.pump(_POLL_S)
+        streams.drain()
     os.close(status_r)
     proc.stdout.close()
-    code = status.decode(errors="replace").strip()
+    code = streams.status.decode(errors="replace").strip()
     killed = timed_out or cancel.is_set() or not code.lstrip("-").isdigit()
-    return CommandOutcome(capture, None if killed else int(code), timed_out, detached=not eof)
+    return CommandOutcome(streams.capture, None if killed else int(code), timed_out, detached=not streams.eof)
+
+
+def run_sandboxed(sandbox: Sandbox, argv: list[str], cwd: Path, writable: list[Path], tmp: Path,
+                  env: Mapping[str, str], timeout: float, max_output: int, cancel: threading.Event) -> CommandOutcome:
+    """Run argv in the sandbox (see sandbox.py), as run_command does through the launcher. No launcher:
+    the PID namespace is the process group that cannot be left, and its init is out of the command's
+    reach, so the command's end, or killing that init (timeout, cancel), ends everything it started.
+    bwrap's exit code is the command's (128 + N for a signal)."""
+    started = sandbox.start(argv, cwd, writable=writable, tmp=tmp, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = started.proc
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    timed_out = killed = False
+    with selectors.DefaultSelector() as selector:
+        streams = _Streams(selector, proc.stdout.fileno(), OutputCapture(max_output))
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if cancel.is_set() or now >= deadline:
+                    timed_out = not cancel.is_set()
+                    killed = True
+                    break
+                streams.pump(min(_POLL_S, deadline - now))
+        finally:
+            started.stop()  # kills what is left, if anything
+        streams.drain()
+    proc.stdout.close()
+    code = proc.returncode
+    return CommandOutcome(streams.capture, None if killed or code is None else code, timed_out,
+                          detached=not streams.eof)
 
 
 class Shell:
-    """The bash tool's state: the working directory, carried from call to call."""
+    """The bash tool's state: the working directory, carried from call to call, and in the sandbox the
+    private /tmp, kept from call to call as a shell's would be (removed with the Shell)."""
 
     def __init__(self, workspace: Workspace, deny: Sequence[str] = DEFAULT_DENY,
-                 max_output: int = MAX_OUTPUT_BYTES) -> None:
+                 max_output: int = MAX_OUTPUT_BYTES, sandbox: Sandbox | None = None) -> None:
         self.ws = workspace
         self.cwd = workspace.root
         self.deny = compile_deny(deny)
         self.max_output = max_output
         self.bash_path = shutil.which("bash")
+        self.sandbox = sandbox if sandbox is not None else Sandbox()
+        self._tmp: Path | None = None
 
     async def bash(self, args: BashArgs) -> str:
         if self.bash_path is None:
@@ -202,18 +254,31 @@ class Shell:
             if pattern.search(args.command):
                 raise ToolError(f"refused: the command matches the deny-list pattern {pattern.pattern!r}; "
                                 "destructive commands are blocked in this workspace")
+        try:
+            sandboxed = await asyncio.to_thread(self.sandbox.enabled)  # probes bwrap on the first call
+        except SandboxError as exc:
+            raise ToolError(f"{exc}; the command did not run") from None
         notes = []
         if not self.cwd.is_dir():  # removed by an earlier command
             notes.append(f"[working directory {self.ws.display(self.cwd)} no longer exists; back at the root]")
             self.cwd = self.ws.root
-        fd, cwd_file = tempfile.mkstemp(prefix="dflash-agent-cwd-")
+        env = sandbox_env(os.environ)
+        tmp = self._private_tmp() if sandboxed else None
+        fd, cwd_file = tempfile.mkstemp(prefix="dflash-agent-cwd-", dir=tmp)
         os.close(fd)
         # The EXIT trap records where the command left the shell, even when it calls `exit`.
-        script = f"__dflash_cwd={shlex.quote(cwd_file)}\ntrap 'pwd -P > \"$__dflash_cwd\"' EXIT\n{args.command}"
+        script = (f"__dflash_cwd={shlex.quote(cwd_file if tmp is None else '/tmp/' + Path(cwd_file).name)}\n"
+                  f"trap 'pwd -P > \"$__dflash_cwd\"' EXIT\n{args.command}")
+        argv = [self.bash_path, "-c", script]
         cancel = threading.Event()
-        running = asyncio.ensure_future(asyncio.to_thread(
-            run_command, [self.bash_path, "-c", script], self.cwd, sandbox_env(os.environ), args.timeout,
-            self.max_output, cancel))
+        if tmp is not None:
+            # The real ones are read-only in there: pip, uv, go and the like put their caches in
+            # XDG_CACHE_HOME, npm in its own.
+            env.update(TMPDIR="/tmp", XDG_CACHE_HOME="/tmp/.cache", npm_config_cache="/tmp/.npm")
+            run = functools.partial(run_sandboxed, self.sandbox, argv, self.cwd, [self.ws.root], tmp)
+        else:
+            run = functools.partial(run_command, argv, self.cwd)
+        running = asyncio.ensure_future(asyncio.to_thread(run, env, args.timeout, self.max_output, cancel))
         try:
             outcome = await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -234,6 +299,13 @@ class Shell:
         if outcome.detached:
             notes.append("[a process that escaped the command still holds its output; stopped reading]")
         return "\n".join([text, *notes])
+
+    def _private_tmp(self) -> Path:
+        """The sandbox's /tmp: a directory of the machine's own, made on first use."""
+        if self._tmp is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix="dflash-agent-tmp-"))
+            weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)
+        return self._tmp
 
     def _follow_cwd(self, moved_to: str) -> list[str]:
         if not moved_to:

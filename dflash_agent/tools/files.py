@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Annotated
@@ -10,7 +14,7 @@ from typing import Annotated
 import msgspec
 
 from .tool import ToolError, ToolSpec
-from .workspace import Workspace
+from .workspace import Workspace, printable
 
 MAX_READ_BYTES = 10 * 2**20  # larger files are for grep and bash (head, sed -n)
 DEFAULT_READ_LINES = 2000
@@ -72,11 +76,11 @@ class FileTools:
     def __init__(self, workspace: Workspace) -> None:
         self.ws = workspace
 
-    def _open(self, path: str, flags: int, make_dirs: bool = False) -> tuple[Path, int, os.stat_result]:
+    def _open(self, path: str, flags: int) -> tuple[int, os.stat_result]:
         """Open inside the workspace (never through a symlink swapped in after the check, see
         Workspace.open); ToolError unless it is a regular file. O_NONBLOCK: a FIFO must not hang us."""
         try:
-            real, fd = self.ws.open(path, flags | os.O_NONBLOCK, make_dirs=make_dirs)
+            _, fd = self.ws.open(path, flags | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             raise ToolError(f"{path} does not exist") from None
         except IsADirectoryError:
@@ -86,25 +90,53 @@ class FileTools:
             os.close(fd)
             kind = "a directory; use list_dir or glob" if stat.S_ISDIR(info.st_mode) else "not a regular file"
             raise ToolError(f"{path} is {kind}")
-        return real, fd, info
+        return fd, info
+
+    def _open_parent(self, path: str, make_dirs: bool) -> tuple[Path, int]:
+        """The real path and its directory, opened by descriptor (see Workspace.open_parent)."""
+        try:
+            return self.ws.open_parent(path, make_dirs=make_dirs)
+        except FileNotFoundError:
+            raise ToolError(f"{path} does not exist") from None
+        except (FileExistsError, NotADirectoryError):
+            raise ToolError(f"{path}: a component of the path is not a directory") from None
 
     @staticmethod
-    def _refuse_hard_links(path: str, info: os.stat_result, fd: int) -> None:
-        # Writing through a file that has other names changes them too, and they may lie outside the
-        # workspace (`ln /outside/file x` in bash); a path check cannot see them, so such files are
-        # not written. Reading is allowed: it shows nothing bash in the workspace cannot read.
-        if info.st_nlink > 1:
+    def _existing(path: str, parent: int, name: str, flags: int) -> tuple[int, os.stat_result] | None:
+        """The file `name` in `parent`, opened with `flags` (which checks that it may be written), or
+        None when there is none; ToolError unless it is a regular file. It is looked at before it is
+        opened (opening a device or a FIFO can act on it), and opened with O_NOFOLLOW: a symlink here
+        was swapped in after the path was resolved."""
+        try:
+            mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+            if stat.S_ISREG(mode):
+                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # swapped for something else between the two looks
+            swapped = {errno.ELOOP: stat.S_IFLNK, errno.ENXIO: stat.S_IFIFO, errno.EISDIR: stat.S_IFDIR}
+            if exc.errno not in swapped:
+                raise
+            mode = swapped[exc.errno]
+        if stat.S_ISDIR(mode):
+            raise ToolError(f"{path} is a directory")
+        if stat.S_ISLNK(mode):
+            raise ToolError(f"{path} changed while it was opened (it is now a symlink); not following it")
+        if not stat.S_ISREG(mode):
+            raise ToolError(f"{path} is not a regular file")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise ToolError(f"{path} has {info.st_nlink} hard links; writing it would change the other names "
-                            "too, which may be outside the workspace. Copy it (cp) and write the copy instead")
+            raise ToolError(f"{path} changed while it was opened (it is no longer a regular file)")
+        return fd, info
 
-    def read_text(self, path: str) -> tuple[Path, str]:
-        """A text file's real path and content; ToolError for anything that is not one."""
-        real, fd, info = self._open(path, os.O_RDONLY)
+    def _read_text(self, path: str) -> str:
+        """A text file's content; ToolError for anything that is not one."""
+        fd, info = self._open(path, os.O_RDONLY)
         with open(fd, "rb") as f:
-            return real, self._decode(path, f, info)
+            return self._decode(path, f, info)
 
-    def _decode(self, path: str, f, info: os.stat_result) -> str:
+    def _decode(self, path: str, f, info: os.stat_result, errors: str = "replace") -> str:
         size = info.st_size
         if size > MAX_READ_BYTES:
             raise ToolError(f"{path} is {size / 2**20:.1f} MB, over the {MAX_READ_BYTES // 2**20} MB read limit; "
@@ -112,10 +144,24 @@ class FileTools:
         data = f.read(MAX_READ_BYTES + 1)
         if is_binary(data):
             raise ToolError(f"{path} is a binary file ({size:,} bytes); it cannot be shown as text")
-        return data.decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors=errors)
 
+    # Each tool's work runs in a thread: a 10 MB edit costs seconds of CPU and fsync waits on the disk,
+    # and either would stall every other call (an MCP server's, an HTTP server's) on the event loop.
     async def read_file(self, args: ReadFileArgs) -> str:
-        _, text = self.read_text(args.path)
+        return await asyncio.to_thread(self._read_file, args)
+
+    async def write_file(self, args: WriteFileArgs) -> str:
+        return await asyncio.to_thread(self._write_file, args)
+
+    async def edit_file(self, args: EditFileArgs) -> str:
+        return await asyncio.to_thread(self._edit_file, args)
+
+    async def list_dir(self, args: ListDirArgs) -> str:
+        return await asyncio.to_thread(self._list_dir, args.path)
+
+    def _read_file(self, args: ReadFileArgs) -> str:
+        text = self._read_text(args.path)
         lines = split_lines(text)
         if not lines:
             return f"({args.path} is empty)"
@@ -135,47 +181,51 @@ class FileTools:
             shown.append(f"[lines {args.offset}-{last} of {len(lines)}; read on with offset={last + 1}]")
         return "\n".join(shown)
 
-    async def write_file(self, args: WriteFileArgs) -> str:
-        flags = os.O_WRONLY | os.O_CREAT
+    def _write_file(self, args: WriteFileArgs) -> str:
+        data = _utf8(args.content, "content")
+        real, parent = self._open_parent(args.path, make_dirs=True)
         try:
-            real, fd, info = self._open(args.path, flags | os.O_EXCL, make_dirs=True)
-            existed = False
-        except FileExistsError:
-            real, fd, info = self._open(args.path, flags)
-            existed = True
-            self._refuse_hard_links(args.path, info, fd)
-        data = args.content.encode("utf-8")
-        with open(fd, "wb") as f:
-            # Truncated only now, after the checks: opening with O_TRUNC would empty a hard-linked file.
-            f.truncate(0)
-            f.write(data)
-        verb = "overwrote" if existed else "created"
+            existing = self._existing(args.path, parent, real.name, os.O_WRONLY)
+            if existing is not None:
+                os.close(existing[0])
+            replace_file(parent, real.name, data, None if existing is None else existing[1])
+        finally:
+            os.close(parent)
+        verb = "overwrote" if existing is not None else "created"
         return f"{verb} {self.ws.display(real)} ({len(split_lines(args.content))} lines, {len(data):,} bytes)"
 
-    async def edit_file(self, args: EditFileArgs) -> str:
+    def _edit_file(self, args: EditFileArgs) -> str:
         if not args.old_string:
             raise ToolError("old_string is empty; use write_file to create a file or replace all of it")
         if args.old_string == args.new_string:
             raise ToolError("old_string and new_string are the same; there is nothing to change")
-        real, fd, info = self._open(args.path, os.O_RDWR)
-        self._refuse_hard_links(args.path, info, fd)
-        with open(fd, "r+b") as f:
-            text = self._decode(args.path, f, info)
+        _utf8(args.new_string, "new_string")
+        real, parent = self._open_parent(args.path, make_dirs=False)
+        try:
+            existing = self._existing(args.path, parent, real.name, os.O_RDWR)
+            if existing is None:
+                raise ToolError(f"{args.path} does not exist")
+            fd, info = existing
+            with open(fd, "rb") as f:
+                # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
+                text = self._decode(args.path, f, info, errors="surrogateescape")
             starts = _occurrences(text, args.old_string)
             if not starts:
+                raw = (" The file holds bytes that are not UTF-8 (read_file shows them as \ufffd); change those lines "
+                       "with bash." if "\ufffd" in args.old_string and "\ufffd" not in text else "")
                 raise ToolError(f"old_string was not found in {args.path} (0 matches). It must match the file "
                                 f"exactly, whitespace and indentation included.{_near_misses(text, args.old_string)} "
-                                "Read the file to see its current text.")
-            lines_at = [text.count("\n", 0, i) + 1 for i in starts]
+                                f"Read the file to see its current text.{raw}")
+            lines_at = _line_numbers(text, starts)
             if len(starts) > 1 and not args.replace_all:
                 raise ToolError(f"old_string occurs {len(starts)} times in {args.path} (at lines "
                                 f"{_join_numbers(lines_at)}); include more surrounding text to make it unique, "
                                 "or set replace_all to replace every occurrence")
             count = len(starts) if args.replace_all else 1
             updated = text.replace(args.old_string, args.new_string, count)
-            f.seek(0)
-            f.truncate(0)
-            f.write(updated.encode("utf-8"))
+            replace_file(parent, real.name, updated.encode("utf-8", "surrogateescape"), info)
+        finally:
+            os.close(parent)
         # The first replacement's neighbourhood, as it reads now.
         first = lines_at[0]
         new_lines = split_lines(updated)
@@ -183,27 +233,30 @@ class FileTools:
         hi = min(len(new_lines), first + args.new_string.count("\n") + SNIPPET_CONTEXT)
         where = f"line {first}" if count == 1 else f"lines {_join_numbers(lines_at)}"
         noun = "occurrence" if count == 1 else "occurrences"
-        snippet = "\n".join(number_lines(new_lines[lo - 1:hi], lo))
+        snippet = printable("\n".join(number_lines(new_lines[lo - 1:hi], lo)))
         return f"replaced {count} {noun} in {self.ws.display(real)} ({where}); it now reads:\n{snippet}"
 
-    async def list_dir(self, args: ListDirArgs) -> str:
+    def _list_dir(self, path: str) -> str:
         try:
-            real, fd = self.ws.open(args.path, os.O_RDONLY | os.O_NONBLOCK)
+            real, fd = self.ws.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
-            raise ToolError(f"{args.path} does not exist") from None
+            raise ToolError(f"{path} does not exist") from None
         entries = []
         try:
             if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise ToolError(f"{args.path} is not a directory")
+                raise ToolError(f"{path} is not a directory")
             # Listed through the descriptor, so a directory swapped for a link meanwhile is not followed.
             with os.scandir(fd) as it:
                 for entry in it:
-                    if entry.is_symlink():
-                        entries.append(f"{entry.name} -> {os.readlink(entry.name, dir_fd=fd)}")
-                    elif entry.is_dir():
-                        entries.append(entry.name + "/")
-                    else:
-                        entries.append(entry.name)
+                    name = printable(entry.name)
+                    try:
+                        if entry.is_symlink():
+                            name += " -> " + printable(os.readlink(entry.name, dir_fd=fd))
+                        elif entry.is_dir(follow_symlinks=False):
+                            name += "/"
+                    except OSError:  # removed meanwhile
+                        continue
+                    entries.append(name)
         finally:
             os.close(fd)
         if not entries:
@@ -213,6 +266,54 @@ class FileTools:
         if more > 0:
             entries = entries[:MAX_DIR_ENTRIES] + [f"[{more:,} more entries; use glob to narrow down]"]
         return "\n".join(entries)
+
+
+def replace_file(parent: int, name: str, data: bytes, like: os.stat_result | None) -> None:
+    """Give `name` in the directory `parent` the content `data`, all or nothing: a temporary file next
+    to it is written, synced and renamed over it, so a full disk or a file-size limit leaves the old
+    file whole (and no new one). `like`: the file replaced, whose mode (and owner, where allowed) the
+    new one keeps. Its other hard links, if any, keep the old content."""
+    # A part of the name, cut in bytes: the whole name may already be the 255 bytes a name can have.
+    tmp = f".{os.fsencode(name)[:64].decode('utf-8', 'ignore')}.{secrets.token_hex(6)}.dflash-tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=parent)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        if like is not None:
+            if (like.st_uid, like.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):
+                    os.fchown(fd, like.st_uid, like.st_gid)
+            os.fchmod(fd, stat.S_IMODE(like.st_mode))  # after fchown, which clears set-user-ID
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=parent)
+        raise
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """`text` as UTF-8; ToolError if it holds a lone surrogate (JSON's "\\ud800" can carry one)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ToolError(f"{what} holds a lone surrogate ({text[exc.start:exc.end]!r} at character {exc.start}), "
+                        "which no UTF-8 file can hold; send the character itself") from None
+
+
+def _line_numbers(text: str, offsets: list[int]) -> list[int]:
+    """The line of each of the ascending `offsets`, counted on from the previous one (counting from
+    the start each time is quadratic: minutes for 100,000 occurrences)."""
+    out, line, at = [], 1, 0
+    for offset in offsets:
+        line += text.count("\n", at, offset)
+        at = offset
+        out.append(line)
+    return out
 
 
 def _occurrences(text: str, needle: str) -> list[int]:
@@ -230,11 +331,33 @@ def _near_misses(text: str, needle: str) -> str:
     want = [line.strip() for line in split_lines(needle)]
     if not any(want):
         return ""
-    have = [line.strip() for line in split_lines(text)]
-    hits = [i + 1 for i in range(len(have) - len(want) + 1) if have[i:i + len(want)] == want]
+    hits = _runs([line.strip() for line in split_lines(text)], want)
     if not hits:
         return ""
     return f" It does match at line{'s' if len(hits) > 1 else ''} {_join_numbers(hits)} if whitespace is ignored."
+
+
+def _runs(have: list[str], want: list[str]) -> list[int]:
+    """The 1-based lines where `want` occurs in `have` as consecutive lines, overlaps included. KMP:
+    linear, where comparing a slice at every line costs len(have) x len(want) (minutes on a file of
+    repeated lines)."""
+    fallback, k = [0] * len(want), 0  # fallback[i]: the longest proper border of want[:i + 1]
+    for i in range(1, len(want)):
+        while k and want[i] != want[k]:
+            k = fallback[k - 1]
+        if want[i] == want[k]:
+            k += 1
+        fallback[i] = k
+    hits, k = [], 0
+    for i, line in enumerate(have):
+        while k and line != want[k]:
+            k = fallback[k - 1]
+        if line == want[k]:
+            k += 1
+        if k == len(want):
+            hits.append(i - k + 2)
+            k = fallback[k - 1]
+    return hits
 
 
 def _join_numbers(numbers: list[int], limit: int = 20) -> str:

@@ -14,6 +14,7 @@ import msgspec
 
 from .bash import DEFAULT_DENY, Shell, bash_tool
 from .files import file_tools
+from .sandbox import Sandbox
 from .search import search_tools
 from .tool import ToolError, ToolResult, ToolSpec
 from .workspace import Workspace
@@ -72,10 +73,14 @@ class Registry:
             return ToolResult(f"{name} failed with an internal error: {type(exc).__name__}: {exc}", is_error=True)
 
 
-def workspace_tools(workspace: Workspace, deny: Sequence[str] = DEFAULT_DENY) -> Registry:
+def workspace_tools(workspace: Workspace, deny: Sequence[str] = DEFAULT_DENY,
+                    sandbox: Sandbox | None = None) -> Registry:
     """The agent's tools on one workspace. Read-only: only the tools that change nothing (no bash,
-    which can change anything)."""
-    tools = [bash_tool(Shell(workspace, deny)), *file_tools(workspace), *search_tools(workspace)]
+    which can change anything). `sandbox`: where the commands of bash and grep run (default: bwrap where it
+    starts); one for all, so bwrap is probed once."""
+    sandbox = sandbox if sandbox is not None else Sandbox()
+    tools = [bash_tool(Shell(workspace, deny, sandbox=sandbox)), *file_tools(workspace),
+             *search_tools(workspace, sandbox)]
     if not workspace.read_only:
         return Registry(tools)
     reason = "the workspace is read-only"

@@ -1,116 +1,121 @@
-"""Search tools: glob (file names) and grep (file contents). Results are sorted by path, so the
-same search gives the same text every time (the model's context, and its cache, stay stable)."""
+"""Search tools: glob (file names) and grep (file contents). Results come in path order, so the same
+search gives the same text every time (the model's context, and its cache, stay stable).
+
+Both walk the tree by directory descriptor (workspace.walk_tree): symlinks are listed, never followed,
+so a link to `/`, a loop of links or a directory swapped for a link mid-walk leads nowhere outside.
+glob runs in a thread, off the event loop, with a deadline. grep runs in a child process (Python's
+regex engine holds the GIL for a whole match, and a thread cannot be killed): `python -I` started
+outside the workspace with an empty environment, so nothing in the repo is imported (grep_worker.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
-import shutil
+import stat
 import sys
-from collections.abc import Iterator
+import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
-from .files import BINARY_SNIFF_BYTES, is_binary, split_lines
+from .glob_match import Glob, GlobError
+from .grep_worker import MAX_COUNTED, GrepJob, GrepReport
+from .sandbox import Sandbox, SandboxError
 from .tool import ToolError, ToolSpec
-from .workspace import Workspace
+from .workspace import SKIP_DIRS, TreeEntry, Workspace, printable, walk_tree
 
 MAX_GLOB_RESULTS = 200
-MAX_GREP_MATCHES = 200
-MAX_MATCH_CHARS = 500
-GREP_TIMEOUT_S = 60  # ripgrep, or the Python fallback's process, is killed after this
-# Never worth searching: version control, caches, environments.
-SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", ".tox", ".mypy_cache",
-                       ".pytest_cache", ".ruff_cache", ".hypothesis", ".dflash-agent"})
+MAX_PATTERN_CHARS = 2000
+GREP_TIMEOUT_S = 60  # the grep process is killed after this; it stops by itself a little earlier
+GLOB_TIMEOUT_S = 30.0
+# The grep process: our package, found where this process found it (not on the workspace's path).
+_HELPER_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from dflash_agent.tools.grep_worker import main; main()"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 SearchPath = Annotated[str, msgspec.Meta(description="Directory (or file) to search, relative to the workspace root.")]
 
 
 class GlobArgs(msgspec.Struct, forbid_unknown_fields=True):
-    pattern: Annotated[str, msgspec.Meta(description="Glob such as '**/*.py' (any depth) or 'src/*.ts'.")]
+    pattern: Annotated[str, msgspec.Meta(max_length=MAX_PATTERN_CHARS,
+                                         description="Glob such as '**/*.py' (any depth) or 'src/*.ts'.")]
     path: SearchPath = "."
 
 
 class GrepArgs(msgspec.Struct, forbid_unknown_fields=True):
-    pattern: Annotated[str, msgspec.Meta(description="Regular expression to find in file contents.")]
+    pattern: Annotated[str, msgspec.Meta(max_length=MAX_PATTERN_CHARS,
+                                         description="Regular expression to find in file contents.")]
     path: SearchPath = "."
-    glob: Annotated[str, msgspec.Meta(description="Only files matching this glob, e.g. '*.py'.")] = ""
+    glob: Annotated[str, msgspec.Meta(max_length=MAX_PATTERN_CHARS,
+                                      description="Only files matching this glob, e.g. '*.py'.")] = ""
     ignore_case: bool = False
 
 
-def glob_regex(pattern: str) -> re.Pattern[str]:
-    """A glob as a regular expression over '/'-separated relative paths: `*` and `?` stay within one
-    name, `**/` spans directories, `[...]` and `{a,b}` as in shells."""
-    return re.compile(_translate(pattern) + r"\Z")
-
-
-def _translate(pattern: str) -> str:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and (end := pattern.find("]", i + 2)) > 0:
-            body = pattern[i + 1:end].replace("\\", "\\\\")
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-            i = end
-        elif c == "{" and (end := pattern.find("}", i)) > 0:
-            out.append("(?:" + "|".join(_translate(alt) for alt in pattern[i + 1:end].split(",")) + ")")
-            i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
-
-
-def walk(base: Path, skip_hidden: bool) -> Iterator[tuple[str, bool]]:
-    """(path relative to base, is a directory) for everything under base, in no particular order;
-    SKIP_DIRS (and hidden names, if asked) pruned, symlinked directories not entered."""
-    for top, dirs, files in os.walk(base):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not (skip_hidden and d.startswith("."))]
-        rel_top = Path(top).relative_to(base)
-        for d in dirs:
-            yield (rel_top / d).as_posix(), True
-        for f in files:
-            if not (skip_hidden and f.startswith(".")):
-                yield (rel_top / f).as_posix(), False
+def compile_glob(pattern: str) -> Glob:
+    try:
+        return Glob(pattern)
+    except GlobError as exc:
+        raise ToolError(str(exc)) from None
 
 
 class SearchTools:
-    def __init__(self, workspace: Workspace) -> None:
+    def __init__(self, workspace: Workspace, sandbox: Sandbox | None = None) -> None:
         self.ws = workspace
-        self.rg = shutil.which("rg")
+        self.sandbox = sandbox if sandbox is not None else Sandbox()
 
     async def glob(self, args: GlobArgs) -> str:
-        if args.pattern.startswith("/") or ".." in Path(args.pattern).parts:
+        if args.pattern.startswith("/") or ".." in args.pattern.split("/"):
             raise ToolError("the pattern must be relative and stay inside the search path (no leading '/', no '..')")
-        base = self._directory(args.path)
-        regex = glob_regex(args.pattern)
-        hits = []
-        for rel, is_dir in walk(base, skip_hidden=False):
-            if regex.match(rel) and self.ws.contains((base / rel).resolve()):
-                hits.append(self.ws.display(base / rel) + ("/" if is_dir else ""))
+        matcher = compile_glob(args.pattern)
+        stop = threading.Event()
+        try:
+            return await asyncio.to_thread(self._glob, args, matcher, stop)
+        finally:
+            stop.set()  # a cancelled call's thread ends at its next entry
+
+    def _glob(self, args: GlobArgs, matcher: Glob, stop: threading.Event) -> str:
+        real, fd = self._open_directory(args.path)
+        deadline = time.monotonic() + GLOB_TIMEOUT_S
+        prefix = "" if real == self.ws.root else self.ws.display(real) + "/"
+        hits, more, stopped = [], 0, False
+
+        def descend(entry: TreeEntry) -> bool:
+            return entry.name not in SKIP_DIRS and matcher.may_contain(entry.path)
+
+        try:
+            with contextlib.closing(walk_tree(fd, descend)) as walk:
+                for entry in walk:
+                    if stop.is_set() or time.monotonic() > deadline:
+                        stopped = True
+                        break
+                    if (entry.kind == "dir" and entry.name in SKIP_DIRS) or not matcher.match(entry.path):
+                        continue
+                    if len(hits) < MAX_GLOB_RESULTS:
+                        hits.append(prefix + printable(entry.path) + ("/" if entry.kind == "dir" else ""))
+                    else:
+                        more += 1
+        finally:
+            os.close(fd)
+        notes = [f"[{more:,} more paths; narrow the pattern]"] if more else []
+        if stopped:
+            notes.append(f"[stopped after {GLOB_TIMEOUT_S:g} s; narrow the pattern or the path]")
         if not hits:
-            return f"no paths match {args.pattern!r} under {self.ws.display(base)}"
-        hits.sort()
-        more = len(hits) - MAX_GLOB_RESULTS
-        if more > 0:
-            hits = hits[:MAX_GLOB_RESULTS] + [f"[{more:,} more paths; narrow the pattern]"]
-        return "\n".join(hits)
+            return "\n".join([f"no paths match {args.pattern!r} under {self.ws.display(real)}", *notes])
+        return "\n".join(hits + notes)
+
+    def _open_directory(self, path: str) -> tuple[Path, int]:
+        try:
+            real, fd = self.ws.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ToolError(f"{path} does not exist") from None
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ToolError(f"{path} is not a directory")
+        return real, fd
 
     async def grep(self, args: GrepArgs) -> str:
         target = self.ws.resolve(args.path)
@@ -118,125 +123,51 @@ class SearchTools:
             raise ToolError(f"{args.path} does not exist")
         try:
             re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a{4294967296}; a thousand nested groups
             raise ToolError(f"{args.pattern!r} is not a valid regular expression: {exc}") from None
-        if self.rg is not None:
-            lines = await self._ripgrep(args, target)
-        else:
-            lines = await self._python_grep_process(args, target)
-        if not lines:
-            return f"no matches for {args.pattern!r} under {self.ws.display(target)}"
-        more = len(lines) - MAX_GREP_MATCHES
-        if more > 0:
-            lines = lines[:MAX_GREP_MATCHES] + [f"[{more:,} more matching lines; narrow the pattern, path or glob]"]
-        return "\n".join(lines)
-
-    def _directory(self, path: str) -> Path:
-        real = self.ws.resolve(path)
-        if not real.is_dir():
-            raise ToolError(f"{path} is not a directory" if real.exists() else f"{path} does not exist")
-        return real
-
-    async def _ripgrep(self, args: GrepArgs, target: Path) -> list[str]:
-        argv = [self.rg, "--no-config", "--line-number", "--with-filename", "--no-heading", "--color", "never",
-                "--sort", "path", "--max-columns", str(MAX_MATCH_CHARS), "--max-columns-preview"]
-        if args.ignore_case:
-            argv.append("--ignore-case")
         if args.glob:
-            argv += ["--glob", args.glob]
-        for skipped in sorted(SKIP_DIRS):
-            argv += ["--glob", f"!{skipped}/"]
-        argv += ["--regexp", args.pattern]
-        if target != self.ws.root:  # no path: rg prints paths relative to the root, as display() does
-            argv += ["--", self.ws.display(target)]
-        code, out, err = await self._run(argv)
-        if code == 1:  # ripgrep's "no match"
-            return []
-        if code != 0:
-            raise ToolError(f"grep failed: {err.decode(errors='replace').strip()}")
-        return out.decode("utf-8", errors="replace").splitlines()
-
-    async def _python_grep_process(self, args: GrepArgs, target: Path) -> list[str]:
-        """`_python_grep` in a child process: Python's regex engine holds the GIL for a whole match, so a
-        catastrophic pattern run in a thread would stall the event loop too, and a thread cannot be killed."""
-        request = {"root": str(self.ws.root), "target": str(target), "pattern": args.pattern,
-                   "ignore_case": args.ignore_case, "glob": args.glob}
-        code, out, err = await self._run([sys.executable, "-m", __name__], json.dumps(request).encode())
+            compile_glob(args.glob)
+        job = GrepJob(str(self.ws.root), target.relative_to(self.ws.root).as_posix(), args.pattern,
+                      args.ignore_case, args.glob, time_limit_s=GREP_TIMEOUT_S * 0.8)
+        argv = [sys.executable, "-I", "-c", _HELPER_BOOT, _PACKAGE_ROOT]
+        # The stdlib's JSON: it carries the lone surrogates of names that are not UTF-8, msgspec's refuses them.
+        code, out, err = await self._run(argv, json.dumps(msgspec.to_builtins(job)).encode())
         if code != 0:
             raise ToolError(f"grep failed: {err.decode(errors='replace').strip()[-500:]}")
-        return json.loads(out)
+        report = msgspec.json.decode(out, type=GrepReport)
+        lines = report.lines or [f"no matches for {args.pattern!r} under {self.ws.display(target)}"]
+        if report.more:
+            at_least = "at least " if report.more >= MAX_COUNTED else ""
+            lines.append(f"[{at_least}{report.more:,} more matching lines; narrow the pattern, path or glob]")
+        if report.stopped:
+            lines.append(f"[stopped after {job.time_limit_s:g} s; narrow the pattern, path or glob]")
+        return "\n".join(lines)
 
     async def _run(self, argv: list[str], stdin: bytes | None = None) -> tuple[int, bytes, bytes]:
-        """Run a search process in the root; killed past GREP_TIMEOUT_S or when the call is cancelled."""
-        env = dict(os.environ)
-        # The fallback imports this package: find it where this process did, installed or not.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=self.ws.root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE)
+        """Run a search process: in `/` with an empty environment, so neither the workspace nor the
+        server's variables reach it, and in the sandbox where it starts (sandbox.py: no writes, no
+        network, no sight of the server's processes); killed past GREP_TIMEOUT_S or when the call is
+        cancelled. In a thread, which kills and reaps it even when the cancelled call cannot wait."""
+        cancel = threading.Event()
+        running = asyncio.ensure_future(asyncio.to_thread(self.sandbox.run_helper, argv, stdin, GREP_TIMEOUT_S,
+                                                          cancel))
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin), GREP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise ToolError(f"grep took longer than {GREP_TIMEOUT_S} s; narrow the pattern, path or glob") from None
-        finally:
-            if proc.returncode is None:  # timed out or cancelled
-                proc.kill()
-                await proc.wait()
-        assert proc.returncode is not None
-        return proc.returncode, out, err
-
-    def _python_grep(self, regex: re.Pattern[str], target: Path, glob: str) -> list[str]:
-        """What ripgrep prints, for machines without it (hidden and binary files skipped, like rg;
-        .gitignore is not read)."""
-        if target.is_file():
-            files = [target]
-        else:
-            # rg's --glob: without a '/' it matches a file's name at any depth, with one the path from
-            # the directory rg runs in (the root).
-            only = glob_regex(glob) if glob else None
-            files = [target / rel for rel, is_dir in walk(target, skip_hidden=True) if not is_dir
-                     and (only is None or only.match(self.ws.display(target / rel) if "/" in glob
-                                                     else rel.rsplit("/", 1)[-1]))]
-        out = []
-        for path in sorted(files, key=lambda p: self.ws.display(p)):
-            real = path.resolve()
-            if not self.ws.contains(real) or not real.is_file():
-                continue
-            try:
-                with open(real, "rb") as f:
-                    head = f.read(BINARY_SNIFF_BYTES)
-                    if is_binary(head):
-                        continue
-                    data = head + f.read()
-            except OSError:
-                continue
-            name = self.ws.display(path)
-            for n, line in enumerate(split_lines(data.decode("utf-8", errors="replace")), 1):
-                if regex.search(line):
-                    if len(line) > MAX_MATCH_CHARS:
-                        line = f"{line[:MAX_MATCH_CHARS]} [... omitted end of long line]"
-                    out.append(f"{name}:{n}:{line}")
-        return out
+            done = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        except SandboxError as exc:
+            raise ToolError(f"{exc}; grep did not run") from None
+        if done.returncode is None:
+            raise ToolError(f"grep took longer than {GREP_TIMEOUT_S} s; narrow the pattern, path or glob")
+        return done.returncode, done.stdout, done.stderr
 
 
-def search_tools(workspace: Workspace) -> list[ToolSpec]:
-    search = SearchTools(workspace)
+def search_tools(workspace: Workspace, sandbox: Sandbox | None = None) -> list[ToolSpec]:
+    tools = SearchTools(workspace, sandbox)
     return [
-        ToolSpec("glob", "Find files and directories whose path matches a glob; sorted by path.",
-                 GlobArgs, search.glob, read_only=True, idempotent=True),
+        ToolSpec("glob", "Find files and directories whose path matches a glob; in path order.",
+                 GlobArgs, tools.glob, read_only=True, idempotent=True),
         ToolSpec("grep", "Search file contents for a regular expression; prints path:line:text per matching line.",
-                 GrepArgs, search.grep, read_only=True, idempotent=True),
+                 GrepArgs, tools.grep, read_only=True, idempotent=True),
     ]
-
-
-def _grep_worker() -> None:
-    """The Python fallback's process: a JSON request on stdin, the matching lines as JSON on stdout."""
-    request = json.load(sys.stdin)
-    regex = re.compile(request["pattern"], re.IGNORECASE if request["ignore_case"] else 0)
-    search = SearchTools(Workspace(Path(request["root"])))
-    json.dump(search._python_grep(regex, Path(request["target"]), request["glob"]), sys.stdout)
-
-
-if __name__ == "__main__":
-    _grep_worker()

@@ -29,7 +29,7 @@ from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.workspace import Workspace
 from tests.agent.repos import PYTEST, git, repo_tests_pass
 from tests.agent.scripted import Say, ScriptedModel, bash
-from tests.tools.test_bash import alive
+from tests.tools.test_bash import running, unique_sleep
 
 
 def make_agent(repo, script, config=AgentConfig(), transcript=None, read_only=False):
@@ -152,9 +152,10 @@ def test_long_tool_output_is_cut_before_it_enters_the_context(repo):
 
 
 def test_interrupt_stops_a_running_command_and_the_conversation_can_go_on(repo, tmp_path):
+    sleeper = unique_sleep()
     transcript = Transcript(tmp_path / "t.jsonl")
     agent, model, _ = make_agent(repo, [
-        Say(calls=[bash("sleep 300 & echo $! > sleeper.pid; wait"), ("list_dir", {})]),
+        Say(calls=[bash(f"sleep {sleeper} & echo $! > sleeper.pid; wait"), ("list_dir", {})]),
         Say("Continuing after the interruption."),
     ], transcript=transcript)
 
@@ -168,7 +169,7 @@ def test_interrupt_stops_a_running_command_and_the_conversation_can_go_on(repo, 
     first, second = asyncio.run(asyncio.wait_for(scenario(), 30))
     transcript.close()
     assert first.outcome == "interrupted" and first.exit_code == 130
-    assert not alive(int((repo / "sleeper.pid").read_text()), grace=1.0)  # the command went with the run
+    assert not running(sleeper, grace=1.0)  # the command went with the run
     assert second.outcome == "answered"
     # Both calls of the interrupted turn have results, so the history is a valid conversation.
     history = model.conversations[1]

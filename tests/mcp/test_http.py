@@ -18,7 +18,6 @@ from dflash_agent.api.background import free_port
 from dflash_agent.chat.chat_format import LoadedModel
 from dflash_agent.engine import FinalEvent
 from dflash_agent.engine import engine as engine_module
-from dflash_agent.mcp.commands import _server_answers
 from dflash_agent.mcp.model import LocalModel, RemoteModel
 from dflash_agent.mcp.server import STATUS_URI, workspace_server
 from tests.mcp.conftest import API_KEY
@@ -112,11 +111,6 @@ def test_an_unreachable_server_is_a_tool_error(mcp_repo):
     result, status = anyio.run(scenario)
     assert result.is_error and "cannot reach the server" in result.content[0].text
     assert status["state"] == "unreachable"
-
-
-def test_the_probe_finds_a_running_server(mcp_http_url):
-    assert _server_answers(mcp_http_url)
-    assert not _server_answers(f"http://127.0.0.1:{free_port()}")
 
 
 def test_cancelling_run_task_cancels_the_engine_request(mcp_engine, mcp_repo, monkeypatch):

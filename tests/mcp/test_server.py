@@ -19,7 +19,7 @@ from dflash_agent.mcp.server import STATUS_URI, workspace_server
 from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.workspace import Workspace
 from tests.agent.scripted import Say, ScriptedModel, bash
-from tests.tools.test_bash import alive
+from tests.tools.test_bash import running, unique_sleep
 
 
 class ScriptedAccess:
@@ -196,8 +196,9 @@ def test_run_task_in_a_subdirectory_works_there(repo):
 
 
 def test_cancelling_run_task_stops_the_agent_and_its_command_and_the_server_keeps_serving(repo):
+    sleeper = unique_sleep()
     access = ScriptedAccess([Say(calls=[("list_dir", {})]),
-                             Say(calls=[bash("sleep 300 & echo $! > sleeper.pid; wait")]),
+                             Say(calls=[bash(f"sleep {sleeper} & echo $! > sleeper.pid; wait")]),
                              Say("never reached"),
                              Say("Still here.")])
     progress = []
@@ -229,7 +230,7 @@ def test_cancelling_run_task_stops_the_agent_and_its_command_and_the_server_keep
     # Cancelled in step 2, in its command: step 1 was reported, step 2 never ended.
     assert ended["type"] == "end" and ended["outcome"] == "cancelled" and ended["steps"] == 2
     assert progress == [1]
-    assert not alive(int((repo / "sleeper.pid").read_text()), grace=2.0)  # the command went with the run
+    assert not running(sleeper, grace=2.0)  # the command went with the run
     assert not after.is_error and text(after).startswith("never reached")
 
 

@@ -1,14 +1,27 @@
 """The bash tool: process-group timeouts, output caps, a scrubbed non-interactive environment, the
-working directory that persists but stays inside, and the deny-list."""
+working directory that persists but stays inside, and the deny-list; each in the sandbox (bwrap) and
+without it (the launcher)."""
 
 import asyncio
+import os
 import time
+import uuid
 
 import pytest
 
 from dflash_agent.tools.bash import MAX_OUTPUT_BYTES, BashArgs, Shell
 from dflash_agent.tools.registry import workspace_tools
+from dflash_agent.tools.sandbox import Sandbox
 from dflash_agent.tools.workspace import Workspace
+
+_NO_BWRAP = Sandbox().problem()
+
+
+@pytest.fixture(params=["bwrap", "off"])
+def sandbox(request):
+    if request.param == "bwrap" and _NO_BWRAP is not None:
+        pytest.skip(f"the sandbox cannot start here: {_NO_BWRAP}")
+    return Sandbox(mode=request.param)
 
 
 @pytest.fixture
@@ -19,25 +32,40 @@ def root(tmp_path):
 
 
 @pytest.fixture
-def tools(root):
-    return workspace_tools(Workspace(root))
+def tools(root, sandbox):
+    return workspace_tools(Workspace(root), sandbox=sandbox)
 
 
 def bash(tools, command, **more):
     return asyncio.run(tools.dispatch("bash", {"command": command, **more}))
 
 
-def alive(pid: int, grace: float = 5.0) -> bool:
-    """Whether pid still runs after up to `grace` seconds (a zombie counts as dead)."""
+def unique_sleep() -> str:
+    """A `sleep` argument no other process has: the sleeper can be found from outside its PID namespace,
+    where the pid `$!` gives means nothing."""
+    return f"{3000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 10**9:09d}"
+
+
+def running(argument: str, grace: float = 5.0) -> list[int]:
+    """The live processes (zombies are dead) with `argument` in their command line, after up to `grace`
+    seconds for them to go."""
     deadline = time.monotonic() + grace
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                running = f.read().split(") ", 1)[1][0] != "Z"
-        except FileNotFoundError:
-            running = False
-        if not running or time.monotonic() > deadline:
-            return running
+        found = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+                with open(f"/proc/{name}/stat") as f:
+                    state = f.read().rsplit(") ", 1)[1][0]
+            except OSError:
+                continue  # exited meanwhile
+            if argument.encode() in args and state != "Z":
+                found.append(int(name))
+        if not found or time.monotonic() > deadline:
+            return found
         time.sleep(0.05)
 
 
@@ -48,21 +76,23 @@ def test_output_and_exit_code(tools):
     assert bash(tools, "true").text == "(no output)\n[exit code 0]"
 
 
-def test_timeout_kills_the_command_and_its_sleeping_child(tools, root):
+def test_timeout_kills_the_command_and_its_sleeping_child(tools):
+    sleeper = unique_sleep()
     started = time.monotonic()
-    result = bash(tools, "sleep 300 & echo $! > child.pid; echo started; wait", timeout=1)
+    result = bash(tools, f"sleep {sleeper} & echo started; wait", timeout=1)
     elapsed = time.monotonic() - started
     assert elapsed < 10
     assert "started" in result.text and "timed out after 1 s" in result.text
-    assert not alive(int((root / "child.pid").read_text()))
+    assert not running(sleeper)
 
 
-def test_background_processes_do_not_outlive_the_command(tools, root):
+def test_background_processes_do_not_outlive_the_command(tools):
+    sleeper = unique_sleep()
     started = time.monotonic()
-    result = bash(tools, "(sleep 300; echo never) & echo $! > bg.pid; echo done")
+    result = bash(tools, f"(sleep {sleeper}; echo never) & echo done")
     assert time.monotonic() - started < 10  # the open pipe of the sleeper does not hold the call
     assert result.text.splitlines() == ["done", "[exit code 0]"]
-    assert not alive(int((root / "bg.pid").read_text()))
+    assert not running(sleeper)
 
 
 def test_ten_megabytes_of_output_are_cut_in_the_middle(tools):
@@ -126,8 +156,8 @@ def test_deny_list_lets_ordinary_commands_run(tools, command):
     assert "deny-list" not in bash(tools, command).text
 
 
-def test_deny_list_is_configurable(root):
-    tools = workspace_tools(Workspace(root), deny=[r"\bcurl\b"])
+def test_deny_list_is_configurable(root, sandbox):
+    tools = workspace_tools(Workspace(root), deny=[r"\bcurl\b"], sandbox=sandbox)
     assert "deny-list" in bash(tools, "curl http://example.com").text
     assert "deny-list" not in bash(tools, "echo sudo").text  # the defaults were replaced
     with pytest.raises(ValueError, match="not a valid regular expression"):
@@ -144,12 +174,13 @@ def test_read_only_workspace_has_no_bash_and_no_writes(root):
     assert not (root / "x").exists()
 
 
-def test_cancelling_the_call_kills_the_command(root):
-    shell = Shell(Workspace(root))
+def test_cancelling_the_call_kills_the_command(root, sandbox):
+    shell = Shell(Workspace(root), sandbox=sandbox)
+    sleeper = unique_sleep()
 
     async def scenario():
-        task = asyncio.create_task(shell.bash(BashArgs("sleep 300 & echo $! > c.pid; wait")))
-        while not (root / "c.pid").exists() or not (root / "c.pid").read_text().strip():
+        task = asyncio.create_task(shell.bash(BashArgs(f"sleep {sleeper} & touch started; wait")))
+        while not (root / "started").exists():
             await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -158,29 +189,31 @@ def test_cancelling_the_call_kills_the_command(root):
     started = time.monotonic()
     asyncio.run(scenario())
     assert time.monotonic() - started < 10
-    assert not alive(int((root / "c.pid").read_text()), grace=1.0)  # gone by the time the cancel is
+    assert not running(sleeper, grace=1.0)  # gone by the time the cancel is
 
 
-def test_processes_that_leave_the_session_do_not_outlive_the_command(tools, root):
+def test_processes_that_leave_the_session_do_not_outlive_the_command(tools):
     # setsid: a new session and group; the subshell's `&` inside it: a daemon orphaned at once.
-    result = bash(tools, "setsid sleep 1000 & echo $! > a.pid; "
-                         "(setsid sh -c 'sleep 1001 & echo $! > b.pid' &); sleep 0.3; echo done")
+    sleepers = unique_sleep(), unique_sleep()
+    result = bash(tools, f"setsid sleep {sleepers[0]} & "
+                         f"(setsid sh -c 'sleep {sleepers[1]} &' &); sleep 0.3; echo done")
     assert result.text.splitlines()[-2:] == ["done", "[exit code 0]"], result.text
-    for name in ("a.pid", "b.pid"):
-        assert not alive(int((root / name).read_text())), name
+    for sleeper in sleepers:
+        assert not running(sleeper), sleeper
 
 
-def test_processes_that_leave_the_session_do_not_outlive_the_timeout(tools, root):
+def test_processes_that_leave_the_session_do_not_outlive_the_timeout(tools):
+    sleepers = unique_sleep(), unique_sleep()
     started = time.monotonic()
-    result = bash(tools, "setsid sleep 1002 & echo $! > a.pid; "
-                         "(setsid sh -c 'sleep 1003 & echo $! > b.pid' &); sleep 300", timeout=1)
+    result = bash(tools, f"setsid sleep {sleepers[0]} & "
+                         f"(setsid sh -c 'sleep {sleepers[1]} &' &); sleep 300", timeout=1)
     assert time.monotonic() - started < 10 and "timed out after 1 s" in result.text
-    for name in ("a.pid", "b.pid"):
-        assert not alive(int((root / name).read_text())), name
+    for sleeper in sleepers:
+        assert not running(sleeper), sleeper
 
 
-# Walks bash's ancestors through /proc and prints every environment it can read on the way.
-ANCESTORS = r"""p=$$; while [ "$p" -gt 1 ]; do echo "== $p"; tr '\0' '\n' < /proc/$p/environ; p=$(sed 's/.*) . //' /proc/$p/stat | cut -d' ' -f1); done"""
+# Walks bash's ancestors through /proc, PID 1 included, and prints every environment it can read on the way.
+ANCESTORS = r"""p=$$; while [ "$p" -gt 0 ]; do echo "== $p"; tr '\0' '\n' < /proc/$p/environ; p=$(sed 's/.*) . //' /proc/$p/stat | cut -d' ' -f1); done"""
 
 
 def test_no_ancestor_of_the_command_holds_the_secrets(root):

@@ -9,6 +9,8 @@ from dflash_agent.tools.files import MAX_READ_BYTES
 from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.workspace import Workspace
 
+from .loop_clock import ticking
+
 
 @pytest.fixture
 def root(tmp_path):
@@ -227,10 +229,157 @@ def test_a_symlink_swapped_in_during_the_call_never_leads_outside(tools, root, n
     assert not escaped, f"{len(escaped)} calls read outside the workspace"
 
 
-def test_writes_refuse_hard_links(tools, root):
+def test_writes_replace_a_hard_linked_name_and_leave_the_others(tools, root):
+    # A write makes a new file and renames it over the name: the other names (which may be outside,
+    # `ln /outside/file x` in bash) keep the old content.
     os.link(root.parent / "secret.txt", root / "linked.txt")
-    for name, arguments in [("write_file", {"path": "linked.txt", "content": "pwned\n"}),
-                            ("edit_file", {"path": "linked.txt", "old_string": "outside", "new_string": "pwned"})]:
-        result = call(tools, name, **arguments)
-        assert result.is_error and "hard links" in result.text, result.text
+    assert not call(tools, "edit_file", path="linked.txt", old_string="outside", new_string="edited").is_error
+    assert (root / "linked.txt").read_text() == "edited\n"
+    os.link(root.parent / "secret.txt", root / "linked2.txt")
+    assert not call(tools, "write_file", path="linked2.txt", content="written\n").is_error
+    assert (root / "linked2.txt").read_text() == "written\n"
     assert (root.parent / "secret.txt").read_text() == "outside\n"
+
+
+def test_writes_keep_the_file_mode(tools, root):
+    script = root / "run.sh"
+    script.write_text("echo one\n")
+    script.chmod(0o750)
+    assert not call(tools, "edit_file", path="run.sh", old_string="one", new_string="two").is_error
+    assert not call(tools, "write_file", path="run.sh", content="echo three\n").is_error
+    assert script.read_text() == "echo three\n" and (script.stat().st_mode & 0o777) == 0o750
+
+
+def test_an_edit_keeps_the_bytes_that_are_not_utf8(tools, root):
+    (root / "latin1.py").write_bytes(b"name = 'caf\xe9'\nx = 2\n")
+    result = call(tools, "edit_file", path="latin1.py", old_string="x = 2", new_string="x = 3")
+    assert not result.is_error and "caf\ufffd" in result.text, result.text
+    assert (root / "latin1.py").read_bytes() == b"name = 'caf\xe9'\nx = 3\n"  # was caf\xef\xbf\xbd: U+FFFD
+    seen = call(tools, "edit_file", path="latin1.py", old_string="caf\ufffd", new_string="cafe")
+    assert seen.is_error and "not UTF-8" in seen.text and "bash" in seen.text, seen.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_writes_keep_the_owner_and_the_setuid_bits(tools, root):
+    tool = root / "tool"
+    tool.write_text("one\n")
+    os.chown(tool, 1234, 1234)
+    tool.chmod(0o6755)
+    assert not call(tools, "edit_file", path="tool", old_string="one", new_string="two").is_error
+    info = tool.stat()
+    # chown clears set-user-ID and set-group-ID, so the mode is given after the owner.
+    assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (1234, 1234, 0o6755)
+
+
+LIMITED_WRITER = """
+import asyncio, json, resource, signal, sys
+from pathlib import Path
+from dflash_agent.tools.registry import workspace_tools
+from dflash_agent.tools.workspace import Workspace
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+tools = workspace_tools(Workspace(Path(sys.argv[1])))
+calls = [("edit_file", {"path": "src/app.py", "old_string": "return 1", "new_string": "x" * 200_000}),
+         ("write_file", {"path": "src/app.py", "content": "y" * 200_000}),
+         ("write_file", {"path": "src/new.py", "content": "z" * 200_000})]
+print(json.dumps([[r.is_error, r.text] for r in (asyncio.run(tools.dispatch(n, a)) for n, a in calls)]))
+"""
+
+
+def test_a_write_that_fails_part_way_leaves_the_file_as_it_was(root):
+    import json
+    import subprocess
+    import sys
+
+    before = (root / "src" / "app.py").read_text()
+    out = subprocess.run([sys.executable, "-c", LIMITED_WRITER, str(root)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    for is_error, text in json.loads(out.stdout):
+        assert is_error and "File too large" in text, text
+    assert (root / "src" / "app.py").read_text() == before
+    assert sorted(p.name for p in (root / "src").iterdir()) == ["app.py"]  # no new file, no temp file left
+
+
+def test_writes_refuse_what_is_not_a_regular_file_without_opening_it(tools, root):
+    os.mkfifo(root / "pipe")
+    for name, arguments in [("write_file", {"path": "pipe", "content": "x"}),
+                            ("edit_file", {"path": "pipe", "old_string": "a", "new_string": "b"})]:
+        result = call(tools, name, **arguments)
+        assert result.is_error and "not a regular file" in result.text, result.text
+    assert call(tools, "write_file", path="src", content="x").text == "src is a directory"
+    assert "does not exist" in call(tools, "edit_file", path="nope/x.py", old_string="a", new_string="b").text
+    assert not (root / "nope").exists()  # an edit creates no directories
+
+
+def test_the_longest_names_can_be_written(tools, root):
+    # 63 four-byte characters: 252 bytes, a legal name; the temporary file beside it must be legal too.
+    name = "\N{GRINNING FACE}" * 63
+    assert not call(tools, "write_file", path=name, content="one\n").is_error
+    assert not call(tools, "edit_file", path=name, old_string="one", new_string="two").is_error
+    assert (root / name).read_text() == "two\n"
+    assert sorted(p.name for p in root.iterdir()) == sorted(["src", name])
+
+
+def test_text_that_cannot_be_utf8_is_a_clear_error(tools, root):
+    # JSON can carry a lone surrogate ("\ud800"); no UTF-8 file can hold one.
+    for name, arguments in [("write_file", {"path": "s.txt", "content": "a\ud800b"}),
+                            ("edit_file", {"path": "src/app.py", "old_string": "return 1", "new_string": "\udcff"})]:
+        result = call(tools, name, **arguments)
+        assert result.is_error and "surrogate" in result.text and "internal error" not in result.text, result.text
+    assert not (root / "s.txt").exists()
+
+
+def test_edits_of_many_occurrences_take_linear_time(tools, root):
+    import time
+
+    (root / "many.txt").write_text("ab\n" * 100_000)
+    started = time.monotonic()
+    several = call(tools, "edit_file", path="many.txt", old_string="ab", new_string="c")
+    assert several.is_error and "100000 times" in several.text and "and 99980 more" in several.text
+    done = call(tools, "edit_file", path="many.txt", old_string="ab", new_string="c", replace_all=True)
+    assert not done.is_error and "lines 1, 2, 3" in done.text
+    (root / "blank.txt").write_text("    x\n" * 200_000)
+    near = call(tools, "edit_file", path="blank.txt", old_string="x\n" * 2000 + "x", new_string="y")
+    assert near.is_error and "It does match at lines 1, 2, 3" in near.text and "and 197980 more" in near.text
+    assert time.monotonic() - started < 5  # was minutes: line numbers and near misses were quadratic
+
+
+def test_home_paths_that_do_not_resolve_say_so(tools):
+    result = call(tools, "read_file", path="~no-such-user-here/x.txt")
+    assert result.is_error and "home" in result.text and "symbolic links" not in result.text, result.text
+
+
+def test_file_tools_leave_the_event_loop_free(tools, root, monkeypatch):
+    import time
+
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # a slow disk; a 10 MB replace_all costs seconds of CPU the same way
+        time.sleep(0.3)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+
+    async def write_and_edit():
+        await tools.dispatch("write_file", {"path": "a.txt", "content": "one\n"})
+        await tools.dispatch("edit_file", {"path": "a.txt", "old_string": "one", "new_string": "two"})
+
+    _, _, ticks = asyncio.run(ticking(write_and_edit()))
+    assert ticks >= 20, ticks  # 0.6 s of syncing: a blocked loop ticks about twice
+    assert (root / "a.txt").read_text() == "two\n"
+
+
+def test_device_nodes_are_never_opened(tools, root):
+    # Opening a device can act on it (a watchdog starts its countdown, a tape rewinds); a repo
+    # unpacked by root can hold one.
+    import stat
+
+    try:
+        os.mknod(root / "dev", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("mknod needs CAP_MKNOD")
+    for name, arguments in [("read_file", {"path": "dev"}), ("list_dir", {"path": "dev"}),
+                            ("glob", {"pattern": "*", "path": "dev"}), ("grep", {"pattern": "x", "path": "dev"})]:
+        result = call(tools, name, **arguments)
+        assert result.is_error and result.text.endswith("'dev' is a device; the tools never open one"), result.text

@@ -1,0 +1,278 @@
+"""The sandbox of the tools' processes (bubblewrap): the server's secrets and processes out of sight,
+nothing a command starts outlives it whatever it does to its parent, writes only in the workspace and a
+private /tmp, the network by option; and where bwrap cannot start, one warning and the plain launcher."""
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from dflash_agent.tools.bash import BashArgs, Shell
+from dflash_agent.tools.registry import workspace_tools
+from dflash_agent.tools.sandbox import Sandbox
+from dflash_agent.tools.search import SearchTools
+from dflash_agent.tools.workspace import Workspace
+
+_UNAVAILABLE = Sandbox(mode="auto").problem()
+needs_bwrap = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"the sandbox cannot start here: {_UNAVAILABLE}")
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    return root
+
+
+def bash(tools, command, **more):
+    return asyncio.run(tools.dispatch("bash", {"command": command, **more}))
+
+
+def unique_sleep() -> str:
+    """A `sleep` argument no other process has, to find the sleeper from outside its PID namespace."""
+    return f"{3000 + int(uuid.uuid4().int % 1000)}.{uuid.uuid4().int % 10**9:09d}"
+
+
+def running(argument: str, grace: float = 5.0) -> list[int]:
+    """The pids of live processes (zombies excluded) with `argument` in their command line, after up to
+    `grace` seconds for them to go."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+                with open(f"/proc/{name}/stat") as f:
+                    state = f.read().rsplit(") ", 1)[1][0]
+            except OSError:
+                continue
+            if argument.encode() in args and state != "Z":
+                found.append(int(name))
+        if not found or time.monotonic() > deadline:
+            return found
+
+
+# Run as the "server": a process whose environment and command line hold the key, as `serve --api-key K`
+# with DFLASH_AGENT_API_KEY set; it runs one bash call and prints the result.
+SERVER = ("import asyncio, sys; from dflash_agent.tools.registry import workspace_tools; "
+          "from dflash_agent.tools.workspace import Workspace; "
+          "r = asyncio.run(workspace_tools(Workspace(sys.argv[1])).dispatch('bash', {'command': sys.argv[2]})); "
+          "print(r.text)")
+
+
+@needs_bwrap
+def test_the_server_s_environment_and_command_line_are_out_of_sight(root):
+    key = f"sk-{uuid.uuid4().hex}"
+    half = len(key) // 2
+    # The key split in two, so the command's own command line does not hold it.
+    find = (f'k="{key[:half]}""{key[half:]}"; grep -l -a "$k" /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null; '
+            # Each process's program, read by builtins, so the listing starts no process of its own.
+            "echo ===; for f in /proc/[0-9]*/cmdline; do read -r -d '' program < $f; echo \"$program\"; done")
+    env = {**os.environ, "DFLASH_AGENT_API_KEY": key}
+    out = subprocess.run([sys.executable, "-c", SERVER, str(root), find, "--api-key", key], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    found, processes = out.stdout.split("===", 1)
+    assert key not in out.stdout and not found.strip(), out.stdout
+    # It saw its own processes (bwrap's init, bash), and no other: not the server, not pytest.
+    programs = [line.rsplit("/", 1)[-1] for line in processes.strip().splitlines()[:-1]]  # less "[exit code 0]"
+    assert programs == ["bwrap", "bash"], processes
+
+
+@needs_bwrap
+def test_killing_the_parent_leaves_no_process_behind(root):
+    tools = workspace_tools(Workspace(root))
+    sleeper = unique_sleep()
+    started = time.monotonic()
+    result = bash(tools, f"sleep {sleeper} & kill -9 $PPID; echo still here")
+    assert time.monotonic() - started < 10
+    assert result.text.splitlines() == ["still here", "[exit code 0]"], result.text
+    assert not running(sleeper)
+
+
+@needs_bwrap
+def test_stopping_the_parent_leaves_no_process_behind(root):
+    tools = workspace_tools(Workspace(root))
+    sleeper = unique_sleep()
+    started = time.monotonic()
+    result = bash(tools, f"sleep {sleeper} & kill -STOP $PPID; echo stopped it", timeout=3)
+    assert time.monotonic() - started < 3
+    assert result.text.splitlines() == ["stopped it", "[exit code 0]"], result.text
+    assert not running(sleeper)
+
+
+@needs_bwrap
+def test_the_timeout_kills_everything_even_with_the_parent_stopped(root):
+    tools = workspace_tools(Workspace(root))
+    sleepers = unique_sleep(), unique_sleep()
+    started = time.monotonic()
+    result = bash(tools, f"setsid sleep {sleepers[0]} & kill -STOP $PPID; sleep {sleepers[1]}", timeout=1)
+    assert time.monotonic() - started < 5
+    assert "timed out after 1 s" in result.text, result.text
+    assert not running(sleepers[0]) and not running(sleepers[1])
+
+
+@needs_bwrap
+def test_cancelling_the_call_kills_the_namespace(root):
+    shell = Shell(Workspace(root))
+    sleeper = unique_sleep()
+
+    async def scenario():
+        task = asyncio.create_task(shell.bash(BashArgs(f"sleep {sleeper} & kill -STOP $PPID; touch started; wait")))
+        while not (root / "started").exists():
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    started = time.monotonic()
+    asyncio.run(scenario())
+    assert time.monotonic() - started < 10
+    assert not running(sleeper, grace=1.0)
+
+
+@needs_bwrap
+def test_writes_only_inside_the_workspace_and_a_private_tmp(root):
+    tools = workspace_tools(Workspace(root))
+    outside = tempfile.mkdtemp(prefix="dflash-sandbox-test-", dir="/var/tmp")
+    try:
+        result = bash(tools, f"echo in > inside.txt && echo wrote inside; echo out > {outside}/outside.txt")
+        assert "wrote inside" in result.text and "Read-only file system" in result.text, result.text
+        assert (root / "inside.txt").read_text() == "in\n"
+        assert not os.path.exists(f"{outside}/outside.txt")
+    finally:
+        shutil.rmtree(outside)
+    # /tmp is writable, kept from call to call, and not the machine's.
+    name = f"/tmp/dflash-sandbox-{uuid.uuid4().hex}"
+    assert bash(tools, f"echo kept > {name}").text.endswith("[exit code 0]")
+    assert bash(tools, f"cat {name}").text.splitlines()[0] == "kept"
+    assert not os.path.exists(name)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("network", [True, False])
+def test_network_per_option(root, network):
+    tools = workspace_tools(Workspace(root), sandbox=Sandbox(network=network))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        result = bash(tools, f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected", timeout=10)
+    assert ("connected" in result.text) is network, result.text
+
+
+@needs_bwrap
+def test_exit_codes_and_output_in_the_sandbox(root):
+    tools = workspace_tools(Workspace(root))
+    result = bash(tools, "echo out; echo err >&2; exit 7")
+    assert result.text.splitlines() == ["out", "err", "[exit code 7]"]
+    assert "[exit code 137]" in bash(tools, "kill -9 $$").text  # bwrap reports a signal as 128 + N
+
+
+@needs_bwrap
+def test_the_search_helper_runs_in_the_sandbox_without_writes_or_network(root):
+    search = SearchTools(Workspace(root), Sandbox())
+    probe = ("echo /proc/[0-9]*; touch /tmp/dflash-search-probe || echo no writes; "
+             "(exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null && echo connected || echo no network")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code, out, err = asyncio.run(search._run([shutil.which("bash"), "-c", probe.replace("$PORT", str(port))]))
+    assert out.decode().splitlines() == ["/proc/1 /proc/2", "no writes", "no network"], (out, err)
+    assert not os.path.exists("/tmp/dflash-search-probe")
+
+
+@needs_bwrap
+def test_mcp_no_sandbox_network_reaches_its_bash(root):
+    import anyio
+    from mcp import Client, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    # --server names a port nothing listens on: the tools need no model.
+    params = StdioServerParameters(command=sys.executable, args=[
+        "-m", "dflash_agent", "mcp", "--repo", str(root), "--expose-tools", "--server", "http://127.0.0.1:9",
+        "--no-sandbox-network"])
+
+    async def scenario(command):
+        with anyio.fail_after(60):
+            async with Client(stdio_client(params, errlog=(root / "stderr.txt").open("w"))) as client:
+                return await client.call_tool("bash", {"command": command, "timeout": 10})
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        result = anyio.run(scenario, f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo connected || echo cut")
+    assert result.content[0].text.splitlines() == ["cut", "[exit code 0]"], result.content
+
+
+# --- where the sandbox cannot start ---------------------------------------------------------------
+
+
+def test_without_bwrap_one_warning_and_the_launcher(root, caplog):
+    sandbox = Sandbox(bwrap=str(root / "no-such-bwrap"))
+    tools = workspace_tools(Workspace(root), sandbox=sandbox)
+    with caplog.at_level(logging.WARNING):
+        first = bash(tools, "echo one; exit 3")
+        second = bash(tools, "echo two")
+    assert first.text.splitlines() == ["one", "[exit code 3]"]
+    assert second.text.splitlines() == ["two", "[exit code 0]"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "sandbox off" in warnings[0].getMessage() and "cannot run" in warnings[0].getMessage()
+    assert not sandbox.enabled()
+
+
+def test_a_bwrap_that_cannot_start_is_named_in_the_warning(root, caplog):
+    fake = root / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with caplog.at_level(logging.WARNING):
+        assert not Sandbox(bwrap=str(fake)).enabled()
+    assert "No permissions to create new namespace" in caplog.text
+
+
+def test_required_sandbox_that_cannot_start_refuses_the_command(root):
+    tools = workspace_tools(Workspace(root), sandbox=Sandbox(mode="bwrap", bwrap=str(root / "no-such-bwrap")))
+    result = bash(tools, "touch ran")
+    assert result.is_error and "--sandbox bwrap: the sandbox cannot start" in result.text, result.text
+    assert not (root / "ran").exists()
+
+
+def test_sandbox_off_neither_probes_nor_warns(root, caplog):
+    with caplog.at_level(logging.WARNING):
+        tools = workspace_tools(Workspace(root), sandbox=Sandbox(mode="off", bwrap=str(root / "no-such-bwrap")))
+        assert bash(tools, "echo plain").text.splitlines() == ["plain", "[exit code 0]"]
+    assert not caplog.records
+
+
+def test_an_unknown_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="expected one of auto, bwrap, off"):
+        Sandbox(mode="docker")
+
+
+# --- the commands' switch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "hello", "--server", "http://127.0.0.1:9"],
+    ["mcp", "--server", "http://127.0.0.1:9"],
+    ["serve", "--port", "0"],
+])
+def test_a_required_sandbox_that_cannot_start_stops_the_command_at_once(command, root, monkeypatch):
+    from click.testing import CliRunner
+
+    import dflash_agent.cli as cli
+
+    monkeypatch.setenv("PATH", str(root))  # no bwrap on it
+    where = ["--mcp-repo" if command[0] == "serve" else "--repo", str(root)]
+    result = CliRunner().invoke(cli.main, [*command, *where, "--sandbox", "bwrap"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines() == ["error: --sandbox bwrap: the sandbox cannot start: bwrap is not installed "
+                                          "(Debian/Ubuntu: apt install bubblewrap)"], result.stderr
