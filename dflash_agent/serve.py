@@ -3,17 +3,31 @@ the model loads behind it. The one place the HTTP app and /mcp are wired togethe
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 
 import click
 import uvicorn
 
 from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
+from .api.connections import ConnectionLimits, protocol_class
 from .api.lifecycle import access_log, request_log
-from .api.service import API_SAMPLING, ServerSettings, ServerState
+from .api.service import API_SAMPLING, DEFAULT_MAX_TOKENS, ServerSettings, ServerState
+from .chat.chat_format import LoadedModel
+from .engine.progress import progress_log
 from .mcp.http import MCPPlugin, mcp_serve_options
-from .options import check_spec_options, kv_cache_option, load_engine, model_options, report_error, user_errors
+from .options import (
+    check_spec_options,
+    kv_cache_option,
+    load_engine,
+    model_options,
+    report_error,
+    sandbox_options,
+    user_errors,
+)
+from .tools.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +57,38 @@ class _Server(uvicorn.Server):
 @kv_cache_option
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
               help="Requests that may wait behind the running one; more get 429 with Retry-After.")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=-1), default=DEFAULT_MAX_TOKENS, show_default=True,
+              help="Output limit of a request that sets none (Codex CLI and aider send none; a model that does not "
+                   "stop would write to the end of the context); it then ends with finish_reason length. A request's "
+                   "own limit wins, above this too (Anthropic's max_tokens is required). /v1/completions keeps "
+                   "OpenAI's 16 unless this is lower. 0 or -1: no limit but the context.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0.001), default=DEFAULT_MAX_BODY_BYTES / 2**20,
               show_default=True, help="Largest request body accepted (413 above).")
+@click.option("--max-connections", type=click.IntRange(min=1), default=ConnectionLimits.max_connections,
+              show_default=True, help="Open connections at most; a new one closes the longest-idle one (a "
+                                      "half-sent request), or gets a 503 when every connection is being answered.")
+@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=ConnectionLimits.header_timeout_s,
+              show_default=True, help="Seconds a client may take to send a request's headers, and pause inside its "
+                                      "body, before it is disconnected.")
 @click.option("--chat-template", default=None,
               help="gemma4, gemma3 or a .jinja file instead of the checkpoint's own template.")
 @click.option("--no-access-log", is_flag=True,
-              help="No log line per request (method, path, status, seconds; tokens and speed of a generation).")
+              help="No log line per request (method, path, status, seconds; tokens and speed of a generation), "
+                   "nor the progress lines of a long one (every 10 s: tokens done, tok/s).")
 @click.option("--log-requests", is_flag=True,
               help="Log each request's headers (secrets redacted) and body: what a client sends.")
 @mcp_serve_options
+@sandbox_options
 @user_errors
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-          sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, max_queue, max_body_mb, chat_template,
-          no_access_log, log_requests,
-          mcp_repo, mcp_expose_tools, mcp_read_only) -> None:
+          sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, max_queue, max_tokens, max_body_mb,
+          max_connections, request_timeout, chat_template, no_access_log, log_requests,
+          mcp_repo, mcp_expose_tools, mcp_read_only, sandbox, sandbox_network) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
     check_spec_options(no_spec, draft, spec_block)
-    settings = ServerSettings(alias=alias, api_key=api_key, max_queue=max_queue, chat_template=chat_template)
+    settings = ServerSettings(alias=alias, api_key=api_key, max_queue=max_queue, chat_template=chat_template,
+                              max_tokens=max_tokens if max_tokens > 0 else None)
     failure: list[Exception] = []
 
     def load():
@@ -77,28 +105,60 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
 
     if mcp_expose_tools and mcp_repo is None:
         raise click.UsageError("--mcp-expose-tools needs --mcp-repo")
+    tool_sandbox = Sandbox(sandbox, sandbox_network)
+    if mcp_repo is not None:
+        tool_sandbox.enabled()  # now: a required sandbox that cannot start ends here, before the model loads
 
     def mcp(state: ServerState) -> list[MCPPlugin]:
         return [MCPPlugin(state.loaded, alias or "the served model", mcp_repo, mcp_expose_tools, mcp_read_only,
-                          host=host)]
+                          host=host, sandbox=tool_sandbox)]
+
+    listener = _listen(host, port)  # before the model loads: a busy port is told at once, not after the load
+    port = listener.getsockname()[1]  # --port 0 picks a free one
+    def on_ready(model: LoadedModel) -> None:
+        log.info("ready: %s, context %d tokens, on http://%s:%d (OpenAI /v1, Anthropic /v1/messages, MCP /mcp)",
+                 model.name, model.engine.n_ctx, host, port)
 
     app = create_app(settings, load, max_body_bytes=int(max_body_mb * 2**20), plugins=mcp,
-                     on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+                     on_load_error=on_load_error, on_ready=on_ready)
+    limits = ConnectionLimits(max_connections, header_timeout_s=request_timeout, body_timeout_s=request_timeout)
+    # The backlog is also how many connections asyncio accepts at once: no more than the limit, so closing the
+    # excess cannot fall behind accepting it and run the process out of file descriptors.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                            http=protocol_class(limits), backlog=max_connections)
     server = _Server(config, app.state.server)
     logging.getLogger(log.name).setLevel(logging.INFO)  # the startup lines (sampling defaults)
     if not no_access_log:
         logging.getLogger(access_log.name).setLevel(logging.INFO)
+        logging.getLogger(progress_log.name).setLevel(logging.INFO)
     if log_requests:
         logging.getLogger(request_log.name).setLevel(logging.INFO)
     click.echo(f"dflash-agent: serving on http://{host}:{port} (loading {model}; /health says 503 until ready)",
                err=True)
     try:
-        server.run()
+        server.run(sockets=[listener])
     except KeyboardInterrupt:
         pass  # uvicorn has shut down cleanly and re-raises the Ctrl-C it caught: a normal stop
     if failure:
         report_error(failure[0])
         sys.exit(1)
     if not server.started:
-        sys.exit(1)  # uvicorn has said why (port in use, bad address)
+        sys.exit(1)  # uvicorn has said why
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound: an OSError with a one-line reason when the address cannot be had."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        return sock
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        hint = {errno.EADDRINUSE: " (is another server running there? choose another --port)",
+                errno.EACCES: " (ports below 1024 need privileges: choose another --port)"}.get(exc.errno, "")
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None

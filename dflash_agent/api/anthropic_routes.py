@@ -77,11 +77,11 @@ async def messages(data: JSONBody[MessagesRequest], state: State) -> MessageResp
     model = server.ready()
     options = _options(data.tool_choice, data.thinking, _response_format(data))
     conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
+    stop = stop_strings(data.stop_sequences, "stop_sequences")
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, None, None)
     max_tokens = max_new_tokens(data.max_tokens)
-    stop = stop_strings(data.stop_sequences, "stop_sequences")
     message_id = f"msg_{uuid.uuid4().hex}"
     parser = prepared.parser()
     cached: list[int] = []  # the prompt tokens the prefix cache serves, told before the first token
@@ -157,14 +157,17 @@ async def _message_events(generation: Generation, message_id: str, model: str, n
     try:
         async for event in generation.events():
             if not started:
-                # message_start waits for the engine to take the request and tell what its cache serves;
-                # SSE comments keep the connection alive meanwhile (queueing, a long prefill).
-                if event is HEARTBEAT:
+                # message_start waits for the engine to take the request and tell what its cache serves (SSE
+                # comments keep the connection alive while it is queued); then ping events, as Anthropic sends,
+                # while the prompt prefills.
+                if event is HEARTBEAT and not cached:
                     yield b": ping\n\n"
                     continue
                 yield message_start(event.usage.cached_tokens if isinstance(event, FinalEvent) else sum(cached))
                 yield _event("ping", {})
                 started = True
+                if event is HEARTBEAT:
+                    continue
             if event is HEARTBEAT:
                 yield _event("ping", {})
             elif isinstance(event, ReasoningDelta):

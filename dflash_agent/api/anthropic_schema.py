@@ -9,7 +9,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from ..engine import FinalEvent
-from .openai_schema import Timings
+from .openai_schema import Temperature, Timings, TopK, TopP
 
 
 class MessagesRequest(msgspec.Struct):
@@ -20,9 +20,9 @@ class MessagesRequest(msgspec.Struct):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None

@@ -19,10 +19,11 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
 from litestar.plugins import InitPluginProtocol
 
-from ..chat.chat_format import ChatOptions
+from ..chat.chat_format import ChatOptions, LoadedModel
 from ..chat.openai_messages import conversation_from_openai
 from ..engine import Engine
 from .anthropic_routes import anthropic_router
+from .connections import AcceptErrorLimiter
 from .errors import APIError, anthropic_error, handlers, openai_error
 from .lifecycle import with_lifecycle
 from .metrics import CONTENT_TYPE
@@ -80,7 +81,25 @@ async def metrics(state: State) -> bytes:
     return state.server.metrics.render()
 
 
-@post("/tokenize", status_code=200, summary="Text to token ids (llama.cpp)")
+# A character of /tokenize's content is at most 12 bytes of JSON (an escaped surrogate pair), a token id of
+# /detokenize's list fewer; both lists are bounded by the context (ServerState.max_prompt_chars).
+_BYTES_PER_UNIT = 12
+_BODY_SLACK = 64 * 1024
+
+
+def _body_within_context(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """Refuse a /tokenize or /detokenize body the context rules out before reading it: parsing 9M token ids
+    held the event loop (and /health) for seconds."""
+    server: ServerState = connection.app.state.server
+    limit = server.max_prompt_chars() * _BYTES_PER_UNIT + _BODY_SLACK
+    size = int(connection.headers.get("content-length") or 0)
+    if size > limit:
+        raise APIError(413, f"the request body is {size} bytes; {connection.url.path} takes at most {limit} with "
+                       f"this context ({server.max_prompt_chars()} characters or token ids)",
+                       code="request_too_large")
+
+
+@post("/tokenize", status_code=200, summary="Text to token ids (llama.cpp)", guards=[_body_within_context])
 async def tokenize(data: JSONBody[TokenizeRequest], state: State) -> TokenizeResponse:
     server: ServerState = state.server
     tokenizer = server.ready().engine.tokenizer
@@ -91,11 +110,19 @@ async def tokenize(data: JSONBody[TokenizeRequest], state: State) -> TokenizeRes
     return TokenizeResponse(ids)
 
 
-@post("/detokenize", status_code=200, summary="Token ids to text (llama.cpp)")
+@post("/detokenize", status_code=200, summary="Token ids to text (llama.cpp)", guards=[_body_within_context])
 async def detokenize(data: JSONBody[DetokenizeRequest], state: State) -> DetokenizeResponse:
-    engine = state.server.ready().engine
-    check_token_ids(data.tokens, engine.model.config.vocab_size, "tokens")
-    return DetokenizeResponse(engine.tokenizer.decode(data.tokens))
+    server: ServerState = state.server
+    engine = server.ready().engine
+    if len(data.tokens) > (limit := server.max_prompt_chars()):
+        raise APIError(400, f"tokens has {len(data.tokens)} ids; at most {limit} are accepted (the most /tokenize "
+                       "can return for this context)", param="tokens")
+
+    def decode() -> str:  # seconds for millions of ids: off the event loop, so /health answers meanwhile
+        check_token_ids(data.tokens, engine.model.config.vocab_size, "tokens")
+        return engine.tokenizer.decode(data.tokens)
+
+    return DetokenizeResponse(await asyncio.to_thread(decode))
 
 
 @post("/apply-template", status_code=200, summary="Render OpenAI messages with the chat template (llama.cpp)")
@@ -147,19 +174,23 @@ def _not_found_or_error(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                plugins: Callable[[ServerState], Sequence[InitPluginProtocol]] = lambda server: (),
-               on_load_error: Callable[[Exception], None] | None = None) -> Litestar:
+               on_load_error: Callable[[Exception], None] | None = None,
+               on_ready: Callable[[LoadedModel], None] | None = None) -> Litestar:
     """`load` builds the engine; it runs in a thread after startup, so /health answers 503 meanwhile.
     `plugins(server)` adds routes and lifespans that serve the same model (`serve` mounts MCP at /mcp).
-    `on_load_error` hears why a load failed (serve exits)."""
+    `on_load_error` hears why a load failed (serve exits); `on_ready`, the model once requests can use it."""
     server = ServerState(settings)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        server.loop = asyncio.get_running_loop()
-        task = asyncio.create_task(_load(server, load, on_load_error))
+        server.loop = loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(AcceptErrorLimiter(previous))
+        task = asyncio.create_task(_load(server, load, on_load_error, on_ready))
         try:
             yield
         finally:
+            loop.set_exception_handler(previous)
             task.cancel()
             if server.model is not None:
                 await asyncio.to_thread(server.model.engine.close)
@@ -182,12 +213,14 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
     return app
 
 
-async def _load(server: ServerState, load: Callable[[], Engine],
-                on_load_error: Callable[[Exception], None] | None) -> None:
+async def _load(server: ServerState, load: Callable[[], Engine], on_load_error: Callable[[Exception], None] | None,
+                on_ready: Callable[[LoadedModel], None] | None) -> None:
     try:
         engine = await asyncio.to_thread(load)
         await asyncio.to_thread(server.attach, engine)
         log.info("model ready: %s", server.model.name if server.model else "?")
+        if on_ready is not None and server.model is not None:
+            on_ready(server.model)
     except Exception as exc:
         log.debug("the model failed to load", exc_info=True)
         server.load_error = str(exc)

@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from ..chat.types import ChatError
 from ..engine import ContextOverflowError
+from .openai_schema import SAMPLING_RANGES
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def _validation_error(exc: ValidationException) -> APIError:
     message = first.get("message", exc.detail) if isinstance(first, dict) else str(first)
     if key in (None, "data"):
         return APIError(400, f"invalid request body: {message}")
+    if key in SAMPLING_RANGES:
+        return APIError(400, f"{key} must be {SAMPLING_RANGES[key]}", param=key)
+    message = str(message).split(" - at `$", 1)[0]  # msgspec's path: the field is named already
     return APIError(400, f"invalid value for {key}: {message}", param=key)
 
 

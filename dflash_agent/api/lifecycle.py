@@ -17,6 +17,8 @@ access_log = logging.getLogger("dflash_agent.api.access")
 # bodies carry whole conversations.
 request_log = logging.getLogger("dflash_agent.api.requests")
 _SECRET_HEADERS = {b"authorization", b"x-api-key", b"cookie", b"proxy-authorization"}
+# Health checks that answer as expected (ready, or loading) are polls: a line each would bury the real requests.
+_POLLS = frozenset({"/health", "/v1/health"})
 
 
 def with_lifecycle(app: ASGIApp) -> ASGIApp:
@@ -108,6 +110,8 @@ class _Request:
             self._watcher.cancel()
 
     def log(self) -> None:
+        if self.scope["path"] in _POLLS and self.status in (200, 503):
+            return
         client = self.scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "-"
         path = self.scope.get("raw_path", b"").decode("latin-1") or self.scope["path"]

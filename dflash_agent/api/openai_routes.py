@@ -96,13 +96,14 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) 
         parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
         response_format=data.response_format, enable_thinking=thinking,
     )
+    stop = stop_strings(data.stop)
     prepared = await server.prepare_chat(conversation, options)
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
                                data.seed)
     param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
-    max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens, param=param)
-    stop = stop_strings(data.stop)
+    max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens, param=param,
+                                default=server.settings.max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     parser = prepared.parser()
     source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, stop, request_id,
@@ -175,6 +176,7 @@ async def completions(data: JSONBody[CompletionRequest], state: State) -> Comple
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if data.best_of not in (None, 1):
         raise APIError(400, "best_of is not supported", param="best_of")
+    stop = stop_strings(data.stop)
     prompt_ids = await _prompt_ids(data.prompt, server)
     server.check_context(len(prompt_ids))
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -182,8 +184,9 @@ async def completions(data: JSONBody[CompletionRequest], state: State) -> Comple
                                data.seed)
     request = GenerateRequest(
         prompt_ids, sampling,
-        StopCriteria(strings=stop_strings(data.stop)),
-        max_new_tokens(data.max_tokens) or DEFAULT_COMPLETION_TOKENS, request_id=request_id,
+        StopCriteria(strings=stop),
+        max_new_tokens(data.max_tokens, default=_completion_default(server.settings.max_tokens)),
+        request_id=request_id,
         cache_prompt=data.cache_prompt,
     )
     generation = server.start(model.engine.generate(request), "completions")
@@ -196,6 +199,11 @@ async def completions(data: JSONBody[CompletionRequest], state: State) -> Comple
     text = "".join(e.text_delta for e in events if isinstance(e, TokenEvent))
     choice = CompletionChoice(0, text, _finish_reason(final, False))
     return Completion(request_id, created, model.name, [choice], usage=Usage.of(final), timings=Timings.of(final))
+
+
+def _completion_default(server_max_tokens: int | None) -> int:
+    """OpenAI's default for this endpoint, unless the server's own is lower."""
+    return min(DEFAULT_COMPLETION_TOKENS, server_max_tokens or DEFAULT_COMPLETION_TOKENS)
 
 
 async def _prompt_ids(prompt: str | list, server: ServerState) -> list[int]:

@@ -3,12 +3,23 @@ plain JSON here: the chat layer's converters validate them and name the exact of
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 from ..engine import FinalEvent
+
+# Sampling fields are checked as the body is decoded, before any work: finite and within the range where they
+# mean something. (A tiny positive temperature or top_p is greedy decoding; above MAX_TEMPERATURE every
+# token is about as likely as any other.) Shared by all three APIs.
+MAX_TEMPERATURE = 100.0
+SAMPLING_RANGES = {"temperature": f"in [0, {MAX_TEMPERATURE:g}]", "top_p": "in (0, 1]", "top_k": "an integer >= 0",
+                   "min_p": "in [0, 1]"}  # what a 400 says: "top_p must be in (0, 1]"
+Temperature = Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -16,10 +27,10 @@ class StreamOptions(msgspec.Struct):
 
 
 class SamplingFields(msgspec.Struct):
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     max_tokens: int | None = None

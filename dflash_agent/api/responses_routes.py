@@ -26,7 +26,7 @@ from ..chat.types import Message, TextPart, ToolCall
 from ..engine import FinalEvent, SamplingParams
 from .errors import APIError, as_api_error, handlers, openai_error
 from .openai_schema import Timings
-from .responses_schema import ResponsesRequest, ResponseUsage
+from .responses_schema import JSONObject, JSONSchema, ResponsesRequest, ResponseUsage, TextConfig
 from .service import HEARTBEAT, EventStream, Generation, ServerState, max_new_tokens, sampling_params
 
 STORED_RESPONSES = 64  # conversations kept for previous_response_id, least recently used dropped first
@@ -87,14 +87,15 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
                    "supported", param="tool_choice")
 
 
-def _response_format(text: dict[str, Any] | None) -> Any:
-    """`text.format` as Chat Completions' response_format."""
-    fmt = (text or {}).get("format")
-    if not fmt or fmt.get("type") == "text":
-        return None
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    return fmt
+def _response_format(text: TextConfig | None) -> Any:
+    """`text.format` (checked as the body was decoded) as Chat Completions' response_format."""
+    fmt = text.format if text is not None else None
+    if isinstance(fmt, JSONSchema):
+        spec = {"name": fmt.name, "schema": fmt.schema, **({"strict": fmt.strict} if fmt.strict is not None else {})}
+        return {"type": "json_schema", "json_schema": spec}
+    if isinstance(fmt, JSONObject):
+        return {"type": "json_object"}
+    return None
 
 
 def _thinking(reasoning: dict[str, Any] | None) -> bool:
@@ -118,7 +119,7 @@ async def create_response(data: JSONBody[ResponsesRequest], state: State) -> dic
     server.check_context(len(prepared.prompt_ids))
     sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
                                data.seed)
-    max_tokens = max_new_tokens(data.max_output_tokens, param="max_output_tokens")
+    max_tokens = max_new_tokens(data.max_output_tokens, param="max_output_tokens", default=server.settings.max_tokens)
     response_id = f"resp_{uuid.uuid4().hex}"
     parser = prepared.parser()
     source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, (), response_id,
@@ -172,7 +173,7 @@ def _reasoning_tokens(model: LoadedModel, out: ParsedOutput) -> int:
 def _base(data: ResponsesRequest, response_id: str, model: str, sampling: SamplingParams) -> dict[str, Any]:
     """The response object's fields that do not depend on the output; the sampling actually used, as OpenAI
     reports it."""
-    fmt = (data.text or {}).get("format") or {"type": "text"}
+    fmt = msgspec.to_builtins(data.text.format) if data.text is not None and data.text.format else {"type": "text"}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": model, "output": [], "error": None, "incomplete_details": None,

@@ -8,6 +8,29 @@ from typing import Any
 import msgspec
 
 from ..engine import FinalEvent
+from .openai_schema import MinP, Temperature, TopK, TopP
+
+
+class PlainText(msgspec.Struct, tag="text", tag_field="type"):
+    pass
+
+
+class JSONObject(msgspec.Struct, tag="json_object", tag_field="type"):
+    pass
+
+
+class JSONSchema(msgspec.Struct, tag="json_schema", tag_field="type"):
+    schema: dict[str, Any]
+    name: str = "output"
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct):
+    """`text`: the output's format (OpenAI's three shapes; anything else is a 400 naming `text.format`)."""
+
+    format: PlainText | JSONObject | JSONSchema | None = None
+    verbosity: str | None = None
 
 
 class ResponsesRequest(msgspec.Struct):
@@ -19,15 +42,15 @@ class ResponsesRequest(msgspec.Struct):
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extensions, as on /v1/chat/completions
-    min_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # extensions, as on /v1/chat/completions
+    min_p: MinP | None = None
     seed: int | None = None
     stream: bool = False
     store: bool = True
     reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
     top_logprobs: int | None = None

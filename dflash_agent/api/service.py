@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from litestar.response import Stream
 
 from ..chat.chat_format import ChatOptions, LoadedModel, PreparedChat
@@ -40,12 +41,19 @@ class EventStream(Stream):
         return super().to_asgi_response(*args, **kwargs)
 
 
+# What a request that sets no output limit gets (`serve --max-tokens`). Codex CLI and aider send none, and a model
+# that does not stop would write to the end of the context (minutes per turn on a CPU); 8192 tokens (~30 KB) hold
+# a whole-file edit or a long reasoning.
+DEFAULT_MAX_TOKENS = 8192
+
+
 @dataclass
 class ServerSettings:
     alias: str | None = None  # the model id clients see; default: the engine's model name
     api_key: str | None = None
     max_queue: int = 32  # requests waiting behind the running one before 429s
     heartbeat_s: float = 15.0  # keep-alive on idle streams (long prefills, queueing)
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # for a request that sets no limit; None: until the context is full
     chat_template: str | None = None  # override: gemma4, gemma3 or a file
 
 
@@ -185,9 +193,10 @@ class ServerState:
         return self.model
 
     def attach(self, engine: Engine) -> None:
-        self.model = LoadedModel.of(engine, self.settings.chat_template, self.settings.alias)
         tokenizer = engine.tokenizer
+        # Before the model is set: the first request (ready() lets it in) already needs it.
         self.max_piece_chars = max(len(tokenizer.id_to_piece(i)) for i in range(tokenizer.vocab_size))
+        self.model = LoadedModel.of(engine, self.settings.chat_template, self.settings.alias)
 
     def start(self, source: AsyncIterator[Any], endpoint: str) -> Generation:
         """Admit a request (429 when the queue is full) and start pumping its events."""
@@ -206,13 +215,17 @@ class ServerState:
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fail_all)
 
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt that fits the context can have: no token spells more than
+        `max_piece_chars` of them. Also the most token ids /tokenize can return, so the most /detokenize takes."""
+        return self.ready().engine.n_ctx * self.max_piece_chars
+
     def check_prompt_chars(self, n_chars: int) -> None:
         """Refuse a prompt that cannot fit before tokenizing it (a 60 MB prompt took 90 s and 8 GB to
         tokenize): no token spells more than `max_piece_chars` characters, so it has at least
         n_chars / max_piece_chars tokens."""
-        model = self.ready()
-        n_ctx = model.engine.n_ctx
-        limit = n_ctx * self.max_piece_chars
+        n_ctx = self.ready().engine.n_ctx
+        limit = self.max_prompt_chars()
         if n_chars > limit:
             at_least = -(-n_chars // self.max_piece_chars)
             raise APIError(
@@ -231,13 +244,30 @@ class ServerState:
         """Render and tokenize a conversation in a thread (compiling a tool grammar the first time is slow
         too), after refusing one whose text alone is beyond the context."""
         model = self.ready()
-        self.check_prompt_chars(sum(len(m.text) for m in conversation.messages))
+        self.check_prompt_chars(conversation_chars(conversation) + _json_chars(options.response_format))
         return await asyncio.to_thread(model.chat.prepare, conversation, options)
 
     def check_context(self, n_prompt: int) -> None:
         n_ctx = self.ready().engine.n_ctx
         if n_prompt >= n_ctx:
             raise context_overflow(n_prompt, n_ctx)
+
+
+def conversation_chars(conversation: Conversation) -> int:
+    """The characters of a conversation that reach the template and the tokenizer: the messages' text, reasoning
+    and tool calls, and the tools' names, descriptions and schemas (as compact JSON, which no template renders
+    shorter). A 10 MB tool description once passed a count of the messages alone and took 8-24 s to refuse."""
+    total = 0
+    for message in conversation.messages:
+        total += len(message.text) + len(message.reasoning or "")
+        total += sum(len(call.name) + _json_chars(call.arguments) for call in message.tool_calls)
+    for tool in conversation.tools:
+        total += len(tool.name) + len(tool.description) + _json_chars(tool.parameters)
+    return total
+
+
+def _json_chars(value: Any) -> int:
+    return 0 if value is None else len(msgspec.json.encode(value).decode())
 
 
 # OpenAI's and Anthropic's default for what neither the request nor the checkpoint sets: temperature 1, no truncation.
@@ -247,10 +277,7 @@ API_SAMPLING = SamplingParams(temperature=1.0)
 def sampling_params(defaults: SamplingDefaults, temperature: float | None, top_p: float | None, top_k: int | None,
                     min_p: float | None, seed: int | None) -> SamplingParams:
     """The request's sampling: each value it sets, else the checkpoint's default, else the API's."""
-    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
-    for name, value in given.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise APIError(400, f"{name} must be a finite number", param=name)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}  # ranges: *_schema.py
     if seed is not None and not -2**63 <= seed < 2**64:  # what torch's generator takes
         raise APIError(400, f"seed must fit in 64 bits (from -2**63 to 2**64 - 1), got {seed}", param="seed")
     try:
@@ -265,15 +292,27 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise APIError(400, f"token id {bad} is out of range (vocabulary of {vocab_size})", param=param)
 
 
+# Stop strings are searched for after every token: a few short ones are what clients send.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+
+
 def stop_strings(stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
     strings = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in strings):
         raise APIError(400, f"{param} must not contain empty strings", param=param)
+    if len(strings) > MAX_STOP_STRINGS:
+        raise APIError(400, f"{param} has {len(strings)} strings; at most {MAX_STOP_STRINGS} are accepted",
+                       param=param)
+    if (longest := max(map(len, strings), default=0)) > MAX_STOP_CHARS:
+        raise APIError(400, f"{param} has a string of {longest} characters; at most {MAX_STOP_CHARS} are accepted",
+                       param=param)
     return tuple(strings)
 
 
-def max_new_tokens(*candidates: int | None, param: str = "max_tokens") -> int | None:
+def max_new_tokens(*candidates: int | None, param: str = "max_tokens", default: int | None = None) -> int | None:
+    """The request's limit (the first candidate it sets), which wins over the server's `default`, above it too."""
     value = next((c for c in candidates if c is not None), None)
     if value is not None and value < 1:
         raise APIError(400, f"{param} must be at least 1, got {value}", param=param)
-    return value
+    return default if value is None else value

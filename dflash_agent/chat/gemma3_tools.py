@@ -8,6 +8,10 @@ plain text turns before its template renders it.
 - Gemma 3 has no system turn: a system message after the first (Anthropic's mid-conversation system
   messages) is merged into the user turn next to it, as tool results are, since turns must alternate. In that
   turn system text comes first, as Gemma 3's template puts the system prompt first.
+- Turns must alternate, but OpenAI and Anthropic accept several user (or assistant) messages in a row
+  (opencode's title request sends two): consecutive turns of one side are merged into one, their texts joined
+  by a blank line. A merged turn only grows at its end, so a conversation that grows still extends its earlier
+  prompt up to the text it had.
 
 `chat/parser.py` reads the model's blocks back and the tool-call grammar forces them; both rely on the
 exact fence written here."""
@@ -56,13 +60,13 @@ def tools_prompt(tools: list[Tool]) -> str:
 
 
 def inline_tools(conversation: Conversation) -> Conversation:
-    """The conversation as plain system/user/assistant turns, tools and calls written as text, and only
-    a leading system message. A conversation without tools, calls, results or later system messages is
-    returned unchanged."""
+    """The conversation as plain system/user/assistant turns that alternate, tools and calls written as text,
+    and only a leading system message. A conversation without tools, calls, results, later system messages or
+    two turns of one side in a row is returned unchanged; one without the first four only has its runs merged."""
     messages = conversation.messages
     later_system = any(m.role in ("system", "developer") for m in messages[1:])
     if not conversation.tools and not later_system and not any(m.tool_calls or m.role == "tool" for m in messages):
-        return conversation
+        return _merge_repeated(conversation)
     out: list[Message] = []
     if conversation.tools:
         declared = tools_prompt(conversation.tools)
@@ -78,12 +82,35 @@ def inline_tools(conversation: Conversation) -> Conversation:
                 group = []
             # Gemma 3 does not think, so earlier reasoning has nowhere to go.
             blocks = [_text(message), *(format_tool_call(c) for c in message.tool_calls)]
+            if out and out[-1].role == "assistant":  # the assistant's second message in a row
+                blocks.insert(0, out.pop().text)
             out.append(Message(role="assistant", content=[TextPart("\n\n".join(b for b in blocks if b))]))
         else:
             group.append(message)
     if group:
         out.append(_user_turn(group))
     return Conversation(messages=out)
+
+
+def _merge_repeated(conversation: Conversation) -> Conversation:
+    """A plain conversation (a leading system message, then user and assistant turns) with each run of turns
+    of one side merged into one, as `_user_turn` merges a group, and the rest untouched."""
+    out: list[Message] = []
+    for message in conversation.messages:
+        previous = out[-1] if out else None
+        if previous is None or previous.role != message.role or message.role not in ("user", "assistant") \
+                or _has_images(previous) or _has_images(message):  # left to the template, which refuses images
+            out.append(message)
+            continue
+        texts = (_text(previous), _text(message))
+        out[-1] = Message(role=message.role, content=[TextPart("\n\n".join(t for t in texts if t))])
+    if len(out) == len(conversation.messages):
+        return conversation
+    return Conversation(messages=out, tools=conversation.tools)
+
+
+def _has_images(message: Message) -> bool:
+    return any(not isinstance(p, TextPart) for p in message.content)
 
 
 def _user_turn(group: list[Message]) -> Message:

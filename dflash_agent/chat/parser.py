@@ -347,6 +347,11 @@ class FencedToolCallParser:
     show it. A block's JSON is read when its closing fence arrives (or the stream ends); the
     call's deltas come then. A block that is not a JSON object with a string `name` and an
     object `arguments` (or a JSON string holding one; missing means {}) is content.
+
+    Tool syntax never reaches content when the output is cut (max_tokens): a last line that
+    could still have become a `tool_call` opening fence (```` ``` ````, ```` ```tool ````) is
+    dropped, as is an unclosed block. Blank lines after a call are the separator between
+    blocks: they are content only if text follows them.
     """
 
     def __init__(self, *, id_factory: Callable[[], str] = random_call_id, max_calls: int | None = None) -> None:
@@ -357,6 +362,8 @@ class FencedToolCallParser:
         self._code_fence: str | None = None  # the fence of an open ordinary code block
         self._call_fence: str | None = None  # the fence of an open tool_call block
         self._call_lines: list[str] = []  # that block's raw lines, opening fence included
+        self._after_call = False  # nothing but blank lines since the last tool_call block
+        self._blank = ""  # those blank lines, held until text follows them
 
     def feed(self, text: str) -> list[Delta]:
         if self._out.finished:
@@ -370,6 +377,7 @@ class FencedToolCallParser:
             self._run(final=True)
             if self._call_fence is not None:  # no closing fence: read what there is
                 self._end_call_block(closed=False)
+            self._blank = ""  # the separator after the last call
             self._out.finished = True
         return self._out.take()
 
@@ -384,12 +392,18 @@ class FencedToolCallParser:
             line = buf[pos:end]
             if self._call_fence is None and not self._line_start:
                 # The rest of a line already known to be plain text.
-                self._out.text(line)
+                self._text(line)
+            elif self._after_call and not line.strip(" \t\r\n"):
+                if newline < 0 and not final:
+                    break  # blank so far: a separator, or the start of text
+                self._blank += line
             elif self._call_fence is None and not self._may_be_fence(line):
                 self._line_start = False
                 continue
             elif newline < 0 and not final:
                 break  # a fence line, or a line of the tool_call block: wait for all of it
+            elif newline < 0 and self._call_fence is None and self._code_fence is None and _cut_call_opening(line):
+                log.debug("dropping a tool_call fence cut before it opened: %r", line)
             else:
                 self._whole_line(line)
             pos = end
@@ -411,17 +425,24 @@ class FencedToolCallParser:
         if self._code_fence is not None:
             if self._closes(line, self._code_fence):
                 self._code_fence = None
-            self._out.text(line)
+            self._text(line)
             return
         opening = _FENCE_OPEN.fullmatch(line)
         if opening is None or (opening.group(1)[0] == "`" and "`" in opening.group(2)):
-            self._out.text(line)  # not a fence (an inline ```code``` span, say)
+            self._text(line)  # not a fence (an inline ```code``` span, say)
         elif opening.group(2).strip() == TOOL_CALL_FENCE:
             self._call_fence = opening.group(1)
             self._call_lines = [line]
+            self._blank, self._after_call = "", False  # the separator between two calls
         else:
             self._code_fence = opening.group(1)
-            self._out.text(line)
+            self._text(line)
+
+    def _text(self, text: str) -> None:
+        """Content, after the blank lines it follows."""
+        self._out.text(self._blank + text)
+        self._blank = ""
+        self._after_call = False
 
     @staticmethod
     def _closes(line: str, fence: str) -> bool:
@@ -442,11 +463,12 @@ class FencedToolCallParser:
             return
         if call is None:
             log.debug("tool_call block is not a valid call; kept as content: %r", body[:80])
-            self._out.text("".join(lines))
+            self._text("".join(lines))
             return
         name, arguments = call
         self._out.start_call(name)
         self._out.arguments(arguments)
+        self._after_call = True
 
     @staticmethod
     def _read_call(body: str) -> tuple[str, str] | None:
@@ -462,6 +484,15 @@ class FencedToolCallParser:
             return name, _dump_arguments(arguments)
         except ValueError:  # bad JSON, or a NaN / infinity JSON text cannot carry
             return None
+
+
+_PARTIAL_OPENING = re.compile(r" {0,3}(?:`+|~+)[ \t]*(\w*)")
+
+
+def _cut_call_opening(line: str) -> bool:
+    """An unfinished last line that could still have become a tool_call block's opening fence."""
+    partial = _PARTIAL_OPENING.fullmatch(line)
+    return partial is not None and TOOL_CALL_FENCE.startswith(partial.group(1))
 
 
 # --- factory ----------------------------------------------------------------------------------

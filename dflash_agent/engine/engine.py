@@ -25,6 +25,7 @@ from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .packed_linear import cpu_dot
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reuse
+from .progress import PROGRESS_EVERY_S, ProgressLog
 from .sampling import Sampler, StopStringFilter
 from .speculative import LengthController, RequestDecoder, SpecConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -77,6 +78,7 @@ class Engine:
         self.spec = spec or SpecConfig()
         # What a request's omitted sampling fields take (SamplingDefaults.resolve).
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self.progress_every_s = PROGRESS_EVERY_S  # progress lines of a long request (engine.progress)
         self._drafter_cache = drafter.new_cache(n_ctx) if drafter is not None else None
         # Shared across requests, so what it learns about draft lengths carries over.
         self._controller: LengthController | None = None
@@ -295,13 +297,20 @@ class Engine:
         reuse = prefix.acquire(req.prompt_ids, req.cache_prompt) if prefix is not None else Reuse()
         if req.on_prefix is not None:
             req.on_prefix(reuse.tokens)
-        prefilled = decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits,
-                                    on_chunk=prefix.prefilled if prefix is not None else None,
+        progress = ProgressLog(req.request_id, self.progress_every_s)
+
+        def on_chunk(position: int, logits: torch.Tensor | None) -> None:
+            if prefix is not None:
+                prefix.prefilled(position, logits)
+            progress.prefilled(position - reuse.tokens, len(req.prompt_ids) - reuse.tokens)
+
+        prefilled = decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits, on_chunk=on_chunk,
                                     stop=job.cancelled.is_set)
         timings = Timings(cache_n=reuse.tokens, prompt_n=len(req.prompt_ids) - reuse.tokens)
         timings.prompt_ms = (time.perf_counter() - started) * 1e3
 
         decode_started = time.perf_counter()
+        progress.decoding()
         generated: list[int] = []
         finish, matched = ("length" if prefilled else "cancelled"), None
         for token in decoder.tokens(max_tokens if prefilled else 0):
@@ -312,6 +321,7 @@ class Engine:
                 finish, matched = "stop", token
                 break
             generated.append(token)
+            progress.generated(len(generated), max_tokens)
             text, matched = stops.push(detok.push([token]))
             job.emit(TokenEvent([token], text))
             if matched is not None:

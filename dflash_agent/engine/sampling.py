@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .types import SamplingParams
+
+_FLOAT32 = torch.finfo(torch.float32)
 
 
 def torch_argmax(logits: torch.Tensor) -> int:
@@ -20,6 +22,10 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
                  argmax: Callable[[torch.Tensor], int] = torch_argmax) -> None:
+        if 0 < params.temperature < _FLOAT32.tiny:
+            # Below float32's smallest normal the temperature rounds to 0 (or dividing by it overflows): the
+            # limit of sampling as the temperature goes to 0 is greedy decoding, so decode greedily.
+            params = replace(params, temperature=0.0)
         self.params, self.argmax = params, argmax
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
@@ -30,7 +36,11 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution actually sampled from, after temperature and truncation; logits [..., V] float32."""
         p = self.params
-        logits = logits.float() / p.temperature
+        logits = logits.float()
+        # Scaled relative to the best token, so a tiny temperature sends the others to -inf rather than the best
+        # to +inf (inf - inf is nan); one that float32 cannot hold is clamped to its range.
+        temperature = min(max(p.temperature, _FLOAT32.tiny), _FLOAT32.max)
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -39,6 +49,7 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            drop_sorted[..., 0] = False  # a top_p that rounds to 0 in float32 would drop the top token too
             probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)

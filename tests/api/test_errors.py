@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
 import pytest
 
+from dflash_agent.api.anthropic_schema import CountTokensRequest, MessagesRequest
 from dflash_agent.api.background import live_server
+from dflash_agent.api.openai_schema import ChatCompletionRequest, CompletionRequest
+from dflash_agent.api.responses_schema import ResponsesRequest
 from dflash_agent.api.service import ServerSettings
 from dflash_agent.engine.engine import Engine
 
@@ -177,3 +181,72 @@ def test_failed_load_is_reported():
                 break
             threading.Event().wait(0.05)
         assert "nope.gguf" in openai_error(r, 500)["message"]
+
+
+def test_vanishing_temperature_or_top_p_is_greedy_not_a_500(strict):
+    """temperature 1e-320 and top_p 5e-324 were 500s (inf / nan in the sampler): both mean "the best token"."""
+    body = {"messages": USER, "max_tokens": 4, "seed": 1}
+    greedy = strict.post(CHAT, json=body | {"temperature": 0})
+    assert greedy.status_code == 200, greedy.text
+    for extreme in ({"temperature": 1e-320}, {"temperature": 1.0, "top_p": 5e-324}):
+        r = strict.post(CHAT, json=body | extreme)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "inf"}', "temperature"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "nan"}', "temperature"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 101}', "temperature"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "min_p": "-inf"}', "min_p"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 1.5}', "top_p"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": -3}', "top_k"),
+    ("/v1/responses", b'{"input": "hi", "top_p": 0}', "top_p"),
+    ("/v1/responses", b'{"input": "hi", "temperature": "inf"}', "temperature"),
+    ("/v1/responses", b'{"input": "hi", "text": {"format": "json"}}', "text.format"),
+    ("/v1/responses", b'{"input": "hi", "text": {"format": {"type": "yaml"}}}', "text.format.type"),
+    ("/v1/responses", b'{"input": "hi", "text": {"format": {"type": "json_schema"}}}', "text.format"),
+    ("/v1/responses", b'{"input": "hi", "text": {"format": {"type": "json_schema", "schema": 5}}}',
+     "text.format.schema"),
+    (CHAT, json.dumps({"messages": USER, "stop": ["x"] * 65}).encode(), "stop"),
+    (CHAT, json.dumps({"messages": USER, "stop": "x" * 5000}).encode(), "stop"),
+])
+def test_out_of_range_sampling_and_bad_formats_name_the_field(strict, path, body, param):
+    error = openai_error(strict.post(path, content=body, headers=JSON), 400)
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("body", [
+    b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+    b'{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}',
+    json.dumps({"max_tokens": 5, "messages": USER, "stop_sequences": ["s" * 4097]}).encode(),
+])
+def test_anthropic_out_of_range_fields_are_400s(strict, body):
+    error = anthropic_error(strict.post(MESSAGES, content=body, headers=JSON), 400)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("fmt", [{"type": "text"}, {"type": "json_object"},
+                                 {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}])
+def test_responses_accepts_the_documented_text_formats(strict, fmt):
+    r = strict.post("/v1/responses", json={"input": "Say {}.", "max_output_tokens": 2, "text": {"format": fmt}})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"]["format"]["type"] == fmt["type"]
+
+
+WRONG_TYPES = ["x", {"type": [1], "format": "x", "name": 5, "effort": {}, "schema": 3}, [{}], -1, 1e300]
+
+
+@pytest.mark.parametrize("path, schema, base", [
+    (CHAT, ChatCompletionRequest, {"messages": USER, "max_tokens": 1}),
+    ("/v1/completions", CompletionRequest, {"prompt": "hi", "max_tokens": 1}),
+    (MESSAGES, MessagesRequest, {"messages": USER, "max_tokens": 1}),
+    ("/v1/messages/count_tokens", CountTokensRequest, {"messages": USER}),
+    ("/v1/responses", ResponsesRequest, {"input": "hi", "max_output_tokens": 1}),
+])
+def test_no_field_of_any_wrong_type_is_a_500(strict, path, schema, base):
+    """Every field of each request schema, given values of the wrong type: a 4xx or an answer, never a 5xx."""
+    for field in schema.__struct_fields__:
+        for value in WRONG_TYPES:
+            r = strict.post(path, json=base | {field: value})
+            assert r.status_code < 500, (field, value, r.text)

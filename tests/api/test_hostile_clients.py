@@ -3,14 +3,23 @@ gets a 4xx in its API's shape or has its work cancelled, and the server stays re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
+import uvicorn
+from litestar import get
+
+from dflash_agent.api.app import create_app
+from dflash_agent.api.background import free_port
+from dflash_agent.api.connections import AcceptErrorLimiter, ConnectionLimits, protocol_class
+from dflash_agent.api.service import ServerSettings
 
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8,"
 USER = [{"role": "user", "content": COUNT}]
@@ -185,3 +194,194 @@ def test_log_requests_shows_what_a_client_sent_with_its_secrets_redacted(server_
     assert line.startswith("POST /v1/completions headers=")
     assert "probe/1.0" in line and "s3cret" not in line and "<redacted>" in line
     assert json.loads(line.split(" body=", 1)[1]) == body
+
+
+# --- connections that send part of a request (issue 32) ----------------------------------------------------------
+
+
+class _SlowRoute:
+    """A plugin adding GET /slow, a request answered after a while: a connection the limit must not close."""
+
+    def on_app_init(self, app_config):
+        @get("/slow", opt={"public": True})
+        async def slow() -> dict:
+            await asyncio.sleep(3)
+            return {"done": True}
+
+        app_config.route_handlers.append(slow)
+        return app_config
+
+
+@contextmanager
+def _guarded_server(limits: ConnectionLimits):
+    """The app with the connection guard `serve` uses, on a model that never loads (/health answers 503 at once):
+    the connections, not the model, are under test."""
+    release = threading.Event()
+
+    def never_loads():
+        release.wait(120)
+        raise RuntimeError("the test is over")
+
+    app = create_app(ServerSettings(), never_loads, plugins=lambda server: [_SlowRoute()])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           http=protocol_class(limits)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait_for(lambda: server.started, "the server did not start", 60)
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _stalled_connections(port: int, n: int) -> list[socket.socket]:
+    """Connections that send nothing, half a header, or whole headers and part of the body, then nothing."""
+    partial = [b"", b"GET /health HTTP/1.1\r\nHost: x\r\n",
+               b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 100\r\n\r\n{\"prompt\": "]
+    socks = []
+    for i in range(n):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(partial[i % len(partial)])
+        socks.append(sock)
+    return socks
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass  # a 408 or the like before the close would be fine too
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_stalled_connections_are_dropped_and_health_answers_meanwhile():
+    """120 connections that stall mid-request against a limit of 40: /health still answers within a second (a new
+    connection closes the longest-stalled one), and every stalled one is closed after the timeout."""
+    with _guarded_server(ConnectionLimits(max_connections=40, header_timeout_s=1.5, body_timeout_s=1.5)) as (url,
+                                                                                                           port):
+        socks = _stalled_connections(port, 120)
+        try:
+            for _ in range(5):
+                started = time.monotonic()
+                assert httpx.get(f"{url}/health", timeout=1.0).status_code == 503  # the model never loads
+                assert time.monotonic() - started < 1.0
+                time.sleep(0.1)
+            assert all(_closed_by_server(s, 5.0) for s in socks)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def test_a_slow_body_is_cut_but_a_slow_answer_is_not():
+    """The body timeout is a pause between pieces; once a request is in, answering it takes as long as it takes."""
+    with _guarded_server(ConnectionLimits(max_connections=40, header_timeout_s=1.0, body_timeout_s=1.0)) as (url, _):
+        assert httpx.get(f"{url}/slow", timeout=10).json() == {"done": True}  # 3 s, three times the timeouts
+
+
+def test_at_the_connection_limit_a_new_client_gets_a_503_only_when_all_are_answering():
+    limits = ConnectionLimits(max_connections=3, header_timeout_s=30, body_timeout_s=30)
+    with _guarded_server(limits) as (url, port):
+        slow = [threading.Thread(target=lambda: httpx.get(f"{url}/slow", timeout=30)) for _ in range(3)]
+        for thread in slow:
+            thread.start()
+        time.sleep(1.0)  # all three are being answered
+        r = httpx.get(f"{url}/health", timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections", r.text
+        assert int(r.headers["retry-after"]) >= 1
+        for thread in slow:
+            thread.join(30)
+        socks = _stalled_connections(port, 3)  # waiting for their clients: closed for the next one
+        try:
+            assert httpx.get(f"{url}/health", timeout=5).json()["error"]["message"] == "Loading model"
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def test_accept_failures_are_logged_once_per_period():
+    """Out of file descriptors, asyncio reports every failed accept (335 MB of log in 144 s): one gets through per
+    period, then one saying how many were left out."""
+    seen: list[dict] = []
+    loop = asyncio.new_event_loop()
+    try:
+        limiter = AcceptErrorLimiter(lambda loop, context: seen.append(context), period_s=0.3)
+        failure = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many")}
+        for _ in range(1000):
+            limiter(loop, failure)
+        time.sleep(0.35)
+        limiter(loop, failure)
+        limiter(loop, {"message": "something else"})
+    finally:
+        loop.close()
+    assert [c["message"] for c in seen] == [
+        "socket.accept() out of system resource",
+        "socket.accept() out of system resource (999 more such failures in the last 0.3 s not logged; see serve "
+        "--max-connections)",
+        "something else"]
+
+
+def _refused_fast_while_health_answers(url: str, path: str, body: dict) -> httpx.Response:
+    """POST `body` in a thread, polling /health meanwhile; the answer, after checking it came fast and /health
+    never waited a second."""
+    answers: list[httpx.Response] = []
+    content = json.dumps(body).encode()  # here: encoding 9M ids in the thread would hold this process's GIL
+    thread = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=300)))
+    started = time.monotonic()
+    thread.start()
+    slowest = 0.0
+    while thread.is_alive():
+        t = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        slowest = max(slowest, time.monotonic() - t)
+        time.sleep(0.05)
+    thread.join()
+    assert slowest < 1.0 and time.monotonic() - started < 6, (slowest, time.monotonic() - started)
+    return answers[0]
+
+
+BIG = "Describe the tool at length. " * 350_000  # 10 MB
+ANTHROPIC_TOOL = {"name": "f", "description": BIG, "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "tools": [
+        {"type": "function", "function": {"name": "f", "description": BIG}}]}),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "string", "description": BIG}}}}}]}),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "description": BIG}}}}),
+    ("/v1/messages", {"messages": USER, "max_tokens": 1, "tools": [ANTHROPIC_TOOL]}),
+    ("/v1/messages/count_tokens", {"messages": USER, "tools": [ANTHROPIC_TOOL]}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [
+        {"type": "function", "name": "f", "description": BIG}]}),
+    ("/apply-template", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                       "description": BIG}}]}),
+], ids=["tool-description", "tool-schema", "response-format", "anthropic-tool", "count-tokens", "responses-tool",
+        "apply-template"])
+def test_text_outside_the_messages_is_size_checked_before_any_work(server_url, path, body):
+    """10 MB in a tool's description or schema was refused only after 8-24 s of rendering and tokenizing."""
+    r = _refused_fast_while_health_answers(server_url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error.get("code", error.get("type")) in ("context_length_exceeded", "invalid_request_error"), error
+    assert "characters" in error["message"], error
+
+
+@pytest.mark.parametrize("tokens, status", [([1] * 9_000_000, 413), ([1] * 2_000_000, 400)],
+                         ids=["body-beyond-the-context", "ids-beyond-the-context"])
+def test_detokenizing_millions_of_ids_is_refused_and_health_stays_live(server_url, tokens, status):
+    """9M ids held /health for 3-6 s: now a body the context rules out is refused before it is read, and a list
+    longer than /tokenize could return before it is decoded."""
+    r = _refused_fast_while_health_answers(server_url, "/detokenize", {"tokens": tokens})
+    error = r.json()["error"]
+    assert r.status_code == status and "at most" in error["message"], error

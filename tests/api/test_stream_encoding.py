@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 from openai.types.chat import ChatCompletionChunk
 from pydantic import TypeAdapter
@@ -107,3 +108,57 @@ def test_anthropic_events():
     assert start == {"input_tokens": 5, "output_tokens": 0, "cache_creation_input_tokens": 0,
                      "cache_read_input_tokens": 15}
     assert [e["type"] for e in events][-1] == "message_stop"
+
+
+# --- keep-alives while the model is busy -------------------------------------------------------------------------
+
+HEARTBEAT_S = 0.02
+
+
+async def _slow(cached: list[int], queued_s: float, prefill_s: float):
+    """The engine's side of a slow request: queued behind others for `queued_s`, then told what its prefix cache
+    serves (the on_prefix callback) and prefilling for `prefill_s` before the first token."""
+    await asyncio.sleep(queued_s)
+    cached.append(15)
+    await asyncio.sleep(prefill_s)
+    for event in SCRIPT:
+        yield event
+
+
+def _slow_stream(make_stream, cached: list[int], queued_s: float, prefill_s: float) -> list[bytes]:
+    async def run() -> list[bytes]:
+        generation = Generation(_slow(cached, queued_s, prefill_s), lambda: None, "test", ServerMetrics(),
+                                heartbeat_s=HEARTBEAT_S)
+        return [chunk async for chunk in make_stream(generation)]
+
+    return asyncio.run(run())
+
+
+def test_anthropic_stream_pings_while_a_long_prompt_prefills():
+    """Anthropic's keep-alive is a ping event, which comes after message_start: message_start goes out as soon as
+    the engine has taken the request, so a long prefill shows pings (SSE comments only while it is queued)."""
+    cached: list[int] = []
+    raw = _slow_stream(lambda g: _message_events(g, "msg_1", "m", 20, cached, ()), cached, 0.2, 0.4)
+    blocks = b"".join(raw).decode().strip().split("\n\n")
+    comments = [b for b in blocks if b.startswith(":")]
+    events = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in blocks if not b.startswith(":")]
+    kinds = [e["type"] for e in events]
+    assert comments and all(b == ": ping" for b in comments)
+    assert blocks.index(comments[-1]) < blocks.index(next(b for b in blocks if b.startswith("event: message_start")))
+    first_block = kinds.index("content_block_start")
+    assert kinds[0] == "message_start" and kinds[1:first_block].count("ping") >= 3
+    assert set(kinds[1:first_block]) == {"ping"}
+    assert events[0]["message"]["usage"]["cache_read_input_tokens"] == 15
+    snapshot, buffers = None, {}  # the SDK's own accumulation (it skips pings) refuses events out of order
+    for event in (e for e in events if e["type"] != "ping"):
+        snapshot = accumulate_event(event=TypeAdapter(RawMessageStreamEvent).validate_python(event),
+                                    current_snapshot=snapshot, json_bufs=buffers)
+    assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use", "tool_use", "text"]
+
+
+def test_openai_stream_sends_comments_while_a_long_prompt_prefills():
+    cached: list[int] = []
+    raw = _slow_stream(lambda g: _chat_chunks(g, "chatcmpl-1", 0, "m", include_usage=False), cached, 0.0, 0.4)
+    first_content = next(i for i, chunk in enumerate(raw) if b'"reasoning_content"' in chunk)
+    assert raw[0].startswith(b"data: ") and raw[1:first_content].count(b": ping\n\n") >= 3
+    assert set(raw[1:first_content]) == {b": ping\n\n"}

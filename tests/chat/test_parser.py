@@ -253,6 +253,34 @@ def test_a_call_cut_by_the_token_limit_never_reaches_content(family, text):
     assert parse(family, text) == ParsedOutput("see" + (" " if family == "gemma4" else "\n"), None, [])
 
 
+FORCED_TWO_CALLS = (gemma3_tools.format_tool_call(ToolCall("a", "bash", {"command": "ls"})) + "\n\n"
+                    + gemma3_tools.format_tool_call(ToolCall("b", "read_file", {"path": "a.py"})))
+
+
+@pytest.mark.parametrize("cut", range(len(FORCED_TWO_CALLS) + 1))
+def test_a_forced_turn_cut_anywhere_leaves_no_tool_syntax_in_content(cut):
+    """A forced turn (the grammar writes blocks and their separators) cut by max_tokens at any character: the
+    next call's opening fence (```tool) was shown as content."""
+    result = parse("gemma3", FORCED_TWO_CALLS[:cut])
+    assert result.content == ""
+    names = [c.name for c in result.tool_calls]
+    assert names == ["bash", "read_file"][: len(names)] and (cut < len(FORCED_TWO_CALLS) or len(names) == 2)
+
+
+@pytest.mark.parametrize("tail", ["`", "``", "```", "```t", "```tool", "```tool_cal", "  ~~~tool"])
+def test_the_end_inside_an_opening_fence_is_dropped_after_text_too(tail):
+    assert parse("gemma3", "Let me look.\n" + tail) == ParsedOutput("Let me look.\n", None, [])
+
+
+def test_blank_lines_after_a_call_are_content_only_before_text():
+    call = gemma3_tools.format_tool_call(ToolCall("a", "ls", {}))
+    # (the first newline ends the closing fence's line)
+    assert parse("gemma3", f"{call}\n\n \nDone.\n").content == "\n \nDone.\n"
+    assert parse("gemma3", f"{call}\n\n```python\nx\n```").content == "\n```python\nx\n```"
+    assert parse("gemma3", f"{call}\n\n").content == ""
+    assert parse("gemma3", "Start.\n\n```python\n").content == "Start.\n\n```python\n"  # an opened block stays
+
+
 def test_bad_arguments_close_the_call_and_the_rest_is_content():
     deltas, result = run("gemma4", '<|tool_call>call:f{a:1]x}<tool_call|>Then text.')
     assert result.tool_calls == [ToolCall("call_0", "f", {"a": 1})]

@@ -248,14 +248,66 @@ def test_gemma3_developer_is_a_system_prompt():
 
 
 @pytest.mark.parametrize("messages, fragment", [
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "messages[1] is user, expected assistant"),
     ([{"role": "assistant", "content": "a"}], "messages[0] is assistant, expected user"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
-     "messages[2] is assistant, expected user"),
+    ([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+     "messages[0] is assistant, expected user"),
 ])
-def test_gemma3_roles_must_alternate(messages, fragment):
+def test_gemma3_starts_with_the_user(messages, fragment):
     with pytest.raises(ChatError, match=re.escape(fragment)):
         builtin_template("gemma3").render(conversation_from_openai(messages))
+
+
+def test_gemma3_merges_turns_of_one_side_in_a_row():
+    """opencode's title request (a system prompt and two user messages, no tools) got a 400: 'messages[2] is user,
+    expected assistant'. OpenAI and Anthropic accept turns of one side in a row; Gemma 3 gets them as one turn."""
+    gemma3 = builtin_template("gemma3")
+    title = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "Generate a title for:"},
+             {"role": "user", "content": [{"type": "text", "text": " fix the parser "}]}]
+    assert gemma3.render(conversation_from_openai(title)) == (
+        "<bos><start_of_turn>user\nWrite a title.\n\nGenerate a title for:\n\nfix the parser<end_of_turn>\n"
+        "<start_of_turn>model\n")
+    replies = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+               {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
+    assert gemma3.render(conversation_from_openai(replies), RenderOptions(add_generation_prompt=False)) == (
+        "<bos><start_of_turn>user\na<end_of_turn>\n<start_of_turn>model\nb\n\nc<end_of_turn>\n"
+        "<start_of_turn>user\nd<end_of_turn>\n")
+    # With tools: an assistant's text, then its calls in a second message (as some clients split them).
+    split = Conversation(tools=TOOLS, messages=[
+        Message(role="user", content=[TextPart("go")]), Message(role="assistant", content=[TextPart("Listing.")]),
+        Message(role="assistant", tool_calls=[ToolCall("1", "bash", {"command": "ls"})]),
+        Message(role="tool", content=[TextPart("a.py")], tool_call_id="1", name="bash")])
+    assert ('<start_of_turn>model\nListing.\n\n```tool_call\n{"name": "bash", "arguments": {"command": "ls"}}\n'
+            "```<end_of_turn>\n<start_of_turn>user\n```tool_result") in gemma3.render(split)
+    anthropic = conversation_from_anthropic([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert gemma3.render(anthropic).endswith("<start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\n")
+
+
+GROWING = [  # one conversation, a message at a time, with runs of one side
+    {"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "user", "content": " b"},
+    {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"},
+    {"role": "assistant", "content": "f"}, {"role": "user", "content": "g"}, {"role": "user", "content": "h"},
+    {"role": "user", "content": "i"}, {"role": "assistant", "content": "j"},
+]
+OPENAI_TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("tools", [None, OPENAI_TOOLS])
+def test_gemma3_a_growing_conversation_extends_its_prompt(tools):
+    """The prefix cache's premise: each turn's prompt extends the last one. A message of the other side extends
+    it whole; one more of the same side, up to the end of the text it had (its turn now goes on)."""
+    gemma3 = builtin_template("gemma3")
+
+    def render(messages: list[dict], generation_prompt: bool = False) -> str:
+        return gemma3.render(conversation_from_openai(messages, tools), RenderOptions(generation_prompt))
+
+    for k in range(2, len(GROWING)):
+        before, after, new = render(GROWING[:k]), render(GROWING[: k + 1]), GROWING[k]["role"]
+        if new == GROWING[k - 1]["role"]:
+            assert after.startswith(before.removesuffix("<end_of_turn>\n")) and after != before
+        else:
+            assert after.startswith(before)
+        if new == "assistant" and GROWING[k - 1]["role"] == "user":  # the prompt the answer was generated from
+            assert after.startswith(render(GROWING[:k], generation_prompt=True))
 
 
 def test_gemma3_later_system_messages_join_the_neighbouring_user_turn_first():

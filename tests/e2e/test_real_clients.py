@@ -17,7 +17,9 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -82,14 +84,19 @@ def repo(tmp_path):
     return work
 
 
-def _codex(url: str, repo, home, timeout_s: float) -> subprocess.CompletedProcess:
-    home.mkdir()
-    (home / "config.toml").write_text(
-        'model = "gemma"\nmodel_provider = "dflash"\n\n[model_providers.dflash]\nname = "dflash-agent"\n'
-        f'base_url = "{url}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 3600000\n')
-    return subprocess.run(["codex", "exec", "--skip-git-repo-check", "list the files here"], check=False, cwd=repo,
-                          env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout_s)
+def _codex(url: str, repo, timeout_s: float) -> subprocess.CompletedProcess:
+    """Codex configured as README says: a profile file of its own, beside a user config that ends in a table
+    (keys appended to that file would land inside the table). Its home is outside /tmp: where bubblewrap is installed
+    Codex runs its tools under it with a fresh /tmp, which would hide the helper it keeps in its home."""
+    with tempfile.TemporaryDirectory(prefix="codex-home-", dir="/var/tmp") as name:
+        home = Path(name)
+        (home / "config.toml").write_text('approval_policy = "never"\n\n[tui]\nnotifications = false\n')
+        (home / "dflash.config.toml").write_text(
+            'model = "gemma"\nmodel_provider = "dflash"\nmodel_context_window = 32768\n\n[model_providers.dflash]\n'
+            f'name = "dflash-agent"\nbase_url = "{url}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 3600000\n')
+        return subprocess.run(["codex", "exec", "--profile", "dflash", "--skip-git-repo-check", "list the files here"],
+                              check=False, cwd=repo, env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=timeout_s)
 
 
 def _claude(url: str, repo, config, timeout_s: float) -> subprocess.CompletedProcess:
@@ -103,10 +110,10 @@ def _claude(url: str, repo, config, timeout_s: float) -> subprocess.CompletedPro
 
 
 @_installed("codex")
-def test_codex_exec_runs_a_tool_and_answers(scripted, repo, tmp_path):
+def test_codex_exec_runs_a_tool_and_answers(scripted, repo):
     url, engine = scripted
     before = len(engine.prompts)
-    result = _codex(url, repo, tmp_path / "codex-home", 300)
+    result = _codex(url, repo, 300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert ANSWER in result.stdout, result.stdout[-3000:]
     prompts = engine.prompts[before:]
@@ -215,8 +222,8 @@ def test_aider_applies_an_edit(tmp_path):
 
 
 @_wanted("codex")
-def test_codex_exec_completes(server_url, repo, tmp_path):
-    result = _codex(server_url, repo, tmp_path / "codex-home", TIMEOUT_S)
+def test_codex_exec_completes(server_url, repo):
+    result = _codex(server_url, repo, TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ERROR" not in result.stderr
 

@@ -1,6 +1,7 @@
 """The embedded Gemma 3 270M GGUF: our greedy decoding against transformers' on the same file (float32)."""
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -166,3 +167,18 @@ def test_a_request_cancelled_during_prefill_stops_at_the_next_chunk(engine, monk
     again = run(engine, GenerateRequest(ids, max_tokens=6))
     fresh = run(engine, GenerateRequest(ids, max_tokens=6, cache_prompt=False))
     assert [t for e in again[:-1] for t in e.ids] == [t for e in fresh[:-1] for t in e.ids]
+
+
+def test_a_long_request_logs_its_progress(engine, monkeypatch, caplog):
+    """A 70 s prefill and 240 s of decoding logged nothing until the request ended: progress lines come every
+    `progress_every_s` (here: at every chunk and token) with the request id and the counts."""
+    from dflash_agent.engine.progress import progress_log
+
+    monkeypatch.setattr(engine, "progress_every_s", 0.0)
+    ids = engine.tokenizer.encode("Once upon a time")
+    with caplog.at_level(logging.INFO, logger=progress_log.name):
+        final = run(engine, GenerateRequest(ids, max_tokens=3, request_id="long-1", cache_prompt=False))[-1]
+    lines = [r.getMessage() for r in caplog.records if r.name == progress_log.name]
+    assert lines[0].startswith(f"long-1: prefill {len(ids)} / {len(ids)} tokens, ")
+    generated = [line for line in lines[1:] if line.startswith("long-1: generated ")]
+    assert len(generated) == final.usage.completion_tokens and "(at most 3)" in generated[-1]
