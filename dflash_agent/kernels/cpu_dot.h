@@ -3,6 +3,9 @@
 #define DFA_CPU_DOT_H
 #include <stdint.h>
 
+/* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
+#define DFA_ABI_VERSION 1
+
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const uint8_t *q, const float *d, const float *m, int64_t N, float *y, int threads);

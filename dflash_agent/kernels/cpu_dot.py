@@ -1,42 +1,64 @@
-"""The CPU's kernels: quantized matmuls (cpu_dot.c) and a whole decoder layer for decode steps (cpu_layer.c), built
-once per machine with the system's C compiler into one library, loaded with ctypes, called on torch tensors.
+"""The CPU's kernels: quantized matmuls (cpu_dot.c) and a whole decoder layer for decode steps (cpu_layer.c) in one
+library, loaded with ctypes, called on torch tensors.
 
 torch's own weight-only CPU kernels read bfloat16 activations against int4 / int8 weights and run at a third of the
 memory bandwidth on small matrices; these quantize the activations to int16 per block of 32 (int8, as llama.cpp
 does, cost 2-3 points of top-1 agreement), multiply 16 pairs per AVX2 instruction, and read the checkpoint's 4- and
-5-bit formats at 4 and 5 bits (IntMatrix). The library is compiled with -march=native (scalar C where the machine
-has no AVX2) into the cache directory, keyed by the sources, the compiler and the CPU, so a changed file or a
-different machine never loads a stale build. Without a C compiler `load` returns None and the engine keeps torch's
-kernels.
+5-bit formats at 4 and 5 bits (IntMatrix).
+
+The library is built when the package installs (setup.py), once per ISA variant (VARIANTS), and `load` picks the
+best variant this CPU runs, after checking the library's ABI against this module's structs. Where none fits (a
+source tree never installed, a CPU the variants do not cover), a build for this machine goes into the cache
+(`build`: -march=native, locked, verified); where only scalar C would run, torch's kernels serve instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
+import importlib.machinery
 import logging
 import mmap
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not Unix: builders are not locked against each other
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_layer.c"))
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels (comparisons, and machines where a build misbehaves)
+DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
+ABI_VERSION = 1  # cpu_dot.h's DFA_ABI_VERSION
+# The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
+# F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2), and a generic build (scalar C; kept for comparisons and tests, since
+# torch's kernels beat it).
+VARIANTS: dict[str, frozenset[str]] = {
+    "x86_64_v3": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "cx16", "lahf_lm",
+                            "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+    "generic": frozenset(),
+}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "dfa_simd": ([], ctypes.c_int),
+    "dfa_abi": ([ctypes.c_int], _I),
+    "dfa_source_digest": ([], ctypes.c_char_p),
     "dfa_quantize": ([_P, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "dfa_matmul": ([_P, _P, _P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
     "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int], None),
@@ -318,42 +340,211 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _compiler_version(cc: str) -> str:
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's features as Linux names them in /proc/cpuinfo (None: unknown here). Linux lists AVX features only
+    where the OS also saves their registers (XCR0), so a listed flag is one a program may use."""
     try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
+
+
+def supports(variant: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU can run a prebuilt variant. Without /proc/cpuinfo, torch's own CPU dispatch says (it checks
+    CPUID and XCR0 at run time, as ggml's variant scoring does)."""
+    needs = VARIANTS[variant]
+    if not needs:
+        return True
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return needs <= flags
+
+
+@functools.cache
+def source_digest() -> str:
+    """The sources' digest, as setup.py computes it and compiles into the library (dfa_source_digest)."""
+    return hashlib.sha256(b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
+
+
+def _compiler_version(cc: list[str]) -> str:
+    try:
+        return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
 
-def load(cache_root: Path) -> CpuDot | None:
-    """The library, built into cache_root/kernels on first use; None when it cannot be (logged once)."""
-    if os.environ.get(DISABLE_ENV) == "0":
+def _compiler() -> list[str] | None:
+    """The C compiler command: $CC as a shell would split it (`ccache gcc`), else cc or gcc on the PATH."""
+    given = shlex.split(os.environ.get("CC", ""))
+    if given:
+        return given
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
+
+
+def prebuilt(variant: str) -> Path | None:
+    """The library of a variant the package install built (setup.py), or None."""
+    folder = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = folder / f"_cpu_dot_{variant}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def open_library(path: Path) -> CpuDot | None:
+    """The library at path, if it loads and speaks this module's ABI (None, logged, when not)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        abi = lib.dfa_abi
+    except (OSError, AttributeError) as exc:
+        log.warning("the CPU kernels in %s cannot be used (%s)", path, exc)
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    abi.argtypes, abi.restype = [ctypes.c_int], ctypes.c_int64
+    expected = {-1: ABI_VERSION, 0: ctypes.sizeof(Matrix), 1: ctypes.sizeof(LayerWeights), 2: ctypes.sizeof(LayerCache)}
+    found = {which: abi(which) for which in expected}
+    if found != expected:
+        log.warning("the CPU kernels in %s were built from other sources (ABI %s, expected %s): not used",
+                    path, found, expected)
+        return None
+    try:
+        lib.dfa_source_digest.restype = ctypes.c_char_p
+        built_from = lib.dfa_source_digest().decode()
+        if built_from != source_digest():
+            log.warning("the CPU kernels in %s are older than their sources beside them (built from %s, the files are "
+                        "%s; an editable install rebuilds with `pip install -e .`): not used", path, built_from,
+                        source_digest())
+            return None
+        return CpuDot(lib, path)
+    except AttributeError as exc:  # an entry point missing
+        log.warning("the CPU kernels in %s cannot be used (%s)", path, exc)
+        return None
+
+
+def load(cache_root: Path) -> CpuDot | None:
+    """The CPU kernels as DFLASH_AGENT_CPU_DOT says (logged once; None: torch's kernels serve):
+    - unset or `auto`: the best prebuilt variant this CPU runs with vector code; else, on a CPU that has the AVX2
+      path, a build for this machine into cache_root/kernels; else None (the scalar C path is slower than torch's);
+    - `native`: the build for this machine (-march=native), the opt-in rebuild;
+    - a variant's name (`x86_64_v3`, `generic`): that prebuilt library, whatever it runs (tests, comparisons);
+    - `0`: None."""
+    mode = os.environ.get(DISABLE_ENV, "auto") or "auto"
+    if mode == "0":
+        return None
+    if mode in VARIANTS:
+        path = prebuilt(mode)
+        if path is None:
+            log.warning("%s=%s: the package has no %s build of the CPU kernels: using torch's kernels",
+                        DISABLE_ENV, mode, mode)
+            return None
+        return open_library(path)
+    if mode not in ("auto", "native"):
+        log.warning("%s=%s is none of auto, native, 0, %s: taken as auto", DISABLE_ENV, mode, ", ".join(VARIANTS))
+        mode = "auto"
+    if mode == "auto":
+        for variant in VARIANTS:
+            path = prebuilt(variant) if supports(variant) else None
+            lib = open_library(path) if path is not None else None
+            if lib is not None and lib.simd != "scalar":
+                log.info("CPU kernels: the prebuilt %s build (%s)", variant, lib.simd)
+                return lib
+        if not supports("x86_64_v3"):
+            log.info("no vector build of the CPU kernels for this CPU (%s): using torch's kernels", platform.machine())
+            return None
+    path = build(cache_root)
+    return open_library(path) if path is not None else None
+
+
+def build(cache_root: Path) -> Path | None:
+    """The kernels compiled for this machine (-march=native) into cache_root/kernels, once: keyed by the sources, the
+    compiler and the CPU, so a changed file or another machine never loads a stale build. Safe against what a cache
+    meets: builders started together (a lock: one compiles, the others wait and reuse it), a build killed half-way
+    (a temporary folder, removed by the next build), a truncated or corrupt library (a digest written beside it,
+    checked before loading: rebuilt once), a read-only cache (a warning, never a failed start). None (logged) when
+    it cannot be had."""
+    cc = _compiler()
     if cc is None:
         log.warning("no C compiler found: the CPU matmuls use torch's kernels (install gcc for the fast path)")
         return None
     parts = [*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(FLAGS).encode(),
              _compiler_version(cc).encode(), _cpu_signature().encode(), platform.machine().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    path = cache_root / "kernels" / f"cpu_dot-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log.info("compiling the CPU matmul kernels (once per machine) into %s", path)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            try:
-                result = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                        capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("building the CPU matmul kernels failed (%s): using torch's kernels", exc)
-                return None
-            if result.returncode != 0:
-                log.warning("building the CPU matmul kernels failed: using torch's kernels\n%s", result.stderr[-2000:])
-                return None
-            os.replace(built, path)  # atomic: concurrent loaders see no half-written library
+    folder = cache_root / "kernels"
+    path = folder / f"cpu_dot-{key}.so"
+    if _verified(path):  # no lock, no write: a read-only cache holding a good build serves
+        return path
     try:
-        return CpuDot(ctypes.CDLL(str(path)), path)
+        folder.mkdir(parents=True, exist_ok=True)
+        with _locked(folder / "build.lock"):
+            if _verified(path):  # built by another process while this one waited
+                return path
+            if path.exists():
+                log.warning("the cached CPU kernels %s are damaged (their digest does not match): rebuilding", path)
+            for leftover in folder.glob(f"{_BUILD_PREFIX}*"):  # killed builds': no build runs while we hold the lock
+                shutil.rmtree(leftover, ignore_errors=True)
+            return _compile(cc, path)
     except OSError as exc:
-        log.warning("loading %s failed (%s): using torch's kernels", path, exc)
+        log.warning("the CPU kernels cannot be built into %s (%s): using torch's kernels", folder, exc)
         return None
+
+
+_BUILD_PREFIX = "building-"
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(path: Path) -> bool:
+    try:
+        return _digest_path(path).read_text().strip() == _digest(path)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _compile(cc: list[str], path: Path) -> Path | None:
+    log.info("compiling the CPU matmul kernels (once per machine) into %s", path)
+    with tempfile.TemporaryDirectory(prefix=_BUILD_PREFIX, dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        try:
+            result = subprocess.run([*cc, *FLAGS, f'-DDFA_SOURCE_DIGEST="{source_digest()}"', *map(str, SOURCES),
+                                     "-o", str(built), "-lm"],
+                                    capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("building the CPU matmul kernels failed (%s): using torch's kernels", exc)
+            return None
+        if result.returncode != 0 or not built.is_file():
+            log.warning("building the CPU matmul kernels failed: using torch's kernels\n%s", result.stderr[-2000:])
+            return None
+        digest = Path(tmp) / _digest_path(path).name
+        digest.write_text(_digest(built) + "\n")
+        for done in (built, digest):  # on disk before they are named: a crash never leaves a short library
+            with open(done, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(built, path)  # the library first: without its digest it is not trusted
+        os.replace(digest, _digest_path(path))
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    return path

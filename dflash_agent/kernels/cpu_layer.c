@@ -301,6 +301,26 @@ done:
 
 /* y [T, w->n] = (x / rms(x) * norm) @ w^T for x [T, w->k]: the final norm and the LM head of a step in one call
  * (each row alone, as everywhere here). Returns 0, or -1 when scratch memory could not be had. */
+/* The ABI the Python side (kernels/cpu_dot.py) was written against: DFA_ABI_VERSION, and the size of each struct it
+ * mirrors with ctypes (which 0: dfa_matrix, 1: dfa_layer, 2: dfa_kv; else -1). A library built from other sources
+ * (a stale prebuilt variant, an old cache) is refused rather than called with misread structs. */
+#ifndef DFA_SOURCE_DIGEST
+#define DFA_SOURCE_DIGEST "" /* set by every build (setup.py, kernels/cpu_dot.py): the sources it compiled */
+#endif
+
+/* Which sources the library was built from: kernels/cpu_dot.py loads no library older than the files beside it. */
+const char *dfa_source_digest(void) { return DFA_SOURCE_DIGEST; }
+
+int64_t dfa_abi(int which) {
+    switch (which) {
+    case -1: return DFA_ABI_VERSION;
+    case 0: return (int64_t)sizeof(dfa_matrix);
+    case 1: return (int64_t)sizeof(dfa_layer);
+    case 2: return (int64_t)sizeof(dfa_kv);
+    default: return -1;
+    }
+}
+
 int dfa_norm_linear(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w, float *y,
                     int threads) {
     const int64_t K = w->k;

@@ -1,4 +1,5 @@
-"""kernels.cpu_dot: built once per machine into the cache, refused cleanly without a compiler, and its
+"""kernels.cpu_dot: built once per machine into the cache (the run-time build; test_cpu_dot_build.py has the
+variants the install builds), refused cleanly without a compiler, and its
 activation quantization and matmuls against plain float32 arithmetic (tests/engine/test_cpu_packed.py checks
 them on every GGUF format)."""
 
@@ -24,17 +25,19 @@ def lib(tmp_path):
 
 
 def test_built_once_into_the_cache_and_reused(tmp_path):
-    first = cpu_dot.load(tmp_path)
-    assert first is not None and first.path.parent == tmp_path / "kernels"
-    stamp = first.path.stat().st_mtime_ns
-    second = cpu_dot.load(tmp_path)
-    assert second is not None and second.path == first.path and second.path.stat().st_mtime_ns == stamp
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.path.name]  # no temporary left behind
+    first = cpu_dot.build(tmp_path)
+    assert first is not None and first.parent == tmp_path / "kernels"
+    stamp = first.stat().st_mtime_ns
+    assert cpu_dot.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    # the library, its digest and the lock file: no temporary left behind
+    assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, f"{first.name}.sha256", "build.lock"])
+    assert cpu_dot.open_library(first) is not None
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
 def test_no_working_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog, compiler):
     monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv(cpu_dot.DISABLE_ENV, "native")
     with caplog.at_level(logging.WARNING, logger="dflash_agent.kernels.cpu_dot"):
         assert cpu_dot.load(tmp_path) is None
     assert "torch's kernels" in caplog.text
