@@ -119,9 +119,9 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
 
         if draft is None and (bundled := default_drafter(model)) is not None:
             draft = str(bundled)
-        results = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype)
+        results, costs = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype)
         title = f"speculative decoding, {model}, draft={draft or 'none'}, block={spec_block or 'adaptive'}"
-        spec_report(results, out or Path("bench-results/spec.json"), title)
+        spec_report(results, costs, out or Path("bench-results/spec.json"), title)
         return
     if draft or spec_block:
         raise click.UsageError("--draft and --spec-block need --spec")

@@ -1,9 +1,11 @@
 """Speculative decoding benchmark: tok/s and acceptance with and without speculation, in one run.
 
 Every mode runs the same greedy requests on the same loaded target, so the ratios against plain
-autoregressive decoding are measured under the same machine load. Two workloads: continuing a
-Python file (what a drafter is for) and rewriting a file with a small change (what prompt lookup
-is for: the output copies the context).
+autoregressive decoding are measured under the same machine load. Three workloads: continuing a
+Python file (what a drafter is for), rewriting a function with a rename and copying a module back with
+one comment added (what prompt lookup is for: the output copies the context). Beside them, what a
+verification step of 16 and 64 rows costs against a one-row decode step on the same context: the
+price of drafting long blocks, which decides how far speculation can take a copy.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import json
 import logging
 import statistics
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig
 from ..engine.drafter import init_drafter_checkpoint, load_drafter
@@ -36,6 +41,13 @@ class ModeResult:
     speedup: float = 0.0  # decode tok/s over the "ar" mode on the same workload
 
 
+@dataclass
+class VerifyCost:
+    rows: int  # new tokens in the step, with logits for each (a block to verify)
+    ms: float  # median wall time of the step
+    vs_one_row: float  # ms over a one-row decode step's on the same context
+
+
 def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
     import json.decoder
     import textwrap
@@ -48,7 +60,44 @@ def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
         f"everything else unchanged:\n{snippet.splitlines()[0]}\n"
     )
     edit = engine.tokenizer.encode(edit_text)[-prompt_tokens:]
-    return {"code": code, "edit": edit}
+    return {"code": code, "edit": edit, "module": module_prompt(engine, prompt_tokens)}
+
+
+def module_prompt(engine: Engine, prompt_tokens: int) -> list[int]:
+    """A module, then the start of the same module again with a comment added at its top: the answer copies the
+    module (an agent rewriting a file with a small change). The module is cut to whole lines within the budget."""
+    import textwrap
+
+    source = inspect.getsource(textwrap).splitlines()
+    tokens = engine.tokenizer.encode
+    lines = len(source)
+    while lines > 1 and len(tokens("\n".join(source[:lines]))) + 40 > prompt_tokens:  # 40: the lines around it
+        lines = lines * 3 // 4
+    module = "\n".join(source[:lines])
+    text = f"# textwrap.py\n{module}\n\n# textwrap.py, with a comment added at the top\n# Wrapping text.\n{source[0]}\n"
+    return tokens(text)[-prompt_tokens:]
+
+
+def verify_costs(engine: Engine, prompt: list[int], rows: tuple[int, ...] = (1, 16, 64),
+                 repeats: int = 5) -> list[VerifyCost]:
+    """Steps of `rows` new tokens with logits for every row, as verifying a drafted block takes, after `prompt`,
+    on a cache of its own, timed alternately (median of `repeats`) on whatever path the engine takes for that many
+    rows. Rolled back after each; the rings may then miss keys, which changes no step's cost."""
+    model = engine.model
+    cache = model.new_cache(len(prompt) + max(rows) + 1)
+    model(torch.tensor(prompt, device=model.device), cache, logits_at=torch.arange(0))
+    start = cache.length
+    block = torch.tensor((prompt * (max(rows) // len(prompt) + 1))[:max(rows)], device=model.device)
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    for _ in range(repeats + 1):  # the first round warms up
+        for n in rows:
+            cache.rollback(start)
+            began = time.perf_counter()
+            model(block[:n], cache, logits_at=torch.arange(n, device=model.device))
+            times[n].append(time.perf_counter() - began)
+    median = {n: statistics.median(t[1:]) * 1e3 for n, t in times.items()}
+    one = median[min(rows)] / min(rows)
+    return [VerifyCost(n, median[n], median[n] / one) for n in rows]
 
 
 def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:
@@ -64,7 +113,7 @@ def run_spec_bench(
     spec_block: int | None = None,
     device: str = "auto",
     dtype: str = "auto",
-) -> list[ModeResult]:
+) -> tuple[list[ModeResult], list[VerifyCost]]:
     """draft: a drafter checkpoint, "random" for a randomly initialized one (until a trained drafter
     exists), or None to measure prompt lookup alone."""
     base = Engine.load(model, device=device, dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 32,
@@ -115,10 +164,13 @@ def run_spec_bench(
     for r in results:
         ar = next(x for x in results if x.workload == r.workload and x.mode == "ar")
         r.speedup = r.decode_tok_s / ar.decode_tok_s if ar.decode_tok_s else 0.0
-    return results
+    costs = verify_costs(base, prompts["code"])
+    for cost in costs:
+        log.info("verify %d rows: %.1f ms, %.2fx a one-row step", cost.rows, cost.ms, cost.vs_one_row)
+    return results, costs
 
 
-def report(results: list[ModeResult], out: Path | None, title: str) -> None:
+def report(results: list[ModeResult], costs: list[VerifyCost], out: Path | None, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -128,8 +180,16 @@ def report(results: list[ModeResult], out: Path | None, title: str) -> None:
     for r in results:
         table.add_row(r.workload, r.mode, f"{r.decode_tok_s:.2f}", f"{r.speedup:.2f}",
                       f"{r.acceptance_length_mean:.2f}", str(r.drafted), str(r.accepted))
-    Console(stderr=True).print(table)
+    console = Console(stderr=True)
+    console.print(table)
+    rows = Table(title="verification step vs a one-row decode step, same context (all rows' logits)")
+    for column in ("rows", "ms", "x one row", "ms per row"):
+        rows.add_column(column, justify="right")
+    for cost in costs:
+        rows.add_row(str(cost.rows), f"{cost.ms:.1f}", f"{cost.vs_one_row:.2f}", f"{cost.ms / cost.rows:.2f}")
+    console.print(rows)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results]}, indent=2) + "\n")
+        out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results],
+                                   "verify_costs": [asdict(c) for c in costs]}, indent=2) + "\n")
         log.warning("wrote %s", out)
