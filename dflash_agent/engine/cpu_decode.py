@@ -14,20 +14,23 @@ import ctypes
 
 import torch
 
-from ..kernels.cpu_dot import CpuDot, LayerCache, LayerWeights, Matrix
+from ..kernels.cpu_dot import CpuDot, IntMatrix, LayerCache, LayerWeights, Matrix
 from .kv_cache import LayerKV
 from .packed_linear import GEMM_ROWS, CpuDotWeight, PackedWeight, cpu_dot
 
 
-def _weight_matrix(weight) -> Matrix | None:
-    """The C struct of a weight repacked for the C matmuls (None: it is not)."""
+def _int_matrix(weight) -> IntMatrix | None:
+    """The matrix of a weight repacked for the C matmuls (None: it is not)."""
     if not isinstance(weight, PackedWeight) or not isinstance(weight.cpu, CpuDotWeight):
         return None
-    return weight.cpu.matrix.struct()
+    return weight.cpu.matrix
 
 
-def _matrix(linear) -> Matrix | None:
-    return Matrix() if linear is None else _weight_matrix(linear.weight)
+def _struct(matrix: IntMatrix, keep: list[torch.Tensor]) -> Matrix:
+    """matrix's C struct, its tensors added to keep: the struct holds bare pointers, and a weight re-placed or
+    reloaded after `build` must not free memory C still reads."""
+    keep.extend(matrix.tensors())
+    return matrix.struct()
 
 
 class CpuDecodeLayers:
@@ -37,7 +40,7 @@ class CpuDecodeLayers:
                  inv_freqs: list[torch.Tensor], head: tuple[torch.Tensor, Matrix, float] | None = None,
                  embedding: tuple[CpuDotWeight, torch.Tensor] | None = None) -> None:
         self.lib, self.layers = lib, (LayerWeights * len(layers))(*layers)
-        self._keep = keep  # the norm weights the structs point into
+        self._keep = keep  # every tensor the structs point into (norm weights, matrices)
         # each distinct RoPE once (float32, contiguous) and which one each layer takes
         index: dict[int, int] = {}
         self._rope_of_layer = [index.setdefault(id(f), len(index)) for f in inv_freqs]
@@ -61,10 +64,11 @@ class CpuDecodeLayers:
 
         for layer, spec in zip(model.layers, config.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            matrices = [_matrix(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                                             mlp.up_proj, mlp.down_proj)]
-            if any(m is None for m in matrices):
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            found = [None if m is None else _int_matrix(m.weight) for m in linears]
+            if any(f is None and m is not None for f, m in zip(found, linears, strict=True)):
                 return None
+            matrices = [Matrix() if f is None else _struct(f, keep) for f in found]
             scalar = 1.0 if layer.layer_scalar is None else float(layer.layer_scalar)
             layers.append(LayerWeights(
                 *matrices,
@@ -79,11 +83,11 @@ class CpuDecodeLayers:
             embedding = (embedding.cpu, torch.tensor(config.embed_scale, dtype=torch.float32))
         else:
             embedding = None
-        head_matrix = _weight_matrix(model.output_weight)
+        head_matrix = _int_matrix(model.output_weight)
         head = None
         if head_matrix is not None:
             final_norm = (model.norm.offset + model.norm.weight.float()).contiguous()
-            head = (final_norm, head_matrix, config.rms_norm_eps)
+            head = (final_norm, _struct(head_matrix, keep), config.rms_norm_eps)
         return cls(lib, layers, keep, model.layer_inv_freqs(), head, embedding)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor | None:
@@ -126,8 +130,14 @@ class CpuDecodeLayers:
         caches = (LayerCache * n)()
         for i, layer_kv in enumerate(kv):
             slots, key_pos, end, window = kinds[layer_kv.sliding]
-            caches[i] = LayerCache(layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), slots, key_pos,
-                                   layer_kv.k.shape[0] if end is None else end, window)
+            k, v, weights = layer_kv.k, layer_kv.v, self.layers[i]
+            # C addresses slot s at s * kv_heads * head_dim floats and takes its capacity from here
+            if k.shape != v.shape or k.shape[1:] != (weights.kv_heads, weights.head_dim) or not (
+                    k.is_contiguous() and v.is_contiguous()):
+                raise ValueError(f"layer {i}'s cache is {tuple(k.shape)} / {tuple(v.shape)}, not contiguous "
+                                 f"[slots, {weights.kv_heads}, {weights.head_dim}]")
+            caches[i] = LayerCache(k.data_ptr(), v.data_ptr(), k.shape[0], slots, key_pos,
+                                   k.shape[0] if end is None else end, window)
         captured = {i: torch.empty_like(x) for i in capture if 0 <= i < n}
         pointers = ctypes.c_void_p * n
         cos = pointers(*(tables[r][0].data_ptr() for r in self._rope_of_layer))

@@ -264,6 +264,9 @@ class CpuDotWeight:
         return self.lib.dequantize(self.matrix, ids.reshape(-1)).view(*ids.shape, self.matrix.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # reached from F.linear through PackedWeight.__torch_function__, which skips torch's own shape check
+        if x.dim() == 0 or x.shape[-1] != self.matrix.k:
+            raise ValueError(f"input of shape {tuple(x.shape)} against a weight of {self.matrix.k} inputs")
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] >= GEMM_ROWS:
             return self._gemm(flat.float()).to(x.dtype).view(*x.shape[:-1], self.out_features)

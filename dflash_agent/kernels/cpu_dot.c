@@ -15,6 +15,7 @@
  * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded); activation rows
  * are taken TILE at a time, so each group of weights is unpacked once for TILE rows (prefill, verify).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,8 +36,33 @@ int dfa_simd(void) {
 #endif
 }
 
+/* A block that no finite float32 scale carries: one holding a NaN or an infinity, or one so small that
+ * 32767 / amax overflows. float32 arithmetic would make its row's outputs NaN or infinite, never a finite wrong
+ * number, and so does this: a NaN makes the scale NaN (the row's outputs NaN); infinities become +-32767 at an
+ * infinite scale and the finite values 0, so inf * w keeps its sign (+-inf, or NaN where a zero meets the infinite
+ * scale, as in every AVX2 lane but the infinity's); a tiny block is quantized in double. Never converts a NaN or an
+ * out-of-range float to int (undefined behaviour in C, INT_MIN with cvtps, which flipped +inf's sign). */
+static float quantize_rare_block(const float *v, int16_t *q, int *sum) {
+    float amax = 0.0f;
+    int any_nan = 0;
+    for (int i = 0; i < 32; i++) {
+        any_nan |= isnan(v[i]);
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    }
+    const double inv = amax > 0.0f && !isinf(amax) ? 32767.0 / (double)amax : 0.0;
+    int total = 0;
+    for (int i = 0; i < 32; i++) {
+        const int qi = any_nan ? 0 : isinf(v[i]) ? (v[i] > 0.0f ? 32767 : -32767) : (int)nearbyint((double)v[i] * inv);
+        q[i] = (int16_t)qi;
+        total += qi;
+    }
+    *sum = total;
+    return any_nan ? NAN : amax / 32767.0f;
+}
+
 /* One block of 32 activations -> int16 at scale amax / 32767, returning the scale; *sum gets the sum of the
- * integers. Round to nearest even, as nearbyintf in the default rounding mode. */
+ * integers. Round to nearest even, as nearbyintf in the default rounding mode. Blocks with a NaN, an infinity or
+ * amax under 32767 / FLT_MAX take quantize_rare_block (one compare per block on the common path). */
 static inline float quantize_block(const float *v, int16_t *q, int *sum) {
 #ifdef DFA_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -48,7 +74,14 @@ static inline float quantize_block(const float *v, int16_t *q, int *sum) {
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    /* max_ps drops a NaN operand, so NaNs are looked for apart */
+    const __m256 unord01 = _mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q));
+    const __m256 unord23 = _mm256_or_ps(_mm256_cmp_ps(x2, x2, _CMP_UNORD_Q), _mm256_cmp_ps(x3, x3, _CMP_UNORD_Q));
+    const __m256 unordered = _mm256_or_ps(unord01, unord23);
+    const float scale = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    if (__builtin_expect(_mm256_movemask_ps(unordered) || !(amax <= FLT_MAX && scale <= FLT_MAX), 0))
+        return quantize_rare_block(v, q, sum);
+    const __m256 inv = _mm256_set1_ps(scale);
     __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv));
     __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv));
     /* packs interleaves 128-bit lanes; the permute puts the 16 values of each pair back in order */
@@ -64,11 +97,14 @@ static inline float quantize_block(const float *v, int16_t *q, int *sum) {
     return amax / 32767.0f;
 #else
     float amax = 0.0f;
+    int any_nan = 0;
     for (int i = 0; i < 32; i++) {
         float a = fabsf(v[i]);
+        any_nan |= isnan(a);
         amax = a > amax ? a : amax;
     }
     const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    if (any_nan || !(amax <= FLT_MAX && inv <= FLT_MAX)) return quantize_rare_block(v, q, sum);
     int total = 0;
     for (int i = 0; i < 32; i++) {
         int qi = (int)nearbyintf(v[i] * inv);
@@ -389,20 +425,21 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 
 /* y [M, N] = x [M, K] float32 @ w^T in one call (decode, verification): the activations are quantized into a
  * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. bits 4, 5
- * or 8 picks the layout (qh and offset: u5 only). */
-void dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
-                const float *d, const float *m, int64_t group, int64_t N, float *y, int threads) {
+ * or 8 picks the layout (qh and offset: u5 only). Returns 0, or -1 when the scratch could not be had (y is then
+ * unwritten), as dfa_norm_linear and dfa_layers_forward do. */
+int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
+               const float *d, const float *m, int64_t group, int64_t N, float *y, int threads) {
     const int64_t B = K / 32;
     int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
     float *xs = (float *)malloc((size_t)(2 * M * B) * sizeof(float));
-    if (!xq || !xs) { /* never silently wrong: NaN rows say the scratch could not be had */
-        for (int64_t i = 0; i < M * N; i++) y[i] = NAN;
-    } else {
+    const int status = xq && xs ? 0 : -1;
+    if (status == 0) {
         dfa_quantize(x, M, K, xq, xs, xs + M * B, threads);
         dfa_matmul(xq, xs, xs + M * B, M, K, q, bits, qh, offset, d, m, group, N, y, threads);
     }
     free(xq);
     free(xs);
+    return status;
 }
 
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,

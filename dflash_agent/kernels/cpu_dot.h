@@ -4,7 +4,7 @@
 #include <stdint.h>
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 1
+#define DFA_ABI_VERSION 2
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
@@ -19,6 +19,10 @@ void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
                 const uint32_t *qh, int offset, const float *d, const float *m, int64_t group, int64_t N, float *y,
                 int threads);
+
+/* x [M, K] float32 quantized and multiplied in one call; 0, or -1 when its scratch could not be had */
+int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
+               const float *d, const float *m, int64_t group, int64_t N, float *y, int threads);
 
 /* Four partial sums: a single chain of float additions would cost a few cycles per element. */
 static inline float dotf(const float *a, const float *b, int64_t n) {

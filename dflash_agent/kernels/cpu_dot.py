@@ -44,7 +44,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 1  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 2  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
 # F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2), and a generic build (scalar C; kept for comparisons and tests, since
 # torch's kernels beat it).
@@ -62,7 +62,7 @@ _SIGNATURES = {
     "dfa_quantize": ([_P, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "dfa_matmul": ([_P, _P, _P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
     "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int], None),
-    "dfa_linear": ([_P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
+    "dfa_linear": ([_P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], ctypes.c_int),
     "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int], ctypes.c_int),
     "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
@@ -219,10 +219,12 @@ class LayerWeights(ctypes.Structure):
 
 
 class LayerCache(ctypes.Structure):
-    """cpu_layer.c's dfa_kv: a layer's float32 cache [slots, kv_heads, head_dim], where the new keys go
-    (write_slots [T]) and which slots the queries see (key_pos [n_keys], NULL: slot = position; window 0: none)."""
+    """cpu_layer.c's dfa_kv: a layer's float32 cache [slots, kv_heads, head_dim] and its slots (C refuses a write
+    slot or n_keys past them), where the new keys go (write_slots [T]) and which slots the queries see (key_pos
+    [n_keys], NULL: slot = position; window 0: none)."""
 
-    _fields_ = [("k", _P), ("v", _P), ("write_slots", _P), ("key_pos", _P), ("n_keys", _I), ("window", _I)]
+    _fields_ = [("k", _P), ("v", _P), ("slots", _I), ("write_slots", _P), ("key_pos", _P), ("n_keys", _I),
+                ("window", _I)]
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,9 @@ class QuantizedActivations:
 
 
 class CpuDot:
-    """The loaded library. Tensors passed in must be contiguous CPU tensors of the documented dtypes."""
+    """The loaded library. Each entry point checks what C cannot (a shape, dtype, device or layout C would read
+    past or misread raises ValueError) from tensor attributes only, a microsecond or two per call; activations of
+    another dtype or layout are converted to contiguous float32."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib, self.path = lib, path
@@ -245,10 +249,10 @@ class CpuDot:
         self.simd = "avx2" if lib.dfa_simd() == 2 else "scalar"
 
     def quantize(self, x: torch.Tensor) -> QuantizedActivations:
+        if x.dim() != 2 or x.shape[1] % 32:
+            raise ValueError(f"quantized activations need rows [M, K] of a multiple of 32 values, got {tuple(x.shape)}")
         m, k = x.shape
-        if k % 32:
-            raise ValueError(f"quantized activations need rows of a multiple of 32 values, got {k}")
-        x = x.float().contiguous()
+        x = _activations(x, k)
         out = QuantizedActivations(torch.empty(m, k, dtype=torch.int16), torch.empty(m, k // 32),
                                    torch.empty(m, k // 32))
         self.lib.dfa_quantize(x.data_ptr(), m, k, out.xq.data_ptr(), out.xs.data_ptr(), out.xsum.data_ptr(),
@@ -257,9 +261,12 @@ class CpuDot:
 
     def matmul(self, x: QuantizedActivations, w: IntMatrix) -> torch.Tensor:
         """y [M, N] = x @ w^T."""
+        if x.xq.dim() != 2 or x.xq.shape[1] != w.k:
+            raise ValueError(f"activations of shape {tuple(x.xq.shape)} against a matrix of {w.k} inputs")
         rows, k = x.xq.shape
-        if k != w.k:
-            raise ValueError(f"activations of {k} values against a matrix of {w.k}")
+        _require(x.xq, "xq", torch.int16, rows, k)
+        _require(x.xs, "xs", torch.float32, rows, k // 32)
+        _require(x.xsum, "xsum", torch.float32, rows, k // 32)
         y = torch.empty(rows, w.n)
         self.lib.dfa_matmul(x.xq.data_ptr(), x.xs.data_ptr(), x.xsum.data_ptr(), rows, k, *w.args(), y.data_ptr(),
                             torch.get_num_threads())
@@ -267,27 +274,36 @@ class CpuDot:
 
     def linear(self, x: torch.Tensor, w: IntMatrix) -> torch.Tensor:
         """y [M, N] = x [M, K] @ w^T: quantize and matmul in one call."""
+        x = _activations(x, w.k)
         rows, k = x.shape
-        if k % 32:
-            raise ValueError(f"quantized activations need rows of a multiple of 32 values, got {k}")
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
         y = torch.empty(rows, w.n)
-        self.lib.dfa_linear(x.data_ptr(), rows, k, *w.args(), y.data_ptr(), torch.get_num_threads())
+        if self.lib.dfa_linear(x.data_ptr(), rows, k, *w.args(), y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("the CPU matmul could not allocate its scratch memory")
         return y
 
     def layers_forward(self, layers: ctypes.Array, caches: ctypes.Array, x: torch.Tensor, q_pos: torch.Tensor,
                        cos: ctypes.Array, sin: ctypes.Array, capture: ctypes.Array) -> None:
         """The decoder layers (cpu_layer.c, arrays of LayerWeights and LayerCache) over x [T, hidden] float32, in
         place; q_pos [T] int64; cos / sin: each layer's RoPE tables [T, head_dim] float32; capture: where each
-        layer's output is copied (None: nowhere). All contiguous; the structs must point at live tensors."""
+        layer's output is copied (None: nowhere). All contiguous; the structs must point at live tensors, each
+        LayerCache's `slots` no more than its caches hold (C checks the write slots and n_keys against it)."""
+        n = len(layers)
+        if not len(caches) == len(cos) == len(sin) == len(capture) == n:
+            raise ValueError(f"{n} layers with {len(caches)} caches, {len(cos)} / {len(sin)} RoPE tables and "
+                             f"{len(capture)} capture pointers")
+        _require(x, "x", torch.float32, None, layers[0].hidden if n else None)
+        _require(q_pos, "q_pos", torch.int64, x.shape[0])
         status = self.lib.dfa_layers_forward(layers, caches, len(layers), x.data_ptr(), x.shape[0], q_pos.data_ptr(),
                                              cos, sin, capture, torch.get_num_threads())
+        if status == -2:
+            raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots)")
         if status != 0:
             raise MemoryError("the CPU decoder layer could not allocate its scratch memory")
 
     def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [T, 2 len(inv_freq)] float32 of NeoX RoPE at positions [T] int64 (engine.model.rope_tables)."""
+        _require(positions, "positions", torch.int64, None)
+        _require(inv_freq, "inv_freq", torch.float32, None)
         half = inv_freq.shape[0]
         cos, sin = torch.empty(positions.shape[0], 2 * half), torch.empty(positions.shape[0], 2 * half)
         self.lib.dfa_rope_table(positions.data_ptr(), positions.shape[0], inv_freq.data_ptr(), half, cos.data_ptr(),
@@ -295,7 +311,12 @@ class CpuDot:
         return cos, sin
 
     def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, w: Matrix) -> torch.Tensor:
-        """(x / rms(x) * norm) @ w^T for x [T, K] float32 (contiguous), norm [K] float32 as applied (offset + w)."""
+        """(x / rms(x) * norm) @ w^T for x [T, K] (float32 contiguous, else converted), norm [K] float32
+        (contiguous) as applied (offset + w)."""
+        if not w.q:
+            raise ValueError("norm_linear of an absent matrix")
+        x = _activations(x, w.k)
+        _require(norm, "the norm weight", torch.float32, w.k)
         y = torch.empty(x.shape[0], w.n)
         if self.lib.dfa_norm_linear(x.data_ptr(), x.shape[0], norm.data_ptr(), eps, ctypes.byref(w), y.data_ptr(),
                                     torch.get_num_threads()):
@@ -303,7 +324,12 @@ class CpuDot:
         return y
 
     def argmax(self, x: torch.Tensor) -> int:
-        """int(torch.argmax(x)) for a contiguous float32 CPU tensor, several times faster on a vocabulary."""
+        """int(torch.argmax(x)) for a CPU tensor (converted to contiguous float32 unless it is), several times faster
+        on a vocabulary."""
+        if x.device.type != "cpu":
+            raise ValueError(f"the CPU kernels read CPU tensors, not {x.device} ones")
+        if x.numel() == 0:  # torch.argmax raises too, where C would answer 0
+            raise ValueError("argmax of an empty tensor")
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         return self.lib.dfa_argmax(x.data_ptr(), x.numel(), torch.get_num_threads())
@@ -312,6 +338,8 @@ class CpuDot:
         """w [N, K] float32, bit for bit what the GGUF dequantization gives; or its rows ids [R] only."""
         rows = w.n
         if ids is not None:
+            if ids.dim() != 1 or ids.device.type != "cpu":
+                raise ValueError(f"row ids must be a 1-D CPU tensor, got shape {tuple(ids.shape)} on {ids.device}")
             ids = ids.to(torch.int64).contiguous()
             wanted = ids.tolist()
             rows = len(wanted)
@@ -321,6 +349,29 @@ class CpuDot:
         self.lib.dfa_dequantize(w.q.data_ptr(), w.bits, _ptr(w.qh), w.offset, w.d.data_ptr(), _ptr(w.m), w.group,
                                 rows, w.k, _ptr(ids), out.data_ptr(), torch.get_num_threads())
         return out
+
+
+def _activations(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x as C reads activations: [M, k] float32, contiguous, in CPU memory; converted where only the dtype or
+    layout differs. C reads M * k floats from the pointer and knows no bounds, so a wrong width would read past x or
+    leave outputs of garbage."""
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"activations of shape {tuple(x.shape)} against a matrix of {k} inputs")
+    if x.device.type != "cpu":
+        raise ValueError(f"the CPU kernels read CPU tensors, not {x.device} ones")
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    return x
+
+
+def _require(t: torch.Tensor, what: str, dtype: torch.dtype, *shape: int | None) -> None:
+    """A ValueError unless t is a contiguous CPU tensor of dtype and shape (None: any size on that axis): C reads it
+    through a bare pointer."""
+    if (t.dtype != dtype or t.device.type != "cpu" or t.dim() != len(shape) or not t.is_contiguous()
+            or any(want is not None and want != got for want, got in zip(shape, t.shape))):
+        wanted = ", ".join("*" if n is None else str(n) for n in shape)
+        raise ValueError(f"{what} must be a contiguous CPU {dtype} tensor [{wanted}], got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -36,6 +36,7 @@ typedef struct {
 
 typedef struct {
     float *k, *v;                /* [slots, kv_heads, head_dim] */
+    int64_t slots;               /* the caches' capacity: write_slots and n_keys are checked against it */
     const int64_t *write_slots;  /* [T]: where the new keys go */
     const int64_t *key_pos;      /* [n_keys]: the position each slot holds (-1: empty); NULL: the slot index */
     int64_t n_keys, window;      /* window 0: full attention */
@@ -350,11 +351,18 @@ void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_
 }
 
 /* n decoder layers in turn over x [T, hidden] (layer_forward each): a step's layers in one call. Layer i reads
- * the RoPE tables cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0, or -1 (x
- * then holds the output of the layers before the one that failed). */
+ * the RoPE tables cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0; -2 when a
+ * write slot or n_keys lies outside a layer's cache (checked for every layer first: nothing is then written, as a
+ * slot past the end would write over the heap); or -1 when scratch memory could not be had (x then holds the output
+ * of the layers before the one that failed). */
 int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
                        const int64_t *q_pos, const float *const *cos, const float *const *sin,
                        float *const *capture, int threads) {
+    for (int64_t i = 0; i < n; i++) {
+        if (kvs[i].n_keys < 0 || kvs[i].n_keys > kvs[i].slots) return -2;
+        for (int64_t t = 0; t < T; t++)
+            if (kvs[i].write_slots[t] < 0 || kvs[i].write_slots[t] >= kvs[i].slots) return -2;
+    }
     for (int64_t i = 0; i < n; i++) {
         if (layer_forward(layers + i, kvs + i, x, T, q_pos, cos[i], sin[i], threads)) return -1;
         if (capture[i]) memcpy(capture[i], x, (size_t)(T * layers[i].hidden) * sizeof(float));

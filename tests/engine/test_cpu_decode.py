@@ -4,6 +4,8 @@ keys and values, value norms, layer scalars, a sliding ring) and on the embedded
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,3 +174,41 @@ def test_blocks_a_ring_cannot_take_stay_on_the_eager_plan(tiny, monkeypatch):
     assert (plan.full.mode, plan.sliding.mode) == ("cache", "prefill")
     tiny(torch.arange(20) % VOCAB, tiny.new_cache(64))
     assert calls == []
+
+
+def test_the_c_layers_hold_every_tensor_they_point_into(tiny):
+    """The structs keep bare pointers: a weight re-placed (an arena, a reloaded state dict) after build must not
+    free memory C still reads."""
+    layers = tiny.cpu_layers
+    kept = {t.data_ptr() for t in layers._keep}
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
+    matrices = [getattr(weights, name) for weights in layers.layers for name in names] + [layers._head[1]]
+    for matrix in matrices:
+        assert {p for p in (matrix.q, matrix.qh, matrix.d, matrix.m) if p} <= kept
+
+
+def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(tiny):
+    from dflash_agent.kernels.cpu_dot import LayerCache
+
+    layers, lib = tiny.cpu_layers, tiny.cpu_layers.lib
+    n, slots = len(layers.layers), 4
+    q_pos = torch.tensor([3])
+    tables = [lib.rope_table(q_pos, f) for f in layers._inv_freqs]
+    pointers = ctypes.c_void_p * n
+    cos = pointers(*(tables[r][0].data_ptr() for r in layers._rope_of_layer))
+    sin = pointers(*(tables[r][1].data_ptr() for r in layers._rope_of_layer))
+    caches = [torch.zeros(2, slots, w.kv_heads, w.head_dim) for w in layers.layers]
+
+    def run(write: int, n_keys: int = slots) -> torch.Tensor:
+        where = torch.tensor([write])
+        structs = (LayerCache * n)(*(LayerCache(c[0].data_ptr(), c[1].data_ptr(), slots, where.data_ptr(), None,
+                                                n_keys, 0) for c in caches))
+        x = torch.randn(1, tiny.config.hidden_size)
+        lib.layers_forward(layers.layers, structs, x, q_pos, cos, sin, pointers())
+        return x
+
+    for write, n_keys in ((slots, slots), (-1, slots), (3, slots + 1)):
+        with pytest.raises(ValueError, match="outside a layer's KV cache"):
+            run(write, n_keys)
+    assert all(not c.any() for c in caches)  # refused before any layer wrote
+    assert torch.isfinite(run(3)).all() and all(c[:, 3].any() and not c[:, :3].any() for c in caches)

@@ -74,6 +74,21 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     assert torch.equal(weight[ids], packed.dequantize()[ids])
 
 
+def test_a_packed_weight_refuses_an_input_of_another_width():
+    """F.linear reaches the packed weight through __torch_function__, past torch's own shape check: C read past
+    the input (a SEGV, or garbage such as 3.2e34) where a plain tensor raises."""
+    if cpu_dot() is None:
+        pytest.skip("no C compiler: the CPU dot kernels cannot be built")
+    rng = np.random.default_rng(0)
+    weight = PackedWeight(pack(rng.standard_normal((8, 64)).astype(np.float32), TYPES[0], rng), torch.float32)
+    weight.repack_for_cpu()
+    assert isinstance(weight.cpu, CpuDotWeight)
+    for x in (torch.randn(1, 4096), torch.randn(2, 3, 32), torch.randn(GEMM_ROWS + 1, 128)):
+        with pytest.raises(ValueError, match="against a weight of 64 inputs"):
+            F.linear(x, weight)
+    assert F.linear(torch.randn(2, 3, 64), weight).shape == (2, 3, 8)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_torch_kernel_fallback_matches_the_dequantized_weight(qtype, torch_kernels):
     rng = np.random.default_rng(0)

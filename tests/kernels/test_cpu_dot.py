@@ -132,3 +132,90 @@ def test_matrices_move_into_a_huge_page_arena_intact():
         assert torch.equal(before, after) and after.data_ptr() % cpu_dot.HugePageArena.ALIGN == 0
     with pytest.raises(ValueError, match="bytes left"):
         arena.place(torch.zeros(1 << 20, dtype=torch.uint8))
+
+
+@pytest.fixture(params=["best", "generic"])
+def each_build(request, tmp_path):
+    """The build this machine loads, and the scalar C build (the vector and scalar quantizers differ in code)."""
+    if request.param == "best":
+        return cpu_dot.load(tmp_path)
+    path = cpu_dot.prebuilt("generic")
+    if path is None:
+        pytest.skip("no generic build installed")
+    return cpu_dot.open_library(path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_nan_activation_makes_its_row_nan_and_no_other(each_build, layout):
+    """As float32's matmul: the vector max drops a NaN, which then came out as plausible finite numbers."""
+    matrix, _ = _layout(*layout)
+    x = torch.randn(7, matrix.k)
+    clean = each_build.linear(x, matrix)
+    x[2, 37] = float("nan")
+    y = each_build.linear(x, matrix)
+    assert torch.isnan(y[2]).all()
+    others = [0, 1, 3, 4, 5, 6]  # in the tile with it and after it
+    assert torch.equal(y[others], clean[others])
+    assert torch.isnan(each_build.quantize(x).xs[2, 1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_an_infinite_activation_never_gives_a_finite_number(each_build, layout):
+    """inf or NaN as float32 gives (an infinity was quantized as -32768: a flipped sign)."""
+    matrix, w = _layout(*layout)
+    x = torch.randn(7, matrix.k)
+    clean = each_build.linear(x, matrix)
+    x[1, 70], x[5, 3] = float("inf"), float("-inf")
+    y, ref = each_build.linear(x, matrix), x @ w.T
+    for row in (1, 5):
+        assert not torch.isfinite(y[row]).any()
+        infinite = torch.isinf(y[row])
+        assert torch.equal(y[row][infinite], ref[row][infinite])  # where an infinity survives, float32's sign
+    others = [0, 2, 3, 4, 6]
+    assert torch.equal(y[others], clean[others])
+
+
+def test_a_block_too_small_for_a_float32_scale_still_quantizes(each_build):
+    """32767 / amax overflows below amax ~ 1e-34: every value was then -32768 (and undefined behaviour in C)."""
+    x = torch.randn(2, 64)
+    x[0, :32] *= 1e-37
+    acts = each_build.quantize(x)
+    q = acts.xq[0, :32]
+    assert int(q.abs().max()) == 32767 and torch.equal(q.sign(), x[0, :32].sign().to(torch.int16))
+    back = q.double() * float(acts.xs[0, 0])
+    assert float((back - x[0, :32].double()).abs().max()) <= 1e-3 * float(x[0, :32].abs().max())
+    assert torch.equal(acts.xq[1], each_build.quantize(x[1:]).xq[0])
+
+
+def test_shapes_dtypes_and_devices_are_checked_before_c_reads_them(lib):
+    """C reads through bare pointers: a width that is not the matrix's read past the activations (or the norm),
+    which the address sanitizer reported as heap-buffer-overflows."""
+    matrix, w = _layout(8, 32, True)  # k = 256
+    narrow, head = torch.randn(1, 64), matrix.struct()
+    for call in (lambda: lib.linear(narrow, matrix), lambda: lib.linear(torch.randn(256), matrix),
+                 lambda: lib.matmul(lib.quantize(narrow), matrix), lambda: lib.norm_linear(narrow, torch.ones(256),
+                                                                                            1e-6, head)):
+        with pytest.raises(ValueError, match="against a matrix of 256 inputs"):
+            call()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        lib.quantize(torch.randn(64))
+    with pytest.raises(ValueError, match=r"the norm weight must be a contiguous CPU torch.float32 tensor \[256\]"):
+        lib.norm_linear(torch.randn(1, 256), torch.ones(64), 1e-6, head)
+    with pytest.raises(ValueError, match="the norm weight"):
+        lib.norm_linear(torch.randn(1, 256), torch.ones(256, dtype=torch.float64), 1e-6, head)
+    with pytest.raises(ValueError, match="CPU tensors, not meta"):
+        lib.linear(torch.empty(1, 256, device="meta"), matrix)
+    with pytest.raises(ValueError, match="empty"):
+        lib.argmax(torch.empty(0))
+    with pytest.raises(ValueError, match="1-D CPU tensor"):
+        lib.dequantize(matrix, torch.tensor([[0, 1]]))
+    acts = lib.quantize(torch.randn(2, 256))
+    with pytest.raises(ValueError, match="xs must be"):
+        lib.matmul(cpu_dot.QuantizedActivations(acts.xq, acts.xs[:1], acts.xsum), matrix)
+    # another dtype or layout is converted, as documented
+    x = torch.randn(256, 3).T
+    assert not x.is_contiguous()
+    assert torch.equal(lib.linear(x, matrix), lib.linear(x.contiguous(), matrix))
+    assert torch.equal(lib.linear(x.double(), matrix), lib.linear(x.contiguous(), matrix))
+    norm = torch.rand(256)
+    assert torch.equal(lib.norm_linear(x, norm, 1e-6, head), lib.norm_linear(x.contiguous(), norm, 1e-6, head))
