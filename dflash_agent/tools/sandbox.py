@@ -93,15 +93,19 @@ class Sandbox:
         return f"bwrap, network {'on' if self.network else 'off'}"
 
     def command(self, argv: Sequence[str], cwd: Path, writable: Sequence[Path] = (), tmp: Path | None = None,
-                private_tmp: bool = True, network: bool | None = None, info_fd: int | None = None) -> list[str]:
+                private_tmp: bool = True, network: bool | None = None, info_fd: int | None = None,
+                search_path: str | None = None) -> list[str]:
         """argv run in the sandbox, in `cwd`: the filesystem read-only but `writable` (bound at the same
         paths) and, with `private_tmp`, a /tmp of its own (`tmp` bound there, else an empty tmpfs) that
-        hides the machine's; `network` defaults to the sandbox's. `info_fd`: where bwrap writes the
-        namespace init's pid (JSON `child-pid`), then closes it."""
+        hides the machine's but for the tools a command needs (`tmp_tools`, with `search_path` its PATH);
+        `network` defaults to the sandbox's. `info_fd`: where bwrap writes the namespace init's pid (JSON
+        `child-pid`), then closes it."""
         assert self.bwrap is not None
         args = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         if private_tmp:
             args += ["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]
+            for path in tmp_tools(search_path):
+                args += ["--ro-bind", str(path), str(path)]
         for path in writable:  # after /tmp: a workspace under /tmp is bound over the private one
             args += ["--bind", str(path), str(path)]
         args += ["--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -118,7 +122,8 @@ class Sandbox:
         Call `stop()` on what it returns however the run ends."""
         info_r, info_w = os.pipe()
         try:
-            proc = subprocess.Popen(self.command(argv, cwd, writable, tmp, private_tmp, network, info_fd=info_w),
+            proc = subprocess.Popen(self.command(argv, cwd, writable, tmp, private_tmp, network, info_fd=info_w,
+                                                 search_path=env.get("PATH")),
                                     env=dict(env), pass_fds=(info_w,), **popen)
         except BaseException:
             os.close(info_r)
@@ -171,6 +176,23 @@ class Sandbox:
             said = done.stderr.decode(errors="replace").strip().splitlines()
             return f"{self.bwrap} failed ({said[-1] if said else f'exit code {done.returncode}'})"
         return None
+
+
+def tmp_tools(search_path: str | None) -> list[Path]:
+    """The folders under /tmp that the private /tmp would hide from a command but it needs: the Python running this
+    process (its virtual environment and base install: the `python` a command runs, its packages) and the folders
+    on the command's PATH. Bound read-only at their own paths: a venv made under /tmp (a CI checkout, say) keeps
+    working in the sandbox, and the rest of the machine's /tmp stays out of sight."""
+    wanted = {sys.prefix, sys.base_prefix, sys.exec_prefix, *(search_path or "").split(os.pathsep)}
+    found: set[Path] = set()
+    for name in wanted:
+        if not name:
+            continue
+        for path in {Path(name).absolute(), Path(name).resolve()}:
+            if path.is_relative_to("/tmp") and path != Path("/tmp") and path.is_dir():
+                found.add(path)
+    # outermost first: a folder bound after one inside it would hide it
+    return sorted(found, key=lambda p: len(p.parts))
 
 
 @dataclass

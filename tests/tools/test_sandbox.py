@@ -161,6 +161,30 @@ def test_writes_only_inside_the_workspace_and_a_private_tmp(root):
 
 
 @needs_bwrap
+def test_the_tools_a_command_needs_under_tmp_stay_visible_and_the_rest_of_tmp_hidden(root, monkeypatch):
+    """A venv (or any PATH folder) made under /tmp, as a CI checkout there makes one, is bound read-only into the
+    sandbox's private /tmp; the machine's other /tmp files stay out of sight."""
+    tools_dir = tempfile.mkdtemp(prefix="dflash-sandbox-tools-", dir="/tmp")
+    secret = tempfile.mkdtemp(prefix="dflash-sandbox-other-", dir="/tmp")
+    try:
+        tool = os.path.join(tools_dir, "say-hello")
+        with open(tool, "w") as f:
+            f.write("#!/bin/sh\necho hello from under tmp\n")
+        os.chmod(tool, 0o755)
+        with open(os.path.join(secret, "note"), "w") as f:
+            f.write("not for the command\n")
+        monkeypatch.setenv("PATH", f"{tools_dir}{os.pathsep}{os.environ['PATH']}")
+        tools = workspace_tools(Workspace(root))
+        result = bash(tools, f"say-hello; touch {tools_dir}/x; cat {secret}/note")
+        assert "hello from under tmp" in result.text, result.text
+        assert "Read-only file system" in result.text and not os.path.exists(os.path.join(tools_dir, "x"))
+        assert "not for the command" not in result.text and "No such file" in result.text
+    finally:
+        shutil.rmtree(tools_dir)
+        shutil.rmtree(secret)
+
+
+@needs_bwrap
 @pytest.mark.parametrize("network", [True, False])
 def test_network_per_option(root, network):
     tools = workspace_tools(Workspace(root), sandbox=Sandbox(network=network))
