@@ -29,7 +29,7 @@ from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.workspace import Workspace
 from tests.agent.repos import PYTEST, git, repo_tests_pass
 from tests.agent.scripted import Say, ScriptedModel, bash
-from tests.tools.test_bash import running, unique_sleep
+from tests.tools.processes import running, unique_sleep
 
 
 def make_agent(repo, script, config=AgentConfig(), transcript=None, read_only=False):

@@ -19,7 +19,7 @@ from dflash_agent.mcp.server import STATUS_URI, workspace_server
 from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.workspace import Workspace
 from tests.agent.scripted import Say, ScriptedModel, bash
-from tests.tools.test_bash import running, unique_sleep
+from tests.tools.processes import running, unique_sleep
 
 
 class ScriptedAccess:

@@ -5,7 +5,6 @@ without it (the launcher)."""
 import asyncio
 import os
 import time
-import uuid
 
 import pytest
 
@@ -13,6 +12,8 @@ from dflash_agent.tools.bash import MAX_OUTPUT_BYTES, BashArgs, Shell
 from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.sandbox import Sandbox
 from dflash_agent.tools.workspace import Workspace
+
+from .processes import running, unique_sleep
 
 _NO_BWRAP = Sandbox().problem()
 
@@ -38,35 +39,6 @@ def tools(root, sandbox):
 
 def bash(tools, command, **more):
     return asyncio.run(tools.dispatch("bash", {"command": command, **more}))
-
-
-def unique_sleep() -> str:
-    """A `sleep` argument no other process has: the sleeper can be found from outside its PID namespace,
-    where the pid `$!` gives means nothing."""
-    return f"{3000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 10**9:09d}"
-
-
-def running(argument: str, grace: float = 5.0) -> list[int]:
-    """The live processes (zombies are dead) with `argument` in their command line, after up to `grace`
-    seconds for them to go."""
-    deadline = time.monotonic() + grace
-    while True:
-        found = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-                with open(f"/proc/{name}/stat") as f:
-                    state = f.read().rsplit(") ", 1)[1][0]
-            except OSError:
-                continue  # exited meanwhile
-            if argument.encode() in args and state != "Z":
-                found.append(int(name))
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
 
 
 def test_output_and_exit_code(tools):
@@ -217,7 +189,6 @@ ANCESTORS = r"""p=$$; while [ "$p" -gt 0 ]; do echo "== $p"; tr '\0' '\n' < /pro
 
 
 def test_no_ancestor_of_the_command_holds_the_secrets(root):
-    import os
     import subprocess
     import sys
 

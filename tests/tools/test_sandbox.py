@@ -21,6 +21,8 @@ from dflash_agent.tools.sandbox import Sandbox
 from dflash_agent.tools.search import SearchTools
 from dflash_agent.tools.workspace import Workspace
 
+from .processes import running, unique_sleep
+
 _UNAVAILABLE = Sandbox(mode="auto").problem()
 needs_bwrap = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"the sandbox cannot start here: {_UNAVAILABLE}")
 
@@ -34,33 +36,6 @@ def root(tmp_path):
 
 def bash(tools, command, **more):
     return asyncio.run(tools.dispatch("bash", {"command": command, **more}))
-
-
-def unique_sleep() -> str:
-    """A `sleep` argument no other process has, to find the sleeper from outside its PID namespace."""
-    return f"{3000 + int(uuid.uuid4().int % 1000)}.{uuid.uuid4().int % 10**9:09d}"
-
-
-def running(argument: str, grace: float = 5.0) -> list[int]:
-    """The pids of live processes (zombies excluded) with `argument` in their command line, after up to
-    `grace` seconds for them to go."""
-    deadline = time.monotonic() + grace
-    while True:
-        found = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-                with open(f"/proc/{name}/stat") as f:
-                    state = f.read().rsplit(") ", 1)[1][0]
-            except OSError:
-                continue
-            if argument.encode() in args and state != "Z":
-                found.append(int(name))
-        if not found or time.monotonic() > deadline:
-            return found
 
 
 # Run as the "server": a process whose environment and command line hold the key, as `serve --api-key K`
