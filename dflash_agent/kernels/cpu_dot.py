@@ -382,23 +382,24 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _cpu_signature() -> str:
+def _cpuinfo_lines() -> list[str] | None:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
+        return None
+
+
+def _cpu_signature() -> str:
+    lines = _cpuinfo_lines()
+    if lines is None:
         return platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
 def cpu_flags() -> frozenset[str] | None:
     """The CPU's features as Linux names them in /proc/cpuinfo (None: unknown here). Linux lists AVX features only
     where the OS also saves their registers (XCR0), so a listed flag is one a program may use."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
+    for line in _cpuinfo_lines() or []:
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return None
@@ -500,7 +501,9 @@ def load(cache_root: Path) -> CpuDot | None:
         log.warning("%s=%s is none of auto, native, 0, %s: taken as auto", DISABLE_ENV, mode, ", ".join(VARIANTS))
         mode = "auto"
     if mode == "auto":
-        for variant in VARIANTS:
+        for variant, needs in VARIANTS.items():
+            if not needs:  # the generic build: scalar C, slower than torch's kernels
+                continue
             path = prebuilt(variant) if supports(variant) else None
             lib = open_library(path) if path is not None else None
             if lib is not None and lib.simd != "scalar":
