@@ -11,6 +11,7 @@ the eager layers, which remain the reference the tests hold this path to.
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -115,33 +116,42 @@ class CpuDecodeLayers:
                 capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over embeddings x [T, hidden] with a "kernel" StepPlan (engine.model), in one C call; as
         GemmaModel.layers_forward."""
+        return self.forward_groups(x, [(plan, kv)], capture)
+
+    def forward_groups(self, x: torch.Tensor, groups: list[tuple], capture: tuple[int, ...],
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The layers over the rows of several sequences in one C call: x [T, hidden] holds each group's rows in
+        turn, a group is (its "kernel" StepPlan, its caches), and each row attends to its own group's caches. Every
+        weight is read once for all rows; a row's result is what `forward` of its group alone gives."""
         x = x.contiguous()
-        query = plan.positions.contiguous()
-        n = len(self.layers)
+        query = torch.cat([plan.positions for plan, _ in groups]).contiguous()
+        bounds = torch.tensor([0, *itertools.accumulate(plan.positions.shape[0] for plan, _ in groups)])
+        n, g = len(self.layers), len(groups)
         tables = [self.lib.rope_table(query, inv_freq) for inv_freq in self._inv_freqs]
         keep = [t for pair in tables for t in pair]  # what the structs point into, alive until the call returns
-        kinds = {}  # sliding or not -> where that kind of layer writes and which slots it reads
-        for sliding, layer_plan in ((False, plan.full), (True, plan.sliding)):
-            slots, key_pos = layer_plan.slots.contiguous(), layer_plan.positions.key
-            key_pos = None if key_pos is None else key_pos.contiguous()
-            keep += [slots, key_pos]
-            kinds[sliding] = (slots.data_ptr(), 0 if key_pos is None else key_pos.data_ptr(), layer_plan.end,
-                              layer_plan.positions.window or 0)
-        caches = (LayerCache * n)()
-        for i, layer_kv in enumerate(kv):
-            slots, key_pos, end, window = kinds[layer_kv.sliding]
-            k, v, weights = layer_kv.k, layer_kv.v, self.layers[i]
-            # C addresses slot s at s * kv_heads * head_dim floats and takes its capacity from here
-            if k.shape != v.shape or k.shape[1:] != (weights.kv_heads, weights.head_dim) or not (
-                    k.is_contiguous() and v.is_contiguous()):
-                raise ValueError(f"layer {i}'s cache is {tuple(k.shape)} / {tuple(v.shape)}, not contiguous "
-                                 f"[slots, {weights.kv_heads}, {weights.head_dim}]")
-            caches[i] = LayerCache(k.data_ptr(), v.data_ptr(), k.shape[0], slots, key_pos,
-                                   k.shape[0] if end is None else end, window)
+        caches = (LayerCache * (n * g))()
+        for j, (plan, kv) in enumerate(groups):
+            kinds = {}  # sliding or not -> where that kind of layer writes and which slots it reads
+            for sliding, layer_plan in ((False, plan.full), (True, plan.sliding)):
+                slots, key_pos = layer_plan.slots.contiguous(), layer_plan.positions.key
+                key_pos = None if key_pos is None else key_pos.contiguous()
+                keep += [slots, key_pos]
+                kinds[sliding] = (slots.data_ptr(), 0 if key_pos is None else key_pos.data_ptr(), layer_plan.end,
+                                  layer_plan.positions.window or 0)
+            for i, layer_kv in enumerate(kv):
+                slots, key_pos, end, window = kinds[layer_kv.sliding]
+                k, v, weights = layer_kv.k, layer_kv.v, self.layers[i]
+                # C addresses slot s at s * kv_heads * head_dim floats and takes its capacity from here
+                if k.shape != v.shape or k.shape[1:] != (weights.kv_heads, weights.head_dim) or not (
+                        k.is_contiguous() and v.is_contiguous()):
+                    raise ValueError(f"layer {i}'s cache is {tuple(k.shape)} / {tuple(v.shape)}, not contiguous "
+                                     f"[slots, {weights.kv_heads}, {weights.head_dim}]")
+                caches[i * g + j] = LayerCache(k.data_ptr(), v.data_ptr(), k.shape[0], slots, key_pos,
+                                               k.shape[0] if end is None else end, window)
         captured = {i: torch.empty_like(x) for i in capture if 0 <= i < n}
         pointers = ctypes.c_void_p * n
         cos = pointers(*(tables[r][0].data_ptr() for r in self._rope_of_layer))
         sin = pointers(*(tables[r][1].data_ptr() for r in self._rope_of_layer))
         copies = pointers(*(captured[i].data_ptr() if i in captured else None for i in range(n)))
-        self.lib.layers_forward(self.layers, caches, x, query, cos, sin, copies)
+        self.lib.layers_forward(self.layers, caches, x, query, cos, sin, copies, bounds)
         return x, captured

@@ -6,12 +6,10 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,11 +22,11 @@ from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .packed_linear import cpu_dot
-from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheStats, Reuse
-from .progress import PROGRESS_EVERY_S, ProgressLog
-from .sampling import Sampler, StopStringFilter
-from .speculative import LengthController, RequestDecoder, SpecConfig
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .prefix_cache import PrefixCacheConfig, PrefixCacheStats
+from .progress import PROGRESS_EVERY_S
+from .scheduler import Job, Scheduler
+from .speculative import SpecConfig
+from .tokenizer import Tokenizer
 from .types import (
     SAMPLING_DEFAULTS,
     WEIGHTS,
@@ -37,22 +35,14 @@ from .types import (
     GenerateRequest,
     GenerateResult,
     SamplingDefaults,
-    Timings,
+    SlotInfo,
     TokenEvent,
-    Usage,
 )
 from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX_CACHE = PrefixCacheConfig()  # frozen: one shared default is safe
-
-
-@dataclass
-class _Job:
-    request: GenerateRequest
-    emit: Callable[[TokenEvent | FinalEvent | ErrorEvent], None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class Engine:
@@ -68,7 +58,10 @@ class Engine:
         prefix_cache: PrefixCacheConfig | None = DEFAULT_PREFIX_CACHE,
         kv_dtype: str = "auto",
         sampling_defaults: SamplingDefaults | None = None,
+        parallel: int = 1,
     ) -> None:
+        if parallel < 1:
+            raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
         self.model = model
         self.model_path = model_path  # where the checkpoint's own chat template is read from
         self.tokenizer = tokenizer
@@ -78,20 +71,23 @@ class Engine:
         self.spec = spec or SpecConfig()
         # What a request's omitted sampling fields take (SamplingDefaults.resolve).
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
-        self.progress_every_s = PROGRESS_EVERY_S  # progress lines of a long request (engine.progress)
-        self._drafter_cache = drafter.new_cache(n_ctx) if drafter is not None else None
-        # Shared across requests, so what it learns about draft lengths carries over.
-        self._controller: LengthController | None = None
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._jobs: dict[str, _Job] = {}
+        self.parallel = parallel
+        self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._cache = model.new_cache(n_ctx, kv_dtype)
-        # The drafter's cache is fed (and so worth keeping) only while speculation is on.
-        fed = self._drafter_cache if self.spec.enabled else None
-        self._prefix = PrefixCache(prefix_cache, self._cache, fed) if prefix_cache is not None else None
+        self._scheduler = Scheduler(model, tokenizer, n_ctx, parallel, kv_dtype, drafter, self.spec, prefix_cache,
+                                    PROGRESS_EVERY_S)
         self._worker = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._worker.start()
+
+    @property
+    def progress_every_s(self) -> float:
+        """How often a long request logs a progress line (engine.progress)."""
+        return self._scheduler.progress_every_s
+
+    @progress_every_s.setter
+    def progress_every_s(self, seconds: float) -> None:
+        self._scheduler.progress_every_s = seconds
 
     @classmethod
     def load(
@@ -109,6 +105,7 @@ class Engine:
         weights: str = "auto",
         threads: int | None = None,
         sampling_defaults: str = "model",
+        parallel: int = 1,
     ) -> Engine:
         """draft: a DFlash drafter checkpoint; None takes the model's bundled one, if it has one
         and speculation is on (spec.enabled).
@@ -122,8 +119,11 @@ class Engine:
         checkpoints always load exactly.
         threads: CPU threads (default: the physical cores).
         sampling_defaults: "model" (the checkpoint's recommended sampling fills what a request leaves out:
-        engine.generation_config) or "none"."""
+        engine.generation_config) or "none".
+        parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context."""
         check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
+        if parallel < 1:
+            raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
         if weights not in WEIGHTS:
             raise OptionError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
         if sampling_defaults not in SAMPLING_DEFAULTS:
@@ -146,9 +146,10 @@ class Engine:
         planned_drafter = drafter_plan(resolve_model_path(draft), draft_quant) if draft is not None else None
         if torch_device.type == "cuda":
             n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, ctx_size, kv_dtype,
-                                     planned_drafter)
+                                     planned_drafter, slots=parallel)
         else:
-            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter)
+            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter,
+                                     slots=parallel)
         # auto on the CPU: the packed C kernels where they build (kernels.cpu_dot), else the exact weights, whose
         # float32 GEMMs prefill faster than torch's int4 / int8 kernels
         repack_cpu = weights == "packed" or (weights == "auto" and torch_device.type == "cpu" and cpu_dot() is not None)
@@ -162,11 +163,12 @@ class Engine:
                 resolve_model_path(draft), cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
                 torch_device, torch_dtype, quantize=draft_quant,
             )
-        log.info("loaded in %.1f s; context %d tokens", time.perf_counter() - started, n_ctx)
+        log.info("loaded in %.1f s; context %d tokens%s", time.perf_counter() - started, n_ctx,
+                 f" x {parallel} slots" if parallel > 1 else "")
         name = Path(path).name if model == EMBEDDED else model
         return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec, model_path=path,
                    prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype,
-                   sampling_defaults=defaults)
+                   sampling_defaults=defaults, parallel=parallel)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Queue the request and yield its events; raises ContextOverflowError / RequestError for bad requests.
@@ -178,17 +180,21 @@ class Engine:
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(event: TokenEvent | FinalEvent | ErrorEvent) -> None:
+            if isinstance(event, FinalEvent | ErrorEvent):  # the request id is free again
+                with self._lock:
+                    if self._jobs.get(request.request_id) is job:
+                        del self._jobs[request.request_id]
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the consumer's loop has closed (it left early): nobody is left to read
                 pass
 
-        job = _Job(request, emit)
+        job = Job(request, emit)
         with self._lock:
             if request.request_id in self._jobs:
                 raise RequestError(f"request id {request.request_id!r} is already running")
             self._jobs[request.request_id] = job
-        self._queue.put(job)
+        self._scheduler.submit(job)
         try:
             while True:
                 event = await events.get()
@@ -244,10 +250,21 @@ class Engine:
     @property
     def prefix_stats(self) -> PrefixCacheStats | None:
         """Hit counts and memory of the prefix cache; None when it is off."""
-        return self._prefix.stats if self._prefix is not None else None
+        return self._scheduler.prefix_stats
+
+    @property
+    def slots(self) -> list[SlotInfo]:
+        """What each slot does now (a snapshot; prompt ids included, for callers that choose to show them)."""
+        return self._scheduler.slot_info()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a free slot."""
+        return self._scheduler.queued
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop the worker; requests still running or waiting end as cancelled."""
+        self._scheduler.submit(None)
         self._worker.join(timeout=10)
 
     def _validate(self, request: GenerateRequest) -> None:
@@ -262,90 +279,8 @@ class Engine:
         if request.max_tokens is not None and request.max_tokens < 0:
             raise RequestError(f"max_tokens must be >= 0, got {request.max_tokens}")
 
-    @torch.inference_mode()
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                if not job.cancelled.is_set():
-                    self._decode(job)
-                else:
-                    job.emit(FinalEvent("cancelled", Usage(len(job.request.prompt_ids), 0), Timings()))
-            except Exception as exc:  # surfaced to the caller; the worker keeps serving
-                log.exception("request %s failed", job.request.request_id)
-                job.emit(ErrorEvent(exc))
-            finally:
-                with self._lock:
-                    self._jobs.pop(job.request.request_id, None)
-
-    def _decode(self, job: _Job) -> None:
-        req, model = job.request, self.model
-        decoder = RequestDecoder(
-            model, self._cache, Sampler(req.sampling, model.device, model.argmax),
-            drafter=self.drafter, drafter_cache=self._drafter_cache,
-            matcher=req.grammar.matcher() if req.grammar is not None else None,
-            spec=self.spec, controller=self._controller,
-        )
-        self._controller = decoder.shared_controller
-        stop_ids = self.tokenizer.stop_ids | req.stop.token_ids
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopStringFilter(req.stop.strings)
-        budget = self.n_ctx - len(req.prompt_ids)
-        max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
-        prefix = self._prefix
-
-        started = time.perf_counter()
-        reuse = prefix.acquire(req.prompt_ids, req.cache_prompt) if prefix is not None else Reuse()
-        if req.on_prefix is not None:
-            req.on_prefix(reuse.tokens)
-        progress = ProgressLog(req.request_id, self.progress_every_s)
-
-        def on_chunk(position: int, logits: torch.Tensor | None) -> None:
-            if prefix is not None:
-                prefix.prefilled(position, logits)
-            progress.prefilled(position - reuse.tokens, len(req.prompt_ids) - reuse.tokens)
-
-        prefilled = decoder.prefill(req.prompt_ids, reuse.tokens, reuse.logits, on_chunk=on_chunk,
-                                    stop=job.cancelled.is_set)
-        timings = Timings(cache_n=reuse.tokens, prompt_n=len(req.prompt_ids) - reuse.tokens)
-        timings.prompt_ms = (time.perf_counter() - started) * 1e3
-
-        decode_started = time.perf_counter()
-        progress.decoding()
-        generated: list[int] = []
-        finish, matched = ("length" if prefilled else "cancelled"), None
-        for token in decoder.tokens(max_tokens if prefilled else 0):
-            if job.cancelled.is_set():
-                finish = "cancelled"
-                break
-            if token in stop_ids:
-                finish, matched = "stop", token
-                break
-            generated.append(token)
-            progress.generated(len(generated), max_tokens)
-            text, matched = stops.push(detok.push([token]))
-            job.emit(TokenEvent([token], text))
-            if matched is not None:
-                finish = "stop"
-                break
-        if not isinstance(matched, str):
-            # Bytes the detokenizer held back, then whatever the stop filter held back.
-            text, hit = stops.push(detok.flush())
-            tail = text if hit else text + stops.flush()
-            if hit:
-                finish, matched = "stop", hit
-            if tail:
-                job.emit(TokenEvent([], tail))
-        cached_ids = decoder.finish()
-        if prefix is not None:
-            prefix.release(cached_ids)
-        timings.predicted_n = len(generated)
-        timings.predicted_ms = (time.perf_counter() - decode_started) * 1e3
-        timings.prompt_per_second = _rate(timings.prompt_n, timings.prompt_ms)
-        timings.predicted_per_second = _rate(timings.predicted_n, timings.predicted_ms)
-        timings.draft_n, timings.draft_n_accepted = decoder.stats.drafted, decoder.stats.accepted
-        usage = Usage(len(req.prompt_ids), len(generated), cached_tokens=reuse.tokens)
-        context_full = finish == "length" and (req.max_tokens is None or req.max_tokens > budget)
-        job.emit(FinalEvent(finish, usage, timings, matched, decoder.stats, context_full))
+        self._scheduler.run()
 
 
 def physical_cores() -> int:

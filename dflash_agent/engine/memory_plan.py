@@ -52,6 +52,7 @@ class MemoryPlan:
     ctx_size: int
     items: dict[str, int]  # what -> bytes
     budget_bytes: int | None = None  # the GPU memory it must fit in, when known
+    slots: int = 1  # concurrent requests, each with a ctx_size-token context of its own
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +65,7 @@ class MemoryPlan:
     def to_json(self) -> dict:
         return {
             "ctx_size": self.ctx_size,
+            "slots": self.slots,
             "items": dict(self.items),
             "total_bytes": self.total_bytes,
             "total_gib": round(self.total_bytes / GiB, 3),
@@ -73,7 +75,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         width = max(len(k) for k in self.items)
-        lines = [f"memory plan for a {self.ctx_size}-token context"]
+        lines = [f"memory plan for a {self.ctx_size}-token context" if self.slots == 1 else
+                 f"memory plan for {self.slots} slots x a {self.ctx_size}-token context"]
         lines += [f"  {name:<{width}}  {n / GiB:8.3f} GiB" for name, n in self.items.items()]
         lines.append(f"  {'total':<{width}}  {self.total_bytes / GiB:8.3f} GiB")
         if self.budget_bytes is not None:
@@ -190,25 +193,29 @@ def plan_memory(
     kv_dtype: str = "auto",
     drafter: DrafterPlan | None = None,
     budget_bytes: int | None = None,
+    slots: int = 1,
 ) -> MemoryPlan:
-    """Itemised GPU memory of the target (+ drafter) with a `ctx_size`-token context, computing in `dtype`."""
+    """Itemised GPU memory of the target (+ drafter) with `slots` contexts of `ctx_size` tokens (one per
+    concurrent request: engine.scheduler), computing in `dtype`."""
     if ctx_size < 1:
         raise OptionError(f"context size must be positive, got {ctx_size}")
-    full, rings = target_kv_bytes(config, ctx_size, kv_dtype, dtype)
+    if slots < 1:
+        raise OptionError(f"slots must be >= 1, got {slots}")
+    full, rings = (slots * n for n in target_kv_bytes(config, ctx_size, kv_dtype, dtype))
     items = {"target weights": target_weight_bytes}
     if drafter is not None:
         items["drafter weights"] = drafter_weight_bytes(drafter, config.hidden_size, dtype)
     items["target KV: full-attention layers"] = full
     items["target KV: sliding rings"] = rings
     if drafter is not None:
-        items["drafter KV"] = drafter_kv_bytes(drafter.config, ctx_size, dtype)
+        items["drafter KV"] = slots * drafter_kv_bytes(drafter.config, ctx_size, dtype)
     items |= workspace_bytes(config, ctx_size, dtype, drafter.config if drafter is not None else None)
     if drafter is not None and drafter.quant is not None:
         # engine.quant_linear expands one quantized matrix at a time to the compute dtype; fc is the largest
         c = drafter.config
         items["workspace: drafter matrix expansion"] = (
             c.hidden_size * len(c.target_layer_ids) * config.hidden_size * dtype.itemsize)
-    return MemoryPlan(ctx_size, items, budget_bytes)
+    return MemoryPlan(ctx_size, items, budget_bytes, slots)
 
 
 def largest_context(budget_bytes: int, config: ModelConfig, target_weight_bytes: int, **plan_args) -> int:
@@ -245,10 +252,11 @@ def fit_context(
         return plan_memory(config, target_weight_bytes, largest, budget_bytes=free_bytes, **plan_args)
     plan = plan_memory(config, target_weight_bytes, requested, budget_bytes=free_bytes, **plan_args)
     if not plan.fits:
-        hint = (f"the largest context that fits is {largest} tokens (--ctx-size {largest})" if largest
+        per_slot = " per slot" if plan.slots > 1 else ""
+        hint = (f"the largest context that fits is {largest} tokens{per_slot} (--ctx-size {largest})" if largest
                 else "no context fits: use a smaller model, quantization or drafter")
         raise MemoryPlanError(
-            f"--ctx-size {requested} needs {plan.total_bytes / GiB:.2f} GiB but {free_bytes / GiB:.2f} GiB of GPU "
+            f"--ctx-size {requested}{f' x {plan.slots} slots' if plan.slots > 1 else ''} needs {plan.total_bytes / GiB:.2f} GiB but {free_bytes / GiB:.2f} GiB of GPU "
             f"memory is free; {hint}"
         )
     return plan
@@ -275,14 +283,15 @@ def gpu_context_size(
     requested: int | None,
     kv_dtype: str = "auto",
     drafter: DrafterPlan | None = None,
+    slots: int = 1,
 ) -> int:
-    """The context the engine allocates on a CUDA device, from its free memory before the weights load:
+    """The context the engine allocates (per slot) on a CUDA device, from its free memory before the weights load:
     `requested` if it fits (a MemoryPlanError naming the largest that does if not), else the largest."""
     free, _ = torch.cuda.mem_get_info(device)
     if requested is not None:
         requested = min(requested, config.max_position_embeddings)
     plan = fit_context(free, config, checkpoint_weight_bytes(tensors, dtype, packed=True), requested,
-                       dtype=dtype, kv_dtype=kv_dtype, drafter=drafter)
+                       dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots)
     log.info("%s", plan.describe())
     return plan.ctx_size
 
@@ -315,10 +324,11 @@ def cpu_context_size(
     kv_dtype: str = "auto",
     drafter: DrafterPlan | None = None,
     available_bytes: int | None = None,
+    slots: int = 1,
 ) -> int:
-    """The context the engine allocates on the CPU: `requested` (capped by the model), else the model's own
-    context length where half the available RAM holds it (weights, drafter, KV, workspace), else the
-    largest that does (at least 4096 tokens, which never threatened a machine that loads the model)."""
+    """The context the engine allocates (per slot) on the CPU: `requested` (capped by the model), else the model's
+    own context length where half the available RAM holds `slots` of them (weights, drafter, KV, workspace), else
+    the largest that does (at least 4096 tokens, which never threatened a machine that loads the model)."""
     if requested is not None:
         return min(requested, config.max_position_embeddings)
     free = available_ram_bytes() if available_bytes is None else available_bytes
@@ -326,7 +336,7 @@ def cpu_context_size(
         return config.max_position_embeddings
     budget = int(free * CPU_SHARE)
     largest = largest_context(budget, config, checkpoint_weight_bytes(tensors, dtype, packed=False), dtype=dtype,
-                              kv_dtype=kv_dtype, drafter=drafter)
+                              kv_dtype=kv_dtype, drafter=drafter, slots=slots)
     n_ctx = min(config.max_position_embeddings, max(largest, 4096))
     log.info("context %d tokens (the model's: %d; %.1f GiB of RAM available)", n_ctx,
              config.max_position_embeddings, free / GiB)

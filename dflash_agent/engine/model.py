@@ -14,6 +14,7 @@ from ..kernels.dispatch import triton_runs
 from .config import LayerSpec, ModelConfig
 from .errors import ContextOverflowError
 from .kv_cache import KVCache, LayerKV
+from .packed_linear import GEMM_ROWS
 from .sampling import torch_argmax
 
 
@@ -125,6 +126,15 @@ class DecoderLayer(nn.Module):
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
         return x
+
+
+@dataclass
+class RowGroup:
+    """One sequence's new tokens in a step of several (GemmaModel.forward_groups)."""
+
+    ids: torch.Tensor  # [T] token ids at positions cache.length..
+    cache: KVCache
+    logits_at: torch.Tensor | None = None  # as GemmaModel.forward's
 
 
 @dataclass(frozen=True)
@@ -251,6 +261,50 @@ class GemmaModel(nn.Module):
         if logits_at.numel() == 0:
             return ForwardOutput(None, captured)
         return ForwardOutput(self.logits(x[logits_at]), captured)
+
+    @torch.inference_mode()
+    def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
+        """`forward` of several sequences' new tokens (the slots of concurrent requests: decode rows, verification
+        blocks) in one step: where the C layers take them, one call reads each weight once for all rows and each row
+        attends to its own cache; else one forward per group. Either way each output is what `forward` of its
+        group alone gives: every row is computed alone (engine.cpu_decode)."""
+        for group in groups:
+            if group.cache.length + group.ids.shape[0] > group.cache.max_len:
+                raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
+        if len(groups) < 2 or not all(self._cpu_kernel_plan(g.ids.shape[0], g.cache) for g in groups):
+            return [self.forward(g.ids, g.cache, g.logits_at, capture) for g in groups]
+        plans = []
+        for group in groups:
+            start = group.cache.length
+            end = start + group.ids.shape[0]
+            plans.append(self._plan(group.cache, torch.arange(start, end), start, end))
+            group.cache.length = end
+        x, captured = self.cpu_layers.forward_groups(
+            self.embed(torch.cat([g.ids for g in groups])), [(p, g.cache.layers) for p, g in zip(plans, groups)],
+            capture)
+        wanted, offset = [], 0
+        for group in groups:
+            T = group.ids.shape[0]
+            at = torch.tensor([T - 1]) if group.logits_at is None else group.logits_at
+            wanted.append(at + offset)
+            offset += T
+        rows = torch.cat(wanted)
+        # C's LM head takes fewer than GEMM_ROWS rows a call; each row alone, so the split changes nothing
+        logits = torch.cat([self.logits(x[rows[i:i + GEMM_ROWS - 1]]) for i in range(0, rows.shape[0], GEMM_ROWS - 1)]
+                           ) if rows.numel() else None
+        outputs, offset, used = [], 0, 0
+        for group, at in zip(groups, wanted, strict=True):
+            T = group.ids.shape[0]
+            out_logits = None if at.numel() == 0 else logits[used:used + at.numel()]
+            used += at.numel()
+            outputs.append(ForwardOutput(out_logits, {i: h[offset:offset + T] for i, h in captured.items()}))
+            offset += T
+        return outputs
+
+    def _cpu_kernel_plan(self, T: int, cache: KVCache) -> bool:
+        """Whether T new tokens over `cache` take the C layers with the "kernel" plan for both kinds of layer."""
+        fits = T <= cache.ring_slots - self.config.sliding_window + 1 or cache.ring_slots == cache.max_len
+        return T > 0 and fits and self._runs_cpu_layers(T, cache.layers)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Scaled input embeddings of token ids [..., T] -> [..., T, hidden]."""

@@ -1,7 +1,7 @@
 """Prefix reuse across requests: a request prefills only what its cached prefix does not cover.
 
-The engine has one working KV cache (and drafter cache) on its device. After a request it holds that
-request's conversation, the "live" one: the prompt and the generated tokens whose keys were computed.
+The engine has a working KV cache (and drafter cache) per slot on its device. After a request a slot's caches hold
+that request's conversation, the "live" one: the prompt and the generated tokens whose keys were computed.
 A new request reuses the longest common prefix it has with the live conversation or with a stored one.
 Full-attention layers and the drafter's context K/V keep every position, so they are cut to the prefix
 (the drafter's K/V is kept with the target's, so drafting after a hit sees the same context as without
@@ -121,23 +121,100 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class PrefixCache:
-    """Owns the contents of the engine's working caches between requests. Per request:
-    `acquire(prompt)` -> prefill from `Reuse.tokens`, calling `prefilled` after each chunk -> decode ->
-    `release(ids)` with the ids the working caches hold at the end."""
+class PrefixStore:
+    """The stored conversations and the budgets they share, for the working caches of every slot (one
+    PrefixCache each): a conversation stored from one slot resumes in any other."""
 
-    def __init__(self, config: PrefixCacheConfig, cache: KVCache, drafter_cache: DrafterCache | None) -> None:
+    def __init__(self, config: PrefixCacheConfig) -> None:
         self.config = config
+        self.stats = PrefixCacheStats()
+        self.entries: list[_Entry] = []
+        self.slots: list[PrefixCache] = []
+        self.clock = itertools.count(1)
+        self.host = torch.device("cpu")
+
+    def thin(self, checkpoints: list[Checkpoint]) -> None:
+        """Keep at most max_checkpoints: the newest always, then drop those closest to the one before, so
+        the rest stay spread over the context."""
+        while len(checkpoints) > max(1, self.config.max_checkpoints):
+            gaps = [c.position - (checkpoints[i - 1].position if i else 0) for i, c in enumerate(checkpoints[:-1])]
+            del checkpoints[gaps.index(min(gaps))]
+
+    def usage(self) -> tuple[int, int]:
+        """(host bytes, device bytes) held; a checkpoint shared by two conversations counts once."""
+        seen: set[int] = set()
+        host = device = 0
+        lists = [e.checkpoints for e in self.entries] + [slot.own_checkpoints() for slot in self.slots]
+        for checkpoints in lists:
+            for c in checkpoints:
+                if id(c) not in seen:
+                    seen.add(id(c))
+                    host += c.nbytes
+        for entry in self.entries:
+            if entry.on_device:
+                device += entry.state_bytes
+            else:
+                host += entry.state_bytes
+        return host, device
+
+    def fit(self) -> None:
+        """Move stored states off the device, then drop the least recently used, until the budgets hold."""
+        by_age = sorted(self.entries, key=lambda e: e.last_used)
+        host, device = self.usage()
+        for entry in by_age:
+            if device <= self.config.device_bytes:
+                break
+            if entry.on_device:
+                entry.full = [t.to(self.host) for t in entry.full or ()]
+                entry.drafter = [t.to(self.host) for t in entry.drafter] if entry.drafter is not None else None
+                entry.on_device = False
+                host, device = self.usage()
+        for entry in by_age:
+            if host <= self.config.host_bytes and device <= self.config.device_bytes \
+                    and len(self.entries) <= self.config.max_entries:
+                break
+            self.entries.remove(entry)
+            self.stats.evicted += 1
+            host, device = self.usage()
+            log.debug("prefix cache: evicted a conversation of %d tokens", len(entry.ids))
+        # What is left over budget belongs to the conversations in the working caches: drop their checkpoints.
+        for slot in self.slots:
+            own = slot.own_checkpoints()
+            while host > self.config.host_bytes and own:
+                del own[0]
+                host, device = self.usage()
+        self.stats.entries = len(self.entries)
+        self.stats.host_bytes, self.stats.device_bytes = host, device
+
+
+class PrefixCache:
+    """Owns the contents of one slot's working caches between requests. Per request:
+    `acquire(prompt)` -> prefill from `Reuse.tokens`, calling `prefilled` after each chunk -> decode ->
+    `release(ids)` with the ids the working caches hold at the end. Slots that share a `store` share its
+    stored conversations and budgets."""
+
+    def __init__(self, config: PrefixCacheConfig, cache: KVCache, drafter_cache: DrafterCache | None,
+                 store: PrefixStore | None = None) -> None:
+        self.store = store or PrefixStore(config)
+        self.store.slots.append(self)
+        self.config = self.store.config
         self.cache = cache
         self.drafter_cache = drafter_cache
-        self.stats = PrefixCacheStats()
+        self.stats = self.store.stats
         self._live: _Entry | None = None
-        self._entries: list[_Entry] = []
         self._pending: list[Checkpoint] = []  # the request in flight's checkpoints
         self._caching = False  # whether the request in flight stores its state
         self._last_checkpoint = 0  # of the request in flight
-        self._clock = itertools.count(1)
-        self._host = torch.device("cpu")
+        self._host = self.store.host
+
+    def own_checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints of the conversation in this slot's working caches (the list itself)."""
+        return self._pending if self._caching else (self._live.checkpoints if self._live is not None else [])
+
+    def live_match(self, prompt: list[int]) -> int:
+        """How many of prompt's tokens this slot's working caches hold (between requests): choosing a slot by it
+        keeps a conversation where it is."""
+        return 0 if self._live is None else common_prefix(self._live.ids, prompt)
 
     # --- per request ------------------------------------------------------------------------------
 
@@ -175,7 +252,7 @@ class PrefixCache:
         self.stats.hits += position > 0
         self.stats.prompt_tokens += len(prompt)
         self.stats.cached_tokens += position
-        self._fit()
+        self.store.fit()
         log.debug("prefix cache: %d of %d prompt tokens cached (%s)", position, len(prompt),
                   "none" if source is None else "live" if source is live else "stored")
         return Reuse(position, logits)
@@ -194,8 +271,8 @@ class PrefixCache:
             position, self.cache.ring_snapshot(self._host),
             logits.to(self._host, copy=True) if logits is not None else None,
         ))
-        self._thin(self._pending)
-        self._fit()
+        self.store.thin(self._pending)
+        self.store.fit()
 
     def release(self, ids: list[int]) -> None:
         """The request is over and the working caches hold exactly `ids`."""
@@ -204,9 +281,9 @@ class PrefixCache:
         if self.cache.length != len(ids) or (self.drafter_cache is not None and self.drafter_cache.length != len(ids)):
             raise RuntimeError(f"the caches hold {self.cache.length} tokens, not the {len(ids)} recorded")
         self._live = _Entry(list(ids), [c for c in self._pending if c.position <= len(ids)],
-                            last_used=next(self._clock))
+                            last_used=next(self.store.clock))
         self._pending, self._caching = [], False
-        self._fit()
+        self.store.fit()
 
     # --- choosing and loading a prefix ------------------------------------------------------------
 
@@ -214,7 +291,7 @@ class PrefixCache:
         """(position, source, checkpoint): the most tokens any state can serve. The last prompt token is
         run again for its logits unless a prompt-end checkpoint kept them. Ties go to the live state."""
         best: tuple[int, _Entry | None, Checkpoint | None] = (0, None, None)
-        for entry in ([live] if live is not None else []) + self._entries:
+        for entry in ([live] if live is not None else []) + self.store.entries:
             common = common_prefix(entry.ids, prompt)
             if common <= best[0]:
                 continue
@@ -245,9 +322,9 @@ class PrefixCache:
             self.drafter_cache.restore(position, entry.drafter)
         self.stats.restored += 1
         if self._worth_keeping(len(entry.ids), position):
-            entry.last_used = next(self._clock)
+            entry.last_used = next(self.store.clock)
         else:
-            self._entries.remove(entry)  # moved into the working cache; stored again when it is left
+            self.store.entries.remove(entry)  # moved into the working cache; stored again when it is left
 
     def _reset(self) -> None:
         self.cache.reset()
@@ -269,71 +346,17 @@ class PrefixCache:
         per_token = sum(t[0].nbytes for layer in self.cache.layers if not layer.sliding for t in layer.storage())
         if self.drafter_cache is not None:
             per_token += sum(t[0].nbytes for t in (*self.drafter_cache.k, *self.drafter_cache.v))
-        on_device = n * per_token <= self.config.device_bytes - self._usage()[1]
+        on_device = n * per_token <= self.config.device_bytes - self.store.usage()[1]
         where = self.cache.device if on_device else self._host
         checkpoints = list(live.checkpoints)
         if not checkpoints or checkpoints[-1].position != n:
             checkpoints.append(Checkpoint(n, self.cache.ring_snapshot(self._host)))
-            self._thin(checkpoints)
+            self.store.thin(checkpoints)
         entry = _Entry(
             list(live.ids), checkpoints, self.cache.full_snapshot(n, where),
             self.drafter_cache.snapshot(n, where) if self.drafter_cache is not None else None,
             on_device, live.last_used,
         )
-        self._entries.append(entry)
+        self.store.entries.append(entry)
         self.stats.stored += 1
         log.debug("prefix cache: stored a conversation of %d tokens (%s)", n, "device" if on_device else "host")
-
-    def _thin(self, checkpoints: list[Checkpoint]) -> None:
-        """Keep at most max_checkpoints: the newest always, then drop those closest to the one before, so
-        the rest stay spread over the context."""
-        while len(checkpoints) > max(1, self.config.max_checkpoints):
-            gaps = [c.position - (checkpoints[i - 1].position if i else 0) for i, c in enumerate(checkpoints[:-1])]
-            del checkpoints[gaps.index(min(gaps))]
-
-    def _usage(self) -> tuple[int, int]:
-        """(host bytes, device bytes) held; a checkpoint shared by two conversations counts once."""
-        seen: set[int] = set()
-        host = device = 0
-        lists = [e.checkpoints for e in self._entries] + [self._pending]
-        if self._live is not None:
-            lists.append(self._live.checkpoints)
-        for checkpoints in lists:
-            for c in checkpoints:
-                if id(c) not in seen:
-                    seen.add(id(c))
-                    host += c.nbytes
-        for entry in self._entries:
-            if entry.on_device:
-                device += entry.state_bytes
-            else:
-                host += entry.state_bytes
-        return host, device
-
-    def _fit(self) -> None:
-        """Move stored states off the device, then drop the least recently used, until the budgets hold."""
-        by_age = sorted(self._entries, key=lambda e: e.last_used)
-        host, device = self._usage()
-        for entry in by_age:
-            if device <= self.config.device_bytes:
-                break
-            if entry.on_device:
-                entry.full = [t.to(self._host) for t in entry.full or ()]
-                entry.drafter = [t.to(self._host) for t in entry.drafter] if entry.drafter is not None else None
-                entry.on_device = False
-                host, device = self._usage()
-        for entry in by_age:
-            if host <= self.config.host_bytes and device <= self.config.device_bytes \
-                    and len(self._entries) <= self.config.max_entries:
-                break
-            self._entries.remove(entry)
-            self.stats.evicted += 1
-            host, device = self._usage()
-            log.debug("prefix cache: evicted a conversation of %d tokens", len(entry.ids))
-        # What is left over budget belongs to the conversation in the working cache: drop its checkpoints.
-        own = self._pending if self._caching else (self._live.checkpoints if self._live is not None else [])
-        while host > self.config.host_bytes and own:
-            del own[0]
-            host, device = self._usage()
-        self.stats.entries = len(self._entries)
-        self.stats.host_bytes, self.stats.device_bytes = host, device

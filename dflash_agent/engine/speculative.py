@@ -22,7 +22,7 @@ import torch
 
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
-from .model import GemmaModel
+from .model import ForwardOutput, GemmaModel
 from .sampling import Sampler
 from .types import SpecStats
 
@@ -165,6 +165,18 @@ class _Proposal:
     probs: torch.Tensor | None = None  # [k, V] draft distributions when sampling; None = one-hot drafts
 
 
+@dataclass
+class PlannedStep:
+    """A planned decode / verification step of one request (RequestDecoder.plan)."""
+
+    ids: torch.Tensor  # [1 + k]: the anchor and the drafts
+    logits_at: torch.Tensor  # every row's logits are verified
+    proposal: _Proposal
+    arm: tuple[str, int]  # the controller's choice, to credit with the step's time
+    start: int  # the cache's length before the step
+    started: float  # perf_counter when it was planned
+
+
 class RequestDecoder:
     """The state of one request on the target (and drafter) caches; `tokens()` yields its output."""
 
@@ -207,7 +219,9 @@ class RequestDecoder:
             # The drafter is still fed, for the requests after it.
             self.controller = LengthController(0, drafter=False, ngram=False, fixed=None)
         self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max) if use_ngram else None
-        self.sequence: list[int] = []  # the prompt and every token yielded so far
+        self.sequence: list[int] = []  # the prompt and every token committed so far
+        self._prompt_len = 0
+        self._yielded = 0  # tokens `tokens()` handed out
         self._logits: torch.Tensor | None = None
         # Target features of committed tokens not yet in the drafter's cache: a decode step only queues them,
         # and they go in one call before the drafter next drafts (or when the request ends), so steps that do
@@ -226,6 +240,24 @@ class RequestDecoder:
     ) -> bool:
         """Run the prompt through the target (and its features into the drafter's cache); False when `stop()`
         said to stop before a chunk (a cancelled request: a long prompt is minutes of work on a CPU).
+        The arguments are prefill_chunks'."""
+        chunks = self.prefill_chunks(prompt_ids, cached, logits, on_chunk)
+        while True:
+            if stop is not None and stop():
+                chunks.close()
+                return False
+            if next(chunks, None) is None:
+                return True
+
+    def prefill_chunks(
+        self,
+        prompt_ids: list[int],
+        cached: int = 0,
+        logits: torch.Tensor | None = None,
+        on_chunk: Callable[[int, torch.Tensor | None], None] | None = None,
+    ) -> Iterator[int]:
+        """`prefill` a chunk at a time: yields the position after each chunk, so a scheduler can run other requests'
+        steps between chunks, or drop the rest (the caches then hold the chunks done, and `sequence` their ids).
 
         cached: the caches already hold the prompt's first `cached` tokens (a reused prefix; 0 resets them).
         logits: the last prompt token's logits [vocab], needed when all of the prompt is cached.
@@ -237,7 +269,8 @@ class RequestDecoder:
                 self.drafter_cache.reset()
         if self.cache.length != cached or (self.drafter_cache is not None and self.drafter_cache.length != cached):
             raise RuntimeError(f"the caches do not hold the {cached} reused prompt tokens")
-        self.sequence = list(prompt_ids)
+        self.sequence = list(prompt_ids[:cached])
+        self._prompt_len = len(prompt_ids)
         if cached == len(prompt_ids):
             if logits is None:
                 raise ValueError("a fully cached prompt needs its last token's logits")
@@ -246,25 +279,27 @@ class RequestDecoder:
         bounds = [cached, *range((cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK, len(prompt_ids), PREFILL_CHUNK)]
         bounds = [*bounds, len(prompt_ids)] if cached < len(prompt_ids) else []
         for start, end in itertools.pairwise(bounds):
-            if stop is not None and stop():
-                self.sequence = self.sequence[:start]
-                return False
             chunk = torch.tensor(prompt_ids[start:end], device=self.target.device)
             out = self.target(chunk, self.cache, capture=self.capture)
             self._queue_features(out.captured, chunk.shape[0])
             self._feed_drafter()
             self._logits = out.logits
+            self.sequence.extend(prompt_ids[start:end])
             if on_chunk is not None:
                 on_chunk(end, out.logits[0] if end == len(prompt_ids) else None)
+            if end < len(prompt_ids):
+                yield end
         if self.ngram is not None:
             self.ngram.extend(prompt_ids)
-        return True
+        yield len(prompt_ids)
 
-    def finish(self) -> list[int]:
+    def finish(self, consumed: int | None = None) -> list[int]:
         """Cut the caches back to the tokens the caller consumed (generation may stop inside a verified
         block) and return the ids they hold: the prompt and the generated tokens whose keys were computed.
-        The token generation stopped at (a stop token, say) is among them when its keys were."""
-        n = min(self.cache.length, len(self.sequence))
+        consumed: how many generated tokens the caller took (default: those `tokens()` yielded); the token
+        generation stopped at (a stop token, say) counts, and is kept when its keys were computed."""
+        taken = self._prompt_len + (self._yielded if consumed is None else consumed)
+        n = min(self.cache.length, len(self.sequence), taken)
         self.cache.rollback(n)
         self._feed_drafter()
         if self.drafter_cache is not None:
@@ -277,21 +312,35 @@ class RequestDecoder:
         """Yield up to max_new tokens; the caller stops iterating at a stop condition."""
         if max_new <= 0:
             return
-        assert self._logits is not None, "prefill first"
-        anchor = self._pick(self._logits[0])
+        anchor = self.first_token()
         produced = 1
-        self.sequence.append(anchor)
+        self._yielded += 1
         yield anchor
         while produced < max_new:
             new = self.step(anchor, max_new - produced)
             for token in new:
                 produced += 1
-                self.sequence.append(token)
+                self._yielded += 1
                 yield token
             anchor = new[-1]
 
+    def first_token(self) -> int:
+        """The token after the prompt, from the prefill's logits: the anchor of the first step."""
+        assert self._logits is not None, "prefill first"
+        anchor = self._pick(self._logits[0])
+        self.sequence.append(anchor)
+        return anchor
+
     def step(self, anchor: int, budget: int) -> list[int]:
         """Commit the anchor and verify a drafted block after it; returns 1..k+1 new tokens."""
+        planned = self.plan(anchor, budget)
+        return self.commit(planned, self.target(planned.ids, self.cache, logits_at=planned.logits_at,
+                                                capture=self.capture))
+
+    def plan(self, anchor: int, budget: int) -> PlannedStep:
+        """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone: `step`, or
+        beside other requests' blocks: GemmaModel.forward_groups); `commit` takes its output. budget: the most tokens
+        the step may commit."""
         start = self.cache.length
         room = min(budget - 1, self.cache.max_len - start - 1)
         if self.ngram is not None:
@@ -304,18 +353,22 @@ class RequestDecoder:
         if k == 0:
             arm = ("ar", 0)  # no room left to draft: this step measures plain decoding
         proposal = self._propose(arm[0], anchor, k) if k > 0 else _Proposal("ar", [])
-        block = torch.tensor([anchor, *proposal.tokens], device=self.target.device)
-        out = self.target(block, self.cache, logits_at=torch.arange(block.shape[0], device=block.device),
-                          capture=self.capture)
+        ids = torch.tensor([anchor, *proposal.tokens], device=self.target.device)
+        return PlannedStep(ids, torch.arange(ids.shape[0], device=ids.device), proposal, arm, start, started)
+
+    def commit(self, planned: PlannedStep, out: ForwardOutput) -> list[int]:
+        """Verify the planned block against the target's output over it; returns the 1..k+1 tokens committed."""
+        proposal = planned.proposal
         accepted, bonus = self._verify(proposal, out.logits)
         keep = 1 + accepted
-        self.cache.rollback(start + keep)
+        self.cache.rollback(planned.start + keep)
         self._queue_features({i: h[:keep] for i, h in out.captured.items()}, keep)
         new = [*proposal.tokens[:accepted], bonus]
         if self.ngram is not None:
             self.ngram.extend(new[:-1])
+        self.sequence.extend(new)
         self.stats.record(proposal.source, len(proposal.tokens), accepted)
-        self.controller.record(arm, len(new), time.perf_counter() - started)
+        self.controller.record(planned.arm, len(new), time.perf_counter() - planned.started)
         return new
 
     def _ngram_ready(self, room: int) -> bool:

@@ -146,6 +146,21 @@ class Timings:
 
 
 @dataclass
+class SlotInfo:
+    """What one slot of the engine is doing (Engine.slots; the API's GET /slots)."""
+
+    id: int
+    state: str  # idle, prefilling, decoding
+    request_id: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, from the prefix cache
+    prefilled_tokens: int = 0  # of the prompt, in the slot's caches so far (cached ones included)
+    generated_tokens: int = 0
+    tokens_per_second: float = 0.0  # generated, since decoding started
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
 class Usage:
     prompt_tokens: int  # the whole prompt, cached or not
     completion_tokens: int

@@ -44,7 +44,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 2  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 3  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
 # F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2), and a generic build (scalar C; kept for comparisons and tests, since
 # torch's kernels beat it).
@@ -63,7 +63,7 @@ _SIGNATURES = {
     "dfa_matmul": ([_P, _P, _P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], None),
     "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int], None),
     "dfa_linear": ([_P, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _I, _I, _P, ctypes.c_int], ctypes.c_int),
-    "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int], ctypes.c_int),
+    "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int], ctypes.c_int),
     "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
     "dfa_norm_linear": ([_P, _I, _P, ctypes.c_float, _P, _P, ctypes.c_int], ctypes.c_int),
@@ -282,21 +282,30 @@ class CpuDot:
         return y
 
     def layers_forward(self, layers: ctypes.Array, caches: ctypes.Array, x: torch.Tensor, q_pos: torch.Tensor,
-                       cos: ctypes.Array, sin: ctypes.Array, capture: ctypes.Array) -> None:
+                       cos: ctypes.Array, sin: ctypes.Array, capture: ctypes.Array,
+                       groups: torch.Tensor | None = None) -> None:
         """The decoder layers (cpu_layer.c, arrays of LayerWeights and LayerCache) over x [T, hidden] float32, in
         place; q_pos [T] int64; cos / sin: each layer's RoPE tables [T, head_dim] float32; capture: where each
-        layer's output is copied (None: nowhere). All contiguous; the structs must point at live tensors, each
-        LayerCache's `slots` no more than its caches hold (C checks the write slots and n_keys against it)."""
+        layer's output is copied (None: nowhere). groups [G + 1] int64: the rows of G sequences (sequence g owns
+        rows groups[g]:groups[g + 1]), caches then [layers * G], layer i's cache of sequence g at i * G + g, its
+        write slots indexed by the sequence's own rows; None: one sequence. All contiguous; the structs must point
+        at live tensors, each LayerCache's `slots` no more than its caches hold (C checks the write slots and
+        n_keys against it)."""
         n = len(layers)
-        if not len(caches) == len(cos) == len(sin) == len(capture) == n:
-            raise ValueError(f"{n} layers with {len(caches)} caches, {len(cos)} / {len(sin)} RoPE tables and "
-                             f"{len(capture)} capture pointers")
+        if groups is None:
+            groups = torch.tensor([0, x.shape[0]])
+        _require(groups, "groups", torch.int64, None)
+        g = groups.shape[0] - 1
+        if not len(caches) == n * g or not len(cos) == len(sin) == len(capture) == n:
+            raise ValueError(f"{n} layers of {g} sequences with {len(caches)} caches, {len(cos)} / {len(sin)} RoPE "
+                             f"tables and {len(capture)} capture pointers")
         _require(x, "x", torch.float32, None, layers[0].hidden if n else None)
         _require(q_pos, "q_pos", torch.int64, x.shape[0])
         status = self.lib.dfa_layers_forward(layers, caches, len(layers), x.data_ptr(), x.shape[0], q_pos.data_ptr(),
-                                             cos, sin, capture, torch.get_num_threads())
+                                             cos, sin, capture, groups.data_ptr(), g, torch.get_num_threads())
         if status == -2:
-            raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots)")
+            raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots), or groups "
+                             f"{groups.tolist()} that do not split the {x.shape[0]} rows")
         if status != 0:
             raise MemoryError("the CPU decoder layer could not allocate its scratch memory")
 

@@ -3,6 +3,7 @@
  * the "kernel" cache plan, on weights repacked for cpu_dot.c. A decode step through PyTorch's eager ops spends more time dispatching its ~370 small ops per
  * layer than computing them; here the only per-layer cost besides the matmuls is a few microseconds.
  *
+ * Rows of several sequences (slots of concurrent requests) may share a call, each attending to its own cache.
  * Every step works on one token row at a time (norms, RoPE, attention) or through the matmuls, whose rows are
  * computed alone, so a row's result never depends on how many rows came with it: verifying a block gives
  * what decoding it token by token gives.
@@ -234,8 +235,8 @@ static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const
 
 /* x [T, hidden] float32 is updated in place to the layer's output; returns 0, or -1 when scratch memory
  * could not be had (x is then untouched). */
-static int layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t T, const int64_t *q_pos,
-                         const float *cos, const float *sin, int threads) {
+static int layer_forward(const dfa_layer *L, const dfa_kv *kvs, const int64_t *groups, int64_t G, float *x,
+                         int64_t T, const int64_t *q_pos, const float *cos, const float *sin, int threads) {
     const int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->intermediate;
     const int64_t widest = I > nq ? (I > H ? I : H) : (nq > H ? nq : H);
     float *xn = malloc((size_t)(T * widest) * sizeof(float));
@@ -271,10 +272,16 @@ static int layer_forward(const dfa_layer *L, const dfa_kv *kv, float *x, int64_t
             rope(kh, cos + t * d, sin + t * d, d);
             if (L->v_norm) rms_norm(vh, NULL, d, L->eps, vh);
         }
-        memcpy(kv->k + kv->write_slots[t] * nkv, k + t * nkv, (size_t)nkv * sizeof(float));
-        memcpy(kv->v + kv->write_slots[t] * nkv, v + t * nkv, (size_t)nkv * sizeof(float));
     }
-    if (attention(L, kv, q, q_pos, T, att, threads)) goto done;
+    for (int64_t g = 0; g < G; g++) { /* each sequence's rows write its own cache, then attend to it */
+        const dfa_kv *kv = kvs + g;
+        const int64_t t0 = groups[g], rows = groups[g + 1] - groups[g];
+        for (int64_t t = t0; t < t0 + rows; t++) {
+            memcpy(kv->k + kv->write_slots[t - t0] * nkv, k + t * nkv, (size_t)nkv * sizeof(float));
+            memcpy(kv->v + kv->write_slots[t - t0] * nkv, v + t * nkv, (size_t)nkv * sizeof(float));
+        }
+        if (rows > 0 && attention(L, kv, q + t0 * nq, q_pos + t0, rows, att + t0 * nq, threads)) goto done;
+    }
     quantize(att, T, nq, xq, xs, threads);
     matmul(&L->o_proj, xq, xs, T, xn, threads);
     for (int64_t t = 0; t < T; t++) {
@@ -350,21 +357,30 @@ void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_
         }
 }
 
-/* n decoder layers in turn over x [T, hidden] (layer_forward each): a step's layers in one call. Layer i reads
- * the RoPE tables cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0; -2 when a
- * write slot or n_keys lies outside a layer's cache (checked for every layer first: nothing is then written, as a
- * slot past the end would write over the heap); or -1 when scratch memory could not be had (x then holds the output
- * of the layers before the one that failed). */
+/* n decoder layers in turn over x [T, hidden] (layer_forward each): a step's layers in one call. The rows belong
+ * to G sequences, each with caches of its own: sequence g owns rows groups[g] .. groups[g + 1] - 1 (groups [G + 1],
+ * ascending from 0 to T) and layer i's cache kvs[i * G + g], whose write_slots are indexed by the group's own rows.
+ * The matmuls read each weight once for all rows (every row computed alone); norms, RoPE and attention go row by
+ * row, so a row's result never depends on the other sequences in its step. Layer i reads the RoPE tables
+ * cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0; -2 when the groups do not
+ * split the rows or a write slot or n_keys lies outside a layer's cache (checked for every layer first: nothing is
+ * then written, as a slot past the end would write over the heap); or -1 when scratch memory could not be had (x
+ * then holds the output of the layers before the one that failed). */
 int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
                        const int64_t *q_pos, const float *const *cos, const float *const *sin,
-                       float *const *capture, int threads) {
-    for (int64_t i = 0; i < n; i++) {
-        if (kvs[i].n_keys < 0 || kvs[i].n_keys > kvs[i].slots) return -2;
-        for (int64_t t = 0; t < T; t++)
-            if (kvs[i].write_slots[t] < 0 || kvs[i].write_slots[t] >= kvs[i].slots) return -2;
+                       float *const *capture, const int64_t *groups, int64_t G, int threads) {
+    if (G < 1 || groups[0] != 0 || groups[G] != T) return -2;
+    for (int64_t g = 0; g < G; g++)
+        if (groups[g + 1] < groups[g]) return -2;
+    for (int64_t i = 0; i < n * G; i++) {
+        const dfa_kv *kv = kvs + i;
+        const int64_t g = i % G, rows = groups[g + 1] - groups[g];
+        if (kv->n_keys < 0 || kv->n_keys > kv->slots) return -2;
+        for (int64_t t = 0; t < rows; t++)
+            if (kv->write_slots[t] < 0 || kv->write_slots[t] >= kv->slots) return -2;
     }
     for (int64_t i = 0; i < n; i++) {
-        if (layer_forward(layers + i, kvs + i, x, T, q_pos, cos[i], sin[i], threads)) return -1;
+        if (layer_forward(layers + i, kvs + i * G, groups, G, x, T, q_pos, cos[i], sin[i], threads)) return -1;
         if (capture[i]) memcpy(capture[i], x, (size_t)(T * layers[i].hidden) * sizeof(float));
     }
     return 0;

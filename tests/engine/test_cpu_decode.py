@@ -212,3 +212,57 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(ti
             run(write, n_keys)
     assert all(not c.any() for c in caches)  # refused before any layer wrote
     assert torch.isfinite(run(3)).all() and all(c[:, 3].any() and not c[:, :3].any() for c in caches)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "embedded"])
+def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_name, tiny, embedded_c):
+    """GemmaModel.forward_groups: decode rows and verification blocks of four sequences (different lengths, one
+    past its sliding window) in one C call give bit for bit the logits and captures of each run alone."""
+    from dflash_agent.engine.model import RowGroup
+
+    model = tiny if model_name == "tiny" else embedded_c
+    vocab = model.config.vocab_size
+    window = model.config.sliding_window
+    torch.manual_seed(7)
+    prompts = [torch.randint(0, vocab, (n,)) for n in (5, 17, 3, window + 9)]
+    blocks = [torch.randint(0, vocab, (n,)) for n in (1, 6, 1, 9)]
+    capture = (0, len(model.config.layers) - 1)
+
+    def caches():
+        out = []
+        for prompt in prompts:
+            cache = model.new_cache(window + 64)
+            for i in range(0, prompt.shape[0], 8):  # prefill in C-sized pieces, so rings wrap as decoding does
+                model(prompt[i:i + 8], cache)
+            out.append(cache)
+        return out
+
+    alone = [model(block, cache, logits_at=torch.arange(block.shape[0]), capture=capture)
+             for block, cache in zip(blocks, caches(), strict=True)]
+    calls = []
+    layers = model.cpu_layers
+    forward_groups = layers.forward_groups
+    layers.forward_groups = lambda x, groups, cap: calls.append(len(groups)) or forward_groups(x, groups, cap)
+    try:
+        together_caches = caches()
+        calls.clear()
+        together = model.forward_groups(
+            [RowGroup(b, c, torch.arange(b.shape[0])) for b, c in zip(blocks, together_caches, strict=True)], capture)
+    finally:
+        del layers.forward_groups
+    assert calls == [4]  # one C call for all four sequences
+    for a, t, cache, prompt, block in zip(alone, together, together_caches, prompts, blocks, strict=True):
+        assert torch.equal(a.logits, t.logits)
+        assert all(torch.equal(a.captured[i], t.captured[i]) for i in capture)
+        assert cache.length == prompt.shape[0] + block.shape[0]
+    # and the caches hold what each sequence's own steps wrote: the next step agrees too
+    nxt = torch.tensor([1])
+    for cache, (block, ref) in zip(together_caches, zip(blocks, caches(), strict=True), strict=True):
+        model(block, ref)
+        assert torch.equal(model(nxt, cache).logits, model(nxt, ref).logits)
+
+
+@pytest.fixture(scope="module")
+def embedded_c():
+    path = resolve_model_path("embedded")
+    return build_model(open_checkpoint(path), "cpu", torch.float32, progress=False, repack_cpu=True)

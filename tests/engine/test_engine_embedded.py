@@ -148,7 +148,7 @@ def test_a_request_cancelled_during_prefill_stops_at_the_next_chunk(engine, monk
     from dflash_agent.engine import speculative
 
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 16)
-    prefix = engine._prefix
+    prefix = engine._scheduler.slots[0].prefix
     chunks: list[int] = []
     prefilled = prefix.prefilled
 

@@ -1,0 +1,339 @@
+"""Several requests at once: N slots, each a KV context of its own, served by one worker thread.
+
+Each turn of the loop admits waiting requests into free slots, runs one prefill chunk (of the request with the
+least prompt left, so a short request is not stuck behind a long one), then one step for every decoding request:
+their decode rows and verification blocks go through the target in one forward (GemmaModel.forward_groups), which
+reads each weight once for all of them. Every row is computed alone, so a request's output is what it would be
+alone. A running prefill stalls the decoding requests by one chunk at a time; a cancelled request leaves its slot
+at the next turn; requests past the slots wait in order.
+
+Each slot has its own speculation controller (what pays depends on what the request writes), its own prefix-cache
+view of its working caches, and they share the stored conversations (engine.prefix_cache), so a stored
+conversation resumes in any free slot; a request goes to the free slot whose caches already hold most of its prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafter import Drafter, DrafterCache
+from .kv_cache import KVCache
+from .model import GemmaModel, RowGroup
+from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
+from .progress import ProgressLog
+from .sampling import Sampler, StopStringFilter
+from .speculative import LengthController, PlannedStep, RequestDecoder, SpecConfig
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, TokenEvent, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    request: GenerateRequest
+    emit: Callable[[TokenEvent | FinalEvent | ErrorEvent], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Slot:
+    id: int
+    cache: KVCache
+    drafter_cache: DrafterCache | None
+    prefix: PrefixCache | None
+    controller: LengthController | None = None  # outlives requests: what it learnt carries to the next
+    task: Task | None = None
+    last_used: float = 0.0
+
+
+class Task:
+    """One request in a slot, from admission to its final event: prefill chunks, then steps."""
+
+    def __init__(self, scheduler: Scheduler, job: Job, slot: Slot) -> None:
+        req, model = job.request, scheduler.model
+        self.job, self.slot, self.scheduler = job, slot, scheduler
+        self.decoder = RequestDecoder(
+            model, slot.cache, Sampler(req.sampling, model.device, model.argmax),
+            drafter=scheduler.drafter, drafter_cache=slot.drafter_cache,
+            matcher=req.grammar.matcher() if req.grammar is not None else None,
+            spec=scheduler.spec, controller=slot.controller,
+        )
+        slot.controller = self.decoder.shared_controller
+        self.stop_ids = scheduler.tokenizer.stop_ids | req.stop.token_ids
+        self.detok = IncrementalDetokenizer(scheduler.tokenizer)
+        self.stops = StopStringFilter(req.stop.strings)
+        self.budget = scheduler.n_ctx - len(req.prompt_ids)
+        self.max_tokens = self.budget if req.max_tokens is None else min(req.max_tokens, self.budget)
+        self.started = time.perf_counter()
+        self.reuse = slot.prefix.acquire(req.prompt_ids, req.cache_prompt) if slot.prefix is not None else Reuse()
+        if req.on_prefix is not None:
+            req.on_prefix(self.reuse.tokens)
+        self.progress = ProgressLog(req.request_id, scheduler.progress_every_s)
+        self.timings = Timings(cache_n=self.reuse.tokens, prompt_n=len(req.prompt_ids) - self.reuse.tokens)
+        self.prefilled = self.reuse.tokens
+        self.prefill: Iterator[int] | None = self.decoder.prefill_chunks(
+            req.prompt_ids, self.reuse.tokens, self.reuse.logits, on_chunk=self._on_chunk)
+        self.decode_started = 0.0
+        self.generated: list[int] = []
+        self.consumed = 0  # generated tokens taken, the one generation stopped at included
+        self.anchor: int | None = None
+        self.finish: str | None = None
+        self.matched: int | str | None = None
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.job.request.prompt_ids) - self.prefilled
+
+    def _on_chunk(self, position: int, logits: torch.Tensor | None) -> None:
+        self.prefilled = position
+        if self.slot.prefix is not None:
+            self.slot.prefix.prefilled(position, logits)
+        self.progress.prefilled(position - self.reuse.tokens, len(self.job.request.prompt_ids) - self.reuse.tokens)
+
+    def prefill_chunk(self) -> None:
+        """One chunk of the prompt; after the last, the first token."""
+        assert self.prefill is not None
+        if next(self.prefill) < len(self.job.request.prompt_ids):
+            return
+        self.prefill = None
+        self.timings.prompt_ms = (time.perf_counter() - self.started) * 1e3
+        self.decode_started = time.perf_counter()
+        self.progress.decoding()
+        if self.max_tokens <= 0:
+            self.finish = "length"
+            return
+        self.push([self.decoder.first_token()])
+
+    def plan(self) -> PlannedStep:
+        assert self.anchor is not None
+        return self.decoder.plan(self.anchor, self.max_tokens - len(self.generated))
+
+    def commit(self, planned: PlannedStep, out) -> None:
+        self.push(self.decoder.commit(planned, out))
+
+    def push(self, tokens: list[int]) -> None:
+        """Hand out committed tokens until a stop condition; sets `finish` when one holds."""
+        for token in tokens:
+            if self.job.cancelled.is_set():
+                self.finish = "cancelled"
+                return
+            self.consumed += 1
+            if token in self.stop_ids:
+                self.finish, self.matched = "stop", token
+                return
+            self.generated.append(token)
+            self.progress.generated(len(self.generated), self.max_tokens)
+            text, self.matched = self.stops.push(self.detok.push([token]))
+            self.job.emit(TokenEvent([token], text))
+            if self.matched is not None:
+                self.finish = "stop"
+                return
+            if len(self.generated) >= self.max_tokens:
+                self.finish = "length"
+                return
+        self.anchor = tokens[-1]
+
+    def close(self) -> None:
+        """The final event (the held-back text before it), and the slot's caches handed back."""
+        req = self.job.request
+        if self.prefill is not None:  # cancelled before the prompt was in
+            self.prefill.close()
+            self.finish = "cancelled"
+        if not isinstance(self.matched, str) and self.decode_started:
+            # Bytes the detokenizer held back, then whatever the stop filter held back.
+            text, hit = self.stops.push(self.detok.flush())
+            tail = text if hit else text + self.stops.flush()
+            if hit:
+                self.finish, self.matched = "stop", hit
+            if tail:
+                self.job.emit(TokenEvent([], tail))
+        cached_ids = self.decoder.finish(self.consumed)
+        if self.slot.prefix is not None:
+            self.slot.prefix.release(cached_ids)
+        timings = self.timings
+        if self.decode_started:
+            timings.predicted_n = len(self.generated)
+            timings.predicted_ms = (time.perf_counter() - self.decode_started) * 1e3
+        timings.prompt_per_second = _rate(timings.prompt_n, timings.prompt_ms)
+        timings.predicted_per_second = _rate(timings.predicted_n, timings.predicted_ms)
+        stats = self.decoder.stats
+        timings.draft_n, timings.draft_n_accepted = stats.drafted, stats.accepted
+        usage = Usage(len(req.prompt_ids), len(self.generated), cached_tokens=self.reuse.tokens)
+        finish = self.finish or "length"
+        context_full = finish == "length" and (req.max_tokens is None or req.max_tokens > self.budget)
+        self.job.emit(FinalEvent(finish, usage, timings, self.matched, stats, context_full))
+
+
+class Scheduler:
+    """The worker's loop (see the module doc). `submit` from any thread; `run` on the worker thread."""
+
+    def __init__(self, model: GemmaModel, tokenizer: Tokenizer, n_ctx: int, parallel: int, kv_dtype: str,
+                 drafter: Drafter | None, spec: SpecConfig, prefix_cache: PrefixCacheConfig | None,
+                 progress_every_s: float) -> None:
+        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        self.drafter, self.spec = drafter, spec
+        self.progress_every_s = progress_every_s
+        store = PrefixStore(prefix_cache) if prefix_cache is not None else None
+        self.prefix_stats = store.stats if store is not None else None
+        self.slots: list[Slot] = []
+        for i in range(parallel):
+            cache = model.new_cache(n_ctx, kv_dtype)
+            drafter_cache = drafter.new_cache(n_ctx) if drafter is not None else None
+            # The drafter's cache is fed (and so worth keeping) only while speculation is on.
+            fed = drafter_cache if spec.enabled else None
+            prefix = PrefixCache(prefix_cache, cache, fed, store) if store is not None else None
+            self.slots.append(Slot(i, cache, drafter_cache, prefix))
+        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None and spec.enabled else ()
+        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._waiting: deque[Job] = deque()
+        self._closing = False
+
+    def submit(self, job: Job | None) -> None:
+        """Queue a job (None: stop the loop, ending every request as cancelled)."""
+        self._inbox.put(job)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot (an estimate read from another thread)."""
+        return len(self._waiting) + self._inbox.qsize()
+
+    def slot_info(self) -> list[SlotInfo]:
+        """What each slot is doing (read from another thread: a snapshot that may be a step old)."""
+        infos = []
+        for slot in self.slots:
+            task = slot.task
+            if task is None:
+                infos.append(SlotInfo(slot.id, "idle"))
+                continue
+            req = task.job.request
+            decoding = task.decode_started and task.prefill is None
+            elapsed = time.perf_counter() - task.decode_started if decoding else 0.0
+            infos.append(SlotInfo(
+                slot.id, "decoding" if decoding else "prefilling", req.request_id, len(req.prompt_ids),
+                task.reuse.tokens, task.prefilled, len(task.generated),
+                len(task.generated) / elapsed if elapsed > 0 else 0.0, req.prompt_ids))
+        return infos
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        while not self._closing or any(s.task for s in self.slots):
+            self._take(block=not self._waiting and not any(s.task for s in self.slots))
+            self._admit()
+            self._turn()
+
+    def _take(self, block: bool) -> None:
+        """Move submitted jobs to the waiting line, waiting for one when there is nothing else to do."""
+        while True:
+            try:
+                job = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if job is None:
+                self._closing = True
+                for task in (s.task for s in self.slots if s.task is not None):
+                    task.job.cancelled.set()
+                for job in self._waiting:
+                    job.cancelled.set()
+            else:
+                self._waiting.append(job)
+                if self._closing:
+                    job.cancelled.set()
+
+    def _admit(self) -> None:
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled.is_set():
+                self._waiting.popleft()
+                job.emit(FinalEvent("cancelled", Usage(len(job.request.prompt_ids), 0), Timings()))
+                continue
+            free = [s for s in self.slots if s.task is None]
+            if not free:
+                return
+            self._waiting.popleft()
+            prompt = job.request.prompt_ids
+            # the slot whose caches hold most of the prompt; else the one left alone longest
+            slot = max(free, key=lambda s: (s.prefix.live_match(prompt) if s.prefix is not None else 0,
+                                            -s.last_used))
+            try:
+                slot.task = Task(self, job, slot)
+            except Exception as exc:  # noqa: BLE001 - surfaced to the caller; the others keep running
+                self._fail(job, slot, exc)
+
+    def _turn(self) -> None:
+        """One prefill chunk, then one step of every decoding request."""
+        tasks = [s.task for s in self.slots if s.task is not None]
+        for task in tasks:
+            if task.job.cancelled.is_set() and task.finish is None:
+                task.finish = "cancelled"
+        prefilling = [t for t in tasks if t.finish is None and t.prefill is not None]
+        if prefilling:
+            task = min(prefilling, key=lambda t: t.prompt_left)
+            self._guard([task], task.prefill_chunk)
+        decoding = [t for t in tasks if t.finish is None and t.prefill is None and t.anchor is not None]
+        if decoding:
+            self._step(decoding)
+        for task in tasks:
+            if task.finish is not None and task.slot.task is task:
+                self._guard([task], task.close, then_free=True)
+
+    def _step(self, tasks: list[Task]) -> None:
+        planned = []
+        for task in tasks:
+            if self._guard([task], lambda t=task: planned.append((t, t.plan()))) is False:
+                continue
+        if not planned:
+            return
+        groups = [RowGroup(p.ids, t.slot.cache, p.logits_at) for t, p in planned]
+
+        def forward() -> None:
+            outs = self.model.forward_groups(groups, self.capture)
+            for (task, p), out in zip(planned, outs, strict=True):
+                self._guard([task], lambda t=task, p=p, o=out: t.commit(p, o))
+
+        self._guard([t for t, _ in planned], forward)
+
+    def _guard(self, tasks: list[Task], work: Callable[[], None], then_free: bool = False) -> bool:
+        """Run work; on an exception, end `tasks` with it (the others keep running). False when it raised."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - surfaced to the callers; the worker keeps serving
+            for task in tasks:
+                if task.slot.task is task:
+                    self._fail(task.job, task.slot, exc, task)
+            return False
+        if then_free:
+            for task in tasks:
+                self._free(task.slot)
+        return True
+
+    def _fail(self, job: Job, slot: Slot, exc: Exception, task: Task | None = None) -> None:
+        log.exception("request %s failed", job.request.request_id, exc_info=exc)
+        if task is not None:
+            try:  # the slot's caches back to a state the prefix cache knows
+                ids = task.decoder.finish(task.consumed)
+                if slot.prefix is not None:
+                    slot.prefix.release(ids)
+            except Exception:  # noqa: BLE001
+                log.exception("slot %d could not be cleaned after a failure", slot.id)
+                if slot.prefix is not None:
+                    slot.prefix.acquire([], enabled=False)  # forget what it held
+        job.emit(ErrorEvent(exc))
+        self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        slot.task = None
+        slot.last_used = time.perf_counter()
+
+
+def _rate(n: int, ms: float) -> float:
+    return n / ms * 1e3 if ms > 0 else 0.0
