@@ -55,8 +55,11 @@ class _Server(uvicorn.Server):
 @click.option("--alias", default=None, help="The model id clients see (default: the model's name).")
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt in full; no KV reuse across requests.")
 @kv_cache_option
+@click.option("--parallel", "-np", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Requests served at once (slots, as llama-server's -np), each with a --ctx-size context of its "
+                   "own: their decode steps share one forward, so 4 streams cost little more than one.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
-              help="Requests that may wait behind the running one; more get 429 with Retry-After.")
+              help="Requests that may wait for a free slot; more get 503 with Retry-After.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=-1), default=DEFAULT_MAX_TOKENS, show_default=True,
               help="Output limit of a request that sets none (Codex CLI and aider send none; a model that does not "
                    "stop would write to the end of the context); it then ends with finish_reason length. A request's "
@@ -81,7 +84,7 @@ class _Server(uvicorn.Server):
 @sandbox_options
 @user_errors
 def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-          sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, max_queue, max_tokens, max_body_mb,
+          sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue, max_tokens, max_body_mb,
           max_connections, request_timeout, chat_template, no_access_log, log_requests,
           mcp_repo, mcp_expose_tools, mcp_read_only, sandbox, sandbox_network) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
@@ -93,7 +96,8 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
 
     def load():
         engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-                             prefix_cache=not no_prefix_cache, kv_dtype=kv_cache, sampling_defaults=sampling_defaults)
+                             prefix_cache=not no_prefix_cache, kv_dtype=kv_cache, sampling_defaults=sampling_defaults,
+                             parallel=parallel)
         log.info("sampling defaults for what a request leaves out: %s%s",
                  engine.sampling_defaults.describe(API_SAMPLING),
                  "; --sampling-defaults none" if sampling_defaults == "none" else "")
@@ -116,8 +120,8 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     listener = _listen(host, port)  # before the model loads: a busy port is told at once, not after the load
     port = listener.getsockname()[1]  # --port 0 picks a free one
     def on_ready(model: LoadedModel) -> None:
-        log.info("ready: %s, context %d tokens, on http://%s:%d (OpenAI /v1, Anthropic /v1/messages, MCP /mcp)",
-                 model.name, model.engine.n_ctx, host, port)
+        log.info("ready: %s, context %d tokens x %d slots, on http://%s:%d (OpenAI /v1, Anthropic /v1/messages, "
+                 "MCP /mcp)", model.name, model.engine.n_ctx, model.engine.parallel, host, port)
 
     app = create_app(settings, load, max_body_bytes=int(max_body_mb * 2**20), plugins=mcp,
                      on_load_error=on_load_error, on_ready=on_ready)

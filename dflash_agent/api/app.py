@@ -78,7 +78,35 @@ async def health(state: State) -> Response:
 
 @get("/metrics", media_type=CONTENT_TYPE, summary="Prometheus metrics")
 async def metrics(state: State) -> bytes:
-    return state.server.metrics.render()
+    server: ServerState = state.server
+    if server.model is not None:
+        server.metrics.set_slots(server.model.engine.slots)
+    return server.metrics.render()
+
+
+class SlotView(msgspec.Struct):
+    """One slot, as llama-server's GET /slots names what it shows."""
+
+    id: int
+    state: str  # idle, prefilling, decoding
+    is_processing: bool
+    id_task: str | None
+    n_ctx: int
+    n_prompt_tokens: int
+    n_prompt_tokens_cache: int
+    n_prompt_tokens_processed: int
+    n_decoded: int
+    tokens_per_second: float
+    prompt_ids: list[int] | None = None
+
+
+@get("/slots", summary="What each slot is doing (llama-server's /slots); prompt token ids with ?prompt=true")
+async def slots(state: State, prompt: bool = False) -> list[SlotView]:
+    engine = state.server.ready().engine
+    return [SlotView(s.id, s.state, s.state != "idle", s.request_id or None, engine.n_ctx, s.prompt_tokens,
+                     s.cached_tokens, s.prefilled_tokens - s.cached_tokens, s.generated_tokens,
+                     round(s.tokens_per_second, 2), list(s.prompt_ids) if prompt and s.state != "idle" else None)
+            for s in engine.slots]
 
 
 # A character of /tokenize's content is at most 12 bytes of JSON (an escaped surrogate pair), a token id of
@@ -197,8 +225,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
 
     guards = [_auth_guard(settings.api_key)] if settings.api_key else []
     app = Litestar(
-        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, tokenize, detokenize,
-                        apply_template],
+        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, slots, tokenize,
+                        detokenize, apply_template],
         state=State({"server": server}),
         lifespan=[lifespan],
         guards=[*guards, _json_bodies],

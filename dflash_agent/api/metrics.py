@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..engine import FinalEvent
+from ..engine import FinalEvent, SlotInfo
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -32,7 +32,11 @@ class ServerMetrics:
         self.prefill_tps = Gauge("dflash_prefill_tokens_per_second", "Prefill tok/s of the last request",
                                  registry=r)
         self.processing = Gauge("dflash_requests_processing", "Requests being generated", registry=r)
-        self.queued = Gauge("dflash_requests_queued", "Requests waiting for the engine", registry=r)
+        self.queued = Gauge("dflash_requests_queued", "Requests waiting for a free slot", registry=r)
+        self.slots = Gauge("dflash_slots", "Slots: requests the engine serves at once", registry=r)
+        self.slots_busy = Gauge("dflash_slots_busy", "Slots serving a request", registry=r)
+        self.slot_tps = Gauge("dflash_slot_tokens_per_second", "Decode tok/s of the request in each slot (0: idle)",
+                              ["slot"], registry=r)
 
     def observe(self, endpoint: str, final: FinalEvent) -> None:
         t = final.timings
@@ -54,9 +58,16 @@ class ServerMetrics:
     def failed(self, endpoint: str) -> None:
         self.requests.labels(endpoint, "error").inc()
 
-    def set_load(self, active: int) -> None:
-        self.processing.set(min(active, 1))
-        self.queued.set(max(active - 1, 0))
+    def set_load(self, active: int, slots: int = 1) -> None:
+        self.processing.set(min(active, slots))
+        self.queued.set(max(active - slots, 0))
+
+    def set_slots(self, slots: list[SlotInfo]) -> None:
+        """What the engine's slots do now (read when /metrics is rendered)."""
+        self.slots.set(len(slots))
+        self.slots_busy.set(sum(s.state != "idle" for s in slots))
+        for slot in slots:
+            self.slot_tps.labels(str(slot.id)).set(slot.tokens_per_second)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -51,30 +51,33 @@ DEFAULT_MAX_TOKENS = 8192
 class ServerSettings:
     alias: str | None = None  # the model id clients see; default: the engine's model name
     api_key: str | None = None
-    max_queue: int = 32  # requests waiting behind the running one before 429s
+    max_queue: int = 32  # requests waiting for a free slot before 503s
     heartbeat_s: float = 15.0  # keep-alive on idle streams (long prefills, queueing)
     max_tokens: int | None = DEFAULT_MAX_TOKENS  # for a request that sets no limit; None: until the context is full
     chat_template: str | None = None  # override: gemma4, gemma3 or a file
 
 
 class Admission:
-    """Counts requests from admission to their last event; refuses more than the queue holds."""
+    """Counts requests from admission to their last event: `slots` run at once, `max_queue` more wait, and
+    the next is refused (503 with Retry-After, as a server whose slots are all busy)."""
 
-    def __init__(self, max_queue: int, metrics: ServerMetrics) -> None:
+    def __init__(self, max_queue: int, metrics: ServerMetrics, slots: int = 1) -> None:
         self.max_queue = max_queue
         self.metrics = metrics
+        self.slots = slots
         self.active = 0
         self._seconds = 5.0  # running mean of a request's duration, for Retry-After
 
     def admit(self) -> Callable[[], None]:
-        """A release callback for an admitted request; raises a 429 when the queue is full."""
-        if self.active > self.max_queue:
+        """A release callback for an admitted request; raises a 503 when the queue is full."""
+        if self.active >= self.slots + self.max_queue:
             self.metrics.rejected.inc()
-            wait = max(1, math.ceil(self._seconds * (self.active - self.max_queue)))
-            raise APIError(429, f"the server is busy: {self.active - 1} requests are already queued; retry later",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+            waiting = self.active - self.slots
+            wait = max(1, math.ceil(self._seconds * (waiting + 1) / self.slots))
+            raise APIError(503, f"the server is busy: its {self.slots} slots are in use and {waiting} requests are "
+                           "already queued; retry later", code="server_busy", headers={"Retry-After": str(wait)})
         self.active += 1
-        self.metrics.set_load(self.active)
+        self.metrics.set_load(self.active, self.slots)
         started, released = time.perf_counter(), False
 
         def release() -> None:
@@ -82,7 +85,7 @@ class Admission:
             if not released:
                 released = True
                 self.active -= 1
-                self.metrics.set_load(self.active)
+                self.metrics.set_load(self.active, self.slots)
                 self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - started)
 
         return release
@@ -196,10 +199,11 @@ class ServerState:
         tokenizer = engine.tokenizer
         # Before the model is set: the first request (ready() lets it in) already needs it.
         self.max_piece_chars = max(len(tokenizer.id_to_piece(i)) for i in range(tokenizer.vocab_size))
+        self.admission.slots = engine.parallel
         self.model = LoadedModel.of(engine, self.settings.chat_template, self.settings.alias)
 
     def start(self, source: AsyncIterator[Any], endpoint: str) -> Generation:
-        """Admit a request (429 when the queue is full) and start pumping its events."""
+        """Admit a request (503 when the queue is full) and start pumping its events."""
         generation = Generation(source, self.admission.admit(), endpoint, self.metrics, self.settings.heartbeat_s)
         self.running.add(generation)
         generation.done.add_done_callback(lambda _: self.running.discard(generation))

@@ -41,6 +41,7 @@ from .types import (
     GenerateResult,
     SamplingDefaults,
     SamplingParams,
+    SlotInfo,
     SpecStats,
     StopCriteria,
     Timings,
@@ -70,8 +71,8 @@ _LAZY = {
 __all__ = [
     "ConfigError", "ContextOverflowError", "DrafterError", "GGUFError", "GrammarError", "MemoryPlanError",
     "ModelLoadError", "OptionError", "RequestError", "TokenizerError", "UnsupportedTensorType", "UserError",
-    "ErrorEvent", "FinalEvent", "GenerateRequest", "GenerateResult", "SamplingDefaults", "SamplingParams", "SpecStats",
-    "StopCriteria", "Timings", "TokenEvent", "Usage",
+    "ErrorEvent", "FinalEvent", "GenerateRequest", "GenerateResult", "SamplingDefaults", "SamplingParams", "SlotInfo",
+    "SpecStats", "StopCriteria", "Timings", "TokenEvent", "Usage",
     "Engine", "DEFAULT_CTX", "SpecConfig", "Tokenizer", "GrammarCompiler", "TokenGrammar", "EMBEDDED",
     "default_drafter",
 ]

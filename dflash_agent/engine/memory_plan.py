@@ -252,12 +252,13 @@ def fit_context(
         return plan_memory(config, target_weight_bytes, largest, budget_bytes=free_bytes, **plan_args)
     plan = plan_memory(config, target_weight_bytes, requested, budget_bytes=free_bytes, **plan_args)
     if not plan.fits:
-        per_slot = " per slot" if plan.slots > 1 else ""
+        per_slot, slots_note = ((" per slot (or fewer slots: --parallel)", f" x {plan.slots} slots")
+                                if plan.slots > 1 else ("", ""))
         hint = (f"the largest context that fits is {largest} tokens{per_slot} (--ctx-size {largest})" if largest
                 else "no context fits: use a smaller model, quantization or drafter")
         raise MemoryPlanError(
-            f"--ctx-size {requested}{f' x {plan.slots} slots' if plan.slots > 1 else ''} needs {plan.total_bytes / GiB:.2f} GiB but {free_bytes / GiB:.2f} GiB of GPU "
-            f"memory is free; {hint}"
+            f"--ctx-size {requested}{slots_note} needs {plan.total_bytes / GiB:.2f} GiB but "
+            f"{free_bytes / GiB:.2f} GiB of GPU memory is free; {hint}"
         )
     return plan
 

@@ -142,8 +142,9 @@ class Task:
                 return
         self.anchor = tokens[-1]
 
-    def close(self) -> None:
-        """The final event (the held-back text before it), and the slot's caches handed back."""
+    def close(self) -> FinalEvent:
+        """The slot's caches handed back, the held-back text emitted, and the final event to emit once the slot is
+        free (a caller that reads the slots after its final event finds it idle)."""
         req = self.job.request
         if self.prefill is not None:  # cancelled before the prompt was in
             self.prefill.close()
@@ -170,7 +171,7 @@ class Task:
         usage = Usage(len(req.prompt_ids), len(self.generated), cached_tokens=self.reuse.tokens)
         finish = self.finish or "length"
         context_full = finish == "length" and (req.max_tokens is None or req.max_tokens > self.budget)
-        self.job.emit(FinalEvent(finish, usage, timings, self.matched, stats, context_full))
+        return FinalEvent(finish, usage, timings, self.matched, stats, context_full)
 
 
 class Scheduler:
@@ -284,7 +285,10 @@ class Scheduler:
             self._step(decoding)
         for task in tasks:
             if task.finish is not None and task.slot.task is task:
-                self._guard([task], task.close, then_free=True)
+                final: list[FinalEvent] = []
+                if self._guard([task], lambda t=task: final.append(t.close())):
+                    self._free(task.slot)
+                    task.job.emit(final[0])
 
     def _step(self, tasks: list[Task]) -> None:
         planned = []
@@ -302,7 +306,7 @@ class Scheduler:
 
         self._guard([t for t, _ in planned], forward)
 
-    def _guard(self, tasks: list[Task], work: Callable[[], None], then_free: bool = False) -> bool:
+    def _guard(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run work; on an exception, end `tasks` with it (the others keep running). False when it raised."""
         try:
             work()
@@ -311,9 +315,6 @@ class Scheduler:
                 if task.slot.task is task:
                     self._fail(task.job, task.slot, exc, task)
             return False
-        if then_free:
-            for task in tasks:
-                self._free(task.slot)
         return True
 
     def _fail(self, job: Job, slot: Slot, exc: Exception, task: Task | None = None) -> None:
@@ -327,8 +328,8 @@ class Scheduler:
                 log.exception("slot %d could not be cleaned after a failure", slot.id)
                 if slot.prefix is not None:
                     slot.prefix.acquire([], enabled=False)  # forget what it held
-        job.emit(ErrorEvent(exc))
         self._free(slot)
+        job.emit(ErrorEvent(exc))
 
     def _free(self, slot: Slot) -> None:
         slot.task = None

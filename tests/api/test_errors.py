@@ -129,16 +129,17 @@ def test_oversized_body(strict):
         "request_too_large"
 
 
-def test_full_queue_gets_429_with_retry_after(strict):
-    """max_queue=0: while one request runs, the next is refused at once."""
+def test_full_queue_gets_503_with_retry_after(strict):
+    """One slot and max_queue=0: while one request runs, the next is refused at once, in each API's shape."""
     body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 200, "temperature": 0, "stream": True}
     with strict.stream("POST", "/v1/completions", json=body) as running:
         assert running.status_code == 200  # admitted: the status line is sent after admission
         r = strict.post(CHAT, json={"messages": USER, "max_tokens": 2})
-        error = openai_error(r, 429)
-        assert error["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
+        error = openai_error(r, 503)
+        assert error["code"] == "server_busy" and "slots are in use" in error["message"]
+        assert int(r.headers["retry-after"]) >= 1
         r = strict.post(MESSAGES, json={"messages": USER, "max_tokens": 2})
-        assert anthropic_error(r, 429)["type"] == "rate_limit_error" and "retry-after" in r.headers
+        assert anthropic_error(r, 503)["type"] == "overloaded_error" and "retry-after" in r.headers
 
 
 def test_unknown_path_and_method(strict):

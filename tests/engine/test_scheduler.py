@@ -1,0 +1,123 @@
+"""engine.scheduler: several requests at once on the embedded model (the C layers), each one's greedy output what it
+is alone, whatever runs beside it: mixed prompt and output lengths, a prompt past the sliding window, prefix-cache
+hits, cancellations and a grammar-constrained request, with speculation and without."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dflash_agent.engine import GenerateRequest, SamplingParams, SpecConfig, TokenEvent
+from dflash_agent.engine.engine import Engine
+from dflash_agent.engine.grammar import GrammarCompiler
+from dflash_agent.engine.model import GemmaModel
+from dflash_agent.engine.packed_linear import cpu_dot
+
+GREEDY = SamplingParams(temperature=0.0)
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+          "required": ["path", "limit"], "additionalProperties": False}
+CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+
+
+def _requests(engine: Engine) -> list[tuple[GenerateRequest, int | None]]:
+    """(request, tokens after which its consumer leaves: a cancellation), eight of mixed lengths."""
+    encode = engine.tokenizer.encode
+    story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 12
+    grammar = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size).json_schema(SCHEMA)
+    specs = [
+        (encode(CODE * 3 + "def factorial(n):"), 48, None, None),  # copies its prompt: long lookup drafts
+        (encode("The capital of France is"), 12, None, None),
+        (encode(story)[:700], 24, None, None),  # past the 512-token sliding window
+        (encode(CODE * 3 + "def factorial(n):"), 40, None, None),  # the same prompt: a prefix-cache hit
+        (encode("import numpy as np\n\nclass Matrix:\n    def __init__(self"), 64, None, 5),  # cancelled
+        (encode('Arguments as JSON: {"path": "src/main.py", "limit": 20}\nArguments as JSON:'), 40, grammar, None),
+        (encode(story)[:300] + encode(" The end."), 16, None, 2),  # cancelled early, shares the story's start
+        (encode("1, 2, 3, 4, 5,"), 30, None, None),
+    ]
+    return [(GenerateRequest(ids, GREEDY, max_tokens=n, grammar=g, request_id=f"r{i}"), leave)
+            for i, (ids, n, g, leave) in enumerate(specs)]
+
+
+async def _collect(engine: Engine, request: GenerateRequest, leave: int | None) -> list[int]:
+    ids: list[int] = []
+    async with engine.stream(request) as events:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                ids.extend(event.ids)
+                if leave is not None and len(ids) >= leave:
+                    break
+    return ids
+
+
+@pytest.fixture(scope="module", params=["spec", "no-spec"])
+def engines(request):
+    spec = SpecConfig(enabled=request.param == "spec")
+    alone = Engine.load(ctx_size=1024, progress=False, spec=spec)
+    slots = Engine.load(ctx_size=1024, progress=False, spec=spec, parallel=4)
+    yield alone, slots
+    alone.close()
+    slots.close()
+
+
+@pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
+def test_eight_concurrent_requests_each_give_what_they_give_alone(engines, monkeypatch):
+    alone, slots = engines
+    expected = []
+    for request, leave in _requests(alone):
+        expected.append(asyncio.run(_collect(alone, request, leave)))
+    assert all(expected) and len(expected[5]) > 3
+
+    steps: list[int] = []
+    forward_groups = GemmaModel.forward_groups
+    monkeypatch.setattr(GemmaModel, "forward_groups",
+                        lambda self, groups, capture=(): steps.append(len(groups)) or forward_groups(self, groups,
+                                                                                                     capture))
+
+    async def together():
+        return await asyncio.gather(*(_collect(slots, r, leave) for r, leave in _requests(slots)))
+
+    got = asyncio.run(together())
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"request {i}"
+    assert max(steps) == 4  # four requests' rows went through single forwards
+    assert slots.prefix_stats.hits >= 1
+    deadline = time.monotonic() + 5  # a consumer that left is ended at the scheduler's next turn
+    while any(s.state != "idle" for s in slots.slots) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(s.state == "idle" for s in slots.slots) and slots.queued == 0
+    # a second round, now from the prefix cache of whichever slot holds each conversation
+    got = asyncio.run(together())
+    assert got == expected
+    assert slots.prefix_stats.cached_tokens > alone.prefix_stats.cached_tokens // 2
+
+
+def test_a_cancelled_waiting_request_never_takes_a_slot_and_slots_are_reported():
+    engine = Engine.load(ctx_size=512, progress=False, spec=SpecConfig(enabled=False), parallel=2)
+    try:
+        prompt = engine.tokenizer.encode("1, 2, 3, 4, 5,")
+
+        async def scenario():
+            long = [asyncio.create_task(_collect(engine, GenerateRequest(prompt, GREEDY, max_tokens=60,
+                                                                          request_id=f"long{i}"), None))
+                    for i in range(2)]
+            while sum(s.state == "decoding" for s in engine.slots) < 2:
+                await asyncio.sleep(0.01)
+            info = engine.slots
+            assert {s.request_id for s in info} == {"long0", "long1"}
+            assert all(s.prompt_tokens == len(prompt) and s.generated_tokens >= 1 for s in info)
+            waiting = asyncio.create_task(_collect(engine, GenerateRequest(prompt, GREEDY, max_tokens=5,
+                                                                            request_id="waiting"), None))
+            while engine.queued == 0:
+                await asyncio.sleep(0.005)
+            assert engine.cancel("waiting")
+            started = time.perf_counter()
+            assert await waiting == []
+            assert time.perf_counter() - started < 5  # ended while both slots were still busy
+            assert all(len(ids) == 60 for ids in await asyncio.gather(*long))
+
+        asyncio.run(scenario())
+        assert [s.state for s in engine.slots] == ["idle", "idle"]
+    finally:
+        engine.close()
