@@ -16,7 +16,7 @@ from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers import BaseRouteHandler, HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.params import JSONBody
+from litestar.params import FromQuery, JSONBody
 from litestar.plugins import InitPluginProtocol
 
 from ..chat.chat_format import ChatOptions, LoadedModel
@@ -101,7 +101,7 @@ class SlotView(msgspec.Struct):
 
 
 @get("/slots", summary="What each slot is doing (llama-server's /slots); prompt token ids with ?prompt=true")
-async def slots(state: State, prompt: bool = False) -> list[SlotView]:
+async def slots(state: State, prompt: FromQuery[bool] = False) -> list[SlotView]:
     engine = state.server.ready().engine
     return [SlotView(s.id, s.state, s.state != "idle", s.request_id or None, engine.n_ctx, s.prompt_tokens,
                      s.cached_tokens, s.prefilled_tokens - s.cached_tokens, s.generated_tokens,

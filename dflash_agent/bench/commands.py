@@ -27,7 +27,8 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               "[default: the model's bundled drafter].")
 @click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
 @click.option("--llama-cpp", "llama_cpp", default=None, metavar="DIR",
-              help="The CPU bench's llama.cpp column: a directory with llama-bench [default: $LLAMA_CPP_BIN, PATH].")
+              help="The llama.cpp column: a directory with llama-bench (CPU bench) or llama-server (--concurrent) "
+                   "[default: $LLAMA_CPP_BIN, PATH].")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: the physical cores].")
 @click.option("--fidelity", is_flag=True,
               help="Packed CPU weights against exact ones instead: teacher-forced top-1 agreement and KL.")
@@ -41,6 +42,10 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--kernels", is_flag=True,
               help="Compile report instead (no GPU needed): registers, spills and shared memory of every Triton "
                    "launch for gemma4-31b on sm_86/89/90/120, against the budgets; exit 1 if one is broken.")
+@click.option("--concurrent", default=None, metavar="N,N,...",
+              help="Concurrent streams instead (e.g. 1,2,4,8): aggregate and per-stream tok/s, and the first-token "
+                   "time of a short request arriving during a long prefill, for serve --parallel and llama-server -np "
+                   "(--llama-cpp DIR).")
 @click.option("--prefix", is_flag=True,
               help="Prefix cache instead: time to first token per turn of an agent session, with and without reuse.")
 @click.option("--turns", type=click.IntRange(2, 12), default=None, help="With --prefix: session turns [10].")
@@ -56,8 +61,8 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
                    "prefix.json, kernels.json].")
 @user_errors
 def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, fidelity,
-          http, synthetic, quant, gpu_check, kernels, prefix, turns, target_tokens, ctx_size, plan_only, gpu_memory,
-          as_json, out):
+          http, synthetic, quant, gpu_check, kernels, concurrent, prefix, turns, target_tokens, ctx_size, plan_only,
+          gpu_memory, as_json, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
@@ -89,6 +94,24 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         click.echo(text)
         if not within_budgets:
             sys.exit(1)
+        return
+    if concurrent is not None:
+        if spec or draft or spec_block or http or synthetic or quant or kernels or prefix or fidelity or plan_only \
+                or gpu_memory or as_json:
+            raise click.UsageError("--concurrent takes only --model, --decode-tokens, --repeats, --llama-cpp, "
+                                   "--threads and --out")
+        try:
+            streams = tuple(sorted({int(n) for n in concurrent.split(",")}))
+        except ValueError:
+            raise click.BadParameter(f"{concurrent!r} is not a list of stream counts like 1,2,4,8",
+                                     param_hint="--concurrent") from None
+        if not streams or streams[0] < 1 or streams[-1] > 64:
+            raise click.BadParameter("stream counts go from 1 to 64", param_hint="--concurrent")
+        from .concurrent import report as concurrent_report
+        from .concurrent import run_concurrent_bench
+
+        concurrent_report(run_concurrent_bench(model, streams, decode_tokens, repeats, llama_cpp, threads),
+                          out or Path("bench-results/concurrent.json"))
         return
     if prefix:
         if spec or draft or spec_block or http or synthetic or quant or plan_only or gpu_memory or as_json:

@@ -1,11 +1,11 @@
 """Several requests at once: N slots, each a KV context of its own, served by one worker thread.
 
-Each turn of the loop admits waiting requests into free slots, runs one prefill chunk (of the request with the
-least prompt left, so a short request is not stuck behind a long one), then one step for every decoding request:
-their decode rows and verification blocks go through the target in one forward (GemmaModel.forward_groups), which
-reads each weight once for all of them. Every row is computed alone, so a request's output is what it would be
-alone. A running prefill stalls the decoding requests by one chunk at a time; a cancelled request leaves its slot
-at the next turn; requests past the slots wait in order.
+Each turn of the loop admits waiting requests into free slots, runs prompt chunks worth about one PREFILL_CHUNK
+(the request with the least prompt left first, so a short request is not stuck behind a long one), then one step
+for every decoding request: their decode rows and verification blocks go through the target in one forward
+(GemmaModel.forward_groups), which reads each weight once for all of them. Every row is computed alone, so a
+request's output is what it would be alone. A running prefill stalls the decoding requests by about one chunk at
+a time; a cancelled request leaves its slot at the next turn; requests past the slots wait in order.
 
 Each slot has its own speculation controller (what pays depends on what the request writes), its own prefix-cache
 view of its working caches, and they share the stored conversations (engine.prefix_cache), so a stored
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import speculative
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
@@ -90,6 +91,11 @@ class Task:
         self.matched: int | str | None = None
 
     @property
+    def running(self) -> bool:
+        """Still in its slot (not failed) with no reason to stop yet."""
+        return self.slot.task is self and self.finish is None
+
+    @property
     def prompt_left(self) -> int:
         return len(self.job.request.prompt_ids) - self.prefilled
 
@@ -113,12 +119,15 @@ class Task:
             return
         self.push([self.decoder.first_token()])
 
-    def plan(self) -> PlannedStep:
+    def plan(self, draft: bool) -> PlannedStep:
         assert self.anchor is not None
-        return self.decoder.plan(self.anchor, self.max_tokens - len(self.generated))
+        return self.decoder.plan(self.anchor, self.max_tokens - len(self.generated), draft)
 
-    def commit(self, planned: PlannedStep, out) -> None:
-        self.push(self.decoder.commit(planned, out))
+    def commit(self, planned: PlannedStep, out) -> int:
+        """Verify the step's output; returns the tokens it committed."""
+        new = self.decoder.commit(planned, out)
+        self.push(new)
+        return len(new)
 
     def push(self, tokens: list[int]) -> None:
         """Hand out committed tokens until a stop condition; sets `finish` when one holds."""
@@ -174,6 +183,48 @@ class Task:
         return FinalEvent(finish, usage, timings, self.matched, stats, context_full)
 
 
+class BatchDrafting:
+    """Whether a step of several requests drafts (each request's own controller then picks its source and length)
+    or decodes plainly, by the tokens per second each gives the whole batch, measured per batch size: on a CPU a
+    verified row costs about half a decode step, and a draft that pays for its own request can cost the others
+    more (the aim: batched speculation never below plain batched decoding). Both are measured MIN_SAMPLES times,
+    then the better is played and the other re-measured from an exploration budget, as LengthController does."""
+
+    ALPHA = 0.15
+    MIN_SAMPLES = 3
+    EXPLORE_BUDGET = 0.01
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[int, bool], float] = {}  # (requests, drafting) -> tokens per second, EWMA
+        self.seconds: dict[tuple[int, bool], float] = {}  # -> seconds per step, EWMA
+        self.samples: dict[tuple[int, bool], int] = {}
+        self.credit = 0.0
+
+    def choose(self, n: int) -> bool:
+        arms = [(n, False), (n, True)]
+        fresh = [a for a in arms if self.samples.get(a, 0) < self.MIN_SAMPLES]
+        if fresh:
+            return fresh[0][1]
+        best = max(arms, key=lambda a: self.rate[a])
+        other = arms[0] if best == arms[1] else arms[1]
+        loss = self.seconds[other] * max(0.0, 1 - self.rate[other] / self.rate[best]) if self.rate[best] else 0.0
+        if self.credit >= loss:
+            self.credit -= loss
+            return other[1]
+        return best[1]
+
+    def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        arm, rate = (n, drafting), tokens / seconds
+        old = self.rate.get(arm)
+        self.rate[arm] = rate if old is None else (1 - self.ALPHA) * old + self.ALPHA * rate
+        old = self.seconds.get(arm)
+        self.seconds[arm] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
+        self.samples[arm] = self.samples.get(arm, 0) + 1
+        self.credit += self.EXPLORE_BUDGET * seconds
+
+
 class Scheduler:
     """The worker's loop (see the module doc). `submit` from any thread; `run` on the worker thread."""
 
@@ -194,6 +245,7 @@ class Scheduler:
             prefix = PrefixCache(prefix_cache, cache, fed, store) if store is not None else None
             self.slots.append(Slot(i, cache, drafter_cache, prefix))
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None and spec.enabled else ()
+        self.batch_drafting = BatchDrafting()
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._waiting: deque[Job] = deque()
         self._closing = False
@@ -271,16 +323,23 @@ class Scheduler:
                 self._fail(job, slot, exc)
 
     def _turn(self) -> None:
-        """One prefill chunk, then one step of every decoding request."""
+        """Prefill chunks, then one step of every decoding request."""
         tasks = [s.task for s in self.slots if s.task is not None]
         for task in tasks:
             if task.job.cancelled.is_set() and task.finish is None:
                 task.finish = "cancelled"
-        prefilling = [t for t in tasks if t.finish is None and t.prefill is not None]
-        if prefilling:
+        # prompt chunks of about one PREFILL_CHUNK per turn, shortest prompt first: several short prompts go in
+        # together, and a long one holds the decoding requests back by one chunk at a time
+        budget = speculative.PREFILL_CHUNK
+        while budget > 0:
+            prefilling = [t for t in tasks if t.running and t.prefill is not None and not t.job.cancelled.is_set()]
+            if not prefilling:
+                break
             task = min(prefilling, key=lambda t: t.prompt_left)
+            before = task.prefilled
             self._guard([task], task.prefill_chunk)
-        decoding = [t for t in tasks if t.finish is None and t.prefill is None and t.anchor is not None]
+            budget -= max(1, task.prefilled - before)
+        decoding = [t for t in tasks if t.running and t.prefill is None and t.anchor is not None]
         if decoding:
             self._step(decoding)
         for task in tasks:
@@ -291,20 +350,25 @@ class Scheduler:
                     task.job.emit(final[0])
 
     def _step(self, tasks: list[Task]) -> None:
+        # alone, a request's own controller decides what to draft; in a batch, drafting must pay for the batch
+        draft = len(tasks) == 1 or (self.spec.enabled and self.batch_drafting.choose(len(tasks)))
+        started = time.perf_counter()
         planned = []
         for task in tasks:
-            if self._guard([task], lambda t=task: planned.append((t, t.plan()))) is False:
-                continue
+            self._guard([task], lambda t=task: planned.append((t, t.plan(draft))))
         if not planned:
             return
         groups = [RowGroup(p.ids, t.slot.cache, p.logits_at) for t, p in planned]
+        committed = []
 
         def forward() -> None:
             outs = self.model.forward_groups(groups, self.capture)
             for (task, p), out in zip(planned, outs, strict=True):
-                self._guard([task], lambda t=task, p=p, o=out: t.commit(p, o))
+                self._guard([task], lambda t=task, p=p, o=out: committed.append(t.commit(p, o)))
 
         self._guard([t for t, _ in planned], forward)
+        if len(tasks) > 1:
+            self.batch_drafting.record(len(tasks), draft, sum(committed), time.perf_counter() - started)
 
     def _guard(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run work; on an exception, end `tasks` with it (the others keep running). False when it raised."""

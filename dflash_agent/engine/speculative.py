@@ -29,6 +29,11 @@ from .types import SpecStats
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
+# Prompt chunks shorter than this go through the C decode layers SHORT_PREFILL_PIECE rows at a time: the prefill
+# GEMM dequantizes every weight per forward, a fixed ~150 ms for the embedded model on 2 cores (measured there:
+# 39 rows 376 ms as one GEMM forward, 173 ms as 16-row C pieces; even from about 150 rows).
+SHORT_PREFILL = 128
+SHORT_PREFILL_PIECE = 16
 
 
 class Matcher(Protocol):
@@ -172,7 +177,7 @@ class PlannedStep:
     ids: torch.Tensor  # [1 + k]: the anchor and the drafts
     logits_at: torch.Tensor  # every row's logits are verified
     proposal: _Proposal
-    arm: tuple[str, int]  # the controller's choice, to credit with the step's time
+    arm: tuple[str, int] | None  # the controller's choice, to credit with the step's time (None: not its choice)
     start: int  # the cache's length before the step
     started: float  # perf_counter when it was planned
 
@@ -279,9 +284,13 @@ class RequestDecoder:
         bounds = [cached, *range((cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK, len(prompt_ids), PREFILL_CHUNK)]
         bounds = [*bounds, len(prompt_ids)] if cached < len(prompt_ids) else []
         for start, end in itertools.pairwise(bounds):
-            chunk = torch.tensor(prompt_ids[start:end], device=self.target.device)
-            out = self.target(chunk, self.cache, capture=self.capture)
-            self._queue_features(out.captured, chunk.shape[0])
+            # a short chunk in pieces the C decode layers take: a prefill GEMM pays for dequantizing every weight
+            step = SHORT_PREFILL_PIECE if end - start < SHORT_PREFILL and self.target.cpu_layers is not None \
+                and self.target.cpu_layers.takes(SHORT_PREFILL_PIECE, self.cache.layers) else end - start
+            for piece in range(start, end, step):
+                chunk = torch.tensor(prompt_ids[piece:min(piece + step, end)], device=self.target.device)
+                out = self.target(chunk, self.cache, capture=self.capture)
+                self._queue_features(out.captured, chunk.shape[0])
             self._feed_drafter()
             self._logits = out.logits
             self.sequence.extend(prompt_ids[start:end])
@@ -337,15 +346,20 @@ class RequestDecoder:
         return self.commit(planned, self.target(planned.ids, self.cache, logits_at=planned.logits_at,
                                                 capture=self.capture))
 
-    def plan(self, anchor: int, budget: int) -> PlannedStep:
+    def plan(self, anchor: int, budget: int, draft: bool = True) -> PlannedStep:
         """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone: `step`, or
         beside other requests' blocks: GemmaModel.forward_groups); `commit` takes its output. budget: the most tokens
-        the step may commit."""
+        the step may commit. draft False: a plain step, which the controller neither picks nor learns from (the
+        scheduler's choice for a batch of requests)."""
         start = self.cache.length
         room = min(budget - 1, self.cache.max_len - start - 1)
         if self.ngram is not None:
             self.ngram.extend([anchor])
-        arm = self.controller.choose(ngram_available=self._ngram_ready(room))
+        arm = self.controller.choose(ngram_available=self._ngram_ready(room)) if draft else None
+        if arm is None:
+            ids = torch.tensor([anchor], device=self.target.device)
+            return PlannedStep(ids, torch.arange(1, device=ids.device), _Proposal("ar", []), None, start,
+                               time.perf_counter())
         if arm[0] == "dflash":
             self._feed_drafter()  # the backlog of plain steps, not this step's cost
         started = time.perf_counter()
@@ -368,7 +382,8 @@ class RequestDecoder:
             self.ngram.extend(new[:-1])
         self.sequence.extend(new)
         self.stats.record(proposal.source, len(proposal.tokens), accepted)
-        self.controller.record(planned.arm, len(new), time.perf_counter() - planned.started)
+        if planned.arm is not None:
+            self.controller.record(planned.arm, len(new), time.perf_counter() - planned.started)
         return new
 
     def _ngram_ready(self, room: int) -> bool:

@@ -1,0 +1,254 @@
+"""Several streams at once: aggregate and per-stream tok/s at 1, 2, 4, 8 concurrent requests, and the time to first
+token of a short request that arrives while a long prompt prefills and three streams decode, for `dflash-agent
+serve --parallel N` and, where a build is found, `llama-server -np N` on the same GGUF.
+
+Both servers run as processes of their own, side by side, and are driven alike through their OpenAI-compatible
+/v1/completions (streamed, greedy, no prompt cache, the same text prompts); each repeat runs ours then theirs, so
+a noisy machine hits both. Each server runs with its defaults otherwise (ours: speculation as the adaptive
+controller decides; llama-server: none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+from ..api.background import free_port
+from ..engine.weights import resolve_model_path
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+SHORT_NEW = 16  # the short request of the arrival test
+LONG_PROMPT = 4096  # the prompt that prefills while it arrives
+
+
+@dataclass
+class ConcurrencyRow:
+    server: str
+    streams: int
+    aggregate_tok_s: float  # all streams' tokens over the wall time of the batch (median over repeats)
+    per_stream_tok_s: float  # median over streams and repeats, first token to last
+    ttft_p50_s: float
+
+
+@dataclass
+class ArrivalResult:
+    server: str
+    idle_ttft_s: float  # median
+    busy_ttft_p50_s: float
+    busy_ttft_p95_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.busy_ttft_p50_s / self.idle_ttft_s if self.idle_ttft_s else 0.0
+
+
+@dataclass
+class ConcurrentBenchResult:
+    model: str
+    threads: int
+    decode_tokens: int
+    repeats: int
+    rows: list[ConcurrencyRow] = field(default_factory=list)
+    arrivals: list[ArrivalResult] = field(default_factory=list)
+
+
+def llama_server_binary(directory: str | None) -> Path | None:
+    """llama-server in `directory`, else in $LLAMA_CPP_BIN, else on PATH."""
+    for d in (directory, os.environ.get("LLAMA_CPP_BIN")):
+        if d:
+            candidate = Path(d).expanduser() / "llama-server"
+            if not candidate.is_file():
+                raise UserError(f"no llama-server in {d}")
+            return candidate
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+@contextmanager
+def _process(name: str, command: list[str], port: int) -> Iterator[str]:
+    """A server process; yields its URL once /health answers 200."""
+    log.info("starting %s: %s", name, " ".join(command))
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise UserError(f"{name} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"{name} did not become ready in 600 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first token, decode tok/s after it, completion tokens) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = last = 0.0
+    pieces = n = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise UserError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+                pieces += 1
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    n = n or pieces
+    rate = (n - 1) / (last - first) if last > first else 0.0
+    return first - started, rate, n
+
+
+def _prompts(n: int) -> list[str]:
+    """Counting from a different number each: a base model continues such a list for as long as it is let."""
+    return [", ".join(str(k) for k in range(100 * i + 1, 100 * i + 13)) + "," for i in range(n)]
+
+
+async def _batch(url: str, streams: int, decode_tokens: int) -> tuple[float, list[float], list[float]]:
+    """(aggregate tok/s, per-stream decode tok/s, TTFTs) of `streams` requests sent at once."""
+    async with httpx.AsyncClient(timeout=None) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(_stream(client, url, p, decode_tokens) for p in _prompts(streams)))
+        wall = time.perf_counter() - started
+    return sum(n for _, _, n in results) / wall, [r for _, r, _ in results], [t for t, _, _ in results]
+
+
+async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens: int) -> float:
+    """TTFT of a short request sent while one long prompt prefills and three streams decode."""
+    async with httpx.AsyncClient(timeout=None) as client:
+        running = [asyncio.create_task(_stream(client, url, p, decode_tokens * 4)) for p in _prompts(3)]
+        await asyncio.sleep(1.0)  # the three are decoding
+        long = asyncio.create_task(_stream(client, url, long_prompt, 8))
+        await asyncio.sleep(0.5)  # the long prompt is prefilling
+        ttft, _, _ = await _stream(client, url, short_prompt, SHORT_NEW)
+        for task in (*running, long):
+            task.cancel()
+        await asyncio.gather(*running, long, return_exceptions=True)
+    return ttft
+
+
+def _long_prompt(tokens: int) -> str:
+    import inspect
+    import json.decoder
+
+    words = (inspect.getsource(json.decoder) * 8).split(" ")
+    return " ".join(words[: int(tokens * 0.55)])  # about a token and a half per space-separated word of code
+
+
+def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: int, repeats: int,
+                         llama_cpp: str | None, threads: int | None) -> ConcurrentBenchResult:
+    from ..engine.engine import physical_cores
+
+    threads = threads or physical_cores()
+    path = resolve_model_path(model)
+    # the arrival test keeps four slots busy (three decoding, one prefilling): a fifth takes the short request
+    slots = max(*streams, 5)
+    ctx = LONG_PROMPT + 1024  # per slot: the arrival test's long prompt and room to decode
+    ours = [sys.executable, "-m", "dflash_agent", "serve", "--model", model, "--port", "{port}", "--parallel",
+            str(slots), "--ctx-size", str(ctx), "--threads", str(threads), "--no-access-log", "--max-queue", "64"]
+    servers: list[tuple[str, list[str]]] = [("dflash-agent", ours)]
+    binary = llama_server_binary(llama_cpp)
+    if binary is None:
+        log.warning("no llama-server found (--llama-cpp DIR or $LLAMA_CPP_BIN): only dflash-agent is measured")
+    elif path.suffix != ".gguf":
+        log.warning("llama-server needs a GGUF; %s is not one: only dflash-agent is measured", path)
+    else:
+        servers.append(("llama-server", [str(binary), "-m", str(path), "--port", "{port}", "-np", str(slots),
+                                         "-c", str(ctx * slots), "-t", str(threads), "-tb", str(threads),
+                                         "--no-webui"]))
+    result = ConcurrentBenchResult(model, threads, decode_tokens, repeats)
+    long_prompt, short_prompt = _long_prompt(LONG_PROMPT), "Write the numbers from one to ten: 1, 2,"
+    with _servers(servers) as urls:
+        for name, url in urls:  # warm-up: first requests pay for lazy setup
+            asyncio.run(_batch(url, 1, 8))
+        rates: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
+        idle: dict[str, list[float]] = {}
+        busy: dict[str, list[float]] = {}
+        for repeat in range(repeats):
+            for n in streams:
+                for name, url in urls:
+                    rates.setdefault((name, n), []).append(asyncio.run(_batch(url, n, decode_tokens)))
+                    log.info("repeat %d/%d, %d streams, %s: %.1f tok/s aggregate", repeat + 1, repeats, n, name,
+                             rates[(name, n)][-1][0])
+            for name, url in urls:
+                idle.setdefault(name, []).append(asyncio.run(_batch(url, 1, SHORT_NEW))[2][0])
+                busy.setdefault(name, []).append(asyncio.run(_arrival(url, long_prompt, short_prompt,
+                                                                      decode_tokens)))
+                log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy", repeat + 1, repeats, name,
+                         idle[name][-1], busy[name][-1])
+    for (name, n), runs in rates.items():
+        result.rows.append(ConcurrencyRow(name, n, statistics.median(r[0] for r in runs),
+                                          statistics.median(x for r in runs for x in r[1]),
+                                          statistics.median(x for r in runs for x in r[2])))
+    for name in idle:
+        ordered = sorted(busy[name])
+        result.arrivals.append(ArrivalResult(name, statistics.median(idle[name]), statistics.median(ordered),
+                                             ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]))
+    return result
+
+
+@contextmanager
+def _servers(servers: list[tuple[str, list[str]]]) -> Iterator[list[tuple[str, str]]]:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        urls = []
+        for name, command in servers:
+            port = free_port()
+            urls.append((name, stack.enter_context(_process(name, [c.format(port=port) for c in command], port))))
+        yield urls
+
+
+def report(result: ConcurrentBenchResult, out: Path) -> None:
+    print(f"concurrent streams, {result.model}: {result.threads} threads, {result.decode_tokens} new tokens each, "
+          f"greedy, median of {result.repeats}")
+    single = {r.server: r.aggregate_tok_s for r in result.rows if r.streams == 1}
+    by_key = {(r.server, r.streams): r for r in result.rows}
+    print(f"  {'server':<14}{'streams':>8}{'aggregate':>12}{'x one':>8}{'per stream':>12}{'TTFT p50':>10}"
+          f"{'vs llama':>10}")
+    for r in result.rows:
+        theirs = by_key.get(("llama-server", r.streams))
+        versus = f"{r.aggregate_tok_s / theirs.aggregate_tok_s:9.2f}x" if theirs and r.server != "llama-server" \
+            else ""
+        print(f"  {r.server:<14}{r.streams:>8}{r.aggregate_tok_s:>12.1f}{r.aggregate_tok_s / single[r.server]:>7.2f}x"
+              f"{r.per_stream_tok_s:>12.1f}{r.ttft_p50_s:>9.2f}s{versus}")
+    for a in result.arrivals:
+        print(f"  {a.server}: a {SHORT_NEW}-token request arriving during a {LONG_PROMPT}-token prefill and 3 "
+              f"streams: TTFT p50 {a.busy_ttft_p50_s:.2f} s, p95 {a.busy_ttft_p95_s:.2f} s; idle {a.idle_ttft_s:.2f} s "
+              f"({a.ratio:.1f}x)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(asdict(result), indent=2))
+    print(f"written to {out}")
