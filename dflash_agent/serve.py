@@ -55,9 +55,10 @@ class _Server(uvicorn.Server):
 @click.option("--alias", default=None, help="The model id clients see (default: the model's name).")
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt in full; no KV reuse across requests.")
 @kv_cache_option
-@click.option("--parallel", "-np", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--parallel", "-np", type=click.IntRange(min=1), default=None,
               help="Requests served at once (slots, as llama-server's -np), each with a --ctx-size context of its "
-                   "own: their decode steps share one forward, so 4 streams cost little more than one.")
+                   "own: their decode steps share one forward, so 4 streams cost little more than one. [default: 4 "
+                   "on the CPU; 1 on CUDA, where the slots would take turns and divide the card's memory]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
               help="Requests that may wait for a free slot; more get 503 with Retry-After.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=-1), default=DEFAULT_MAX_TOKENS, show_default=True,

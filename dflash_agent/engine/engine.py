@@ -42,6 +42,7 @@ from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, re
 
 log = logging.getLogger(__name__)
 
+AUTO_PARALLEL = 4  # slots on the CPU when not told (llama-server's default)
 DEFAULT_PREFIX_CACHE = PrefixCacheConfig()  # frozen: one shared default is safe
 
 
@@ -105,7 +106,7 @@ class Engine:
         weights: str = "auto",
         threads: int | None = None,
         sampling_defaults: str = "model",
-        parallel: int = 1,
+        parallel: int | None = 1,
     ) -> Engine:
         """draft: a DFlash drafter checkpoint; None takes the model's bundled one, if it has one
         and speculation is on (spec.enabled).
@@ -120,7 +121,9 @@ class Engine:
         threads: CPU threads (default: the physical cores).
         sampling_defaults: "model" (the checkpoint's recommended sampling fills what a request leaves out:
         engine.generation_config) or "none".
-        parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context."""
+        parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context; None:
+        AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots would only
+        take turns (the Triton kernels do not batch sequences yet) and divide the card's memory."""
         check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
         if parallel < 1:
             raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
@@ -134,6 +137,8 @@ class Engine:
             draft = str(bundled) if bundled is not None else None
         torch_device = pick_device(device)
         torch_dtype = pick_dtype(dtype, torch_device)
+        if parallel is None:
+            parallel = AUTO_PARALLEL if torch_device.type == "cpu" else 1
         path = resolve_model_path(model)
         log.info("loading %s on %s as %s", path, torch_device, torch_dtype)
         started = time.perf_counter()

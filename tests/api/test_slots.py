@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
 
 import httpx
 import openai
@@ -66,3 +68,35 @@ def test_two_streams_overlap_and_each_gets_its_own_answer(two_slots):
 
 def test_slots_hides_prompts_unless_asked(two_slots):
     assert all("prompt_ids" not in s or s["prompt_ids"] is None for s in httpx.get(f"{two_slots}/slots").json())
+
+
+def test_claude_codes_title_request_is_answered_while_its_main_turn_runs(two_slots):
+    """Claude Code sends its session-title request (a grammar-forced JSON object) beside the main turn: with two
+    slots it is answered while the main turn is still prefilling or decoding, not after it."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=two_slots, api_key="unused", max_retries=0, timeout=300)
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}}, "required": ["title"],
+              "additionalProperties": False}
+    main_prompt = "Here is the repository layout:\n" + "".join(f"src/module_{i}.py\n" for i in range(30))
+    spans: dict[str, tuple[float, float]] = {}
+
+    def main_turn() -> None:
+        started = time.monotonic()
+        with client.messages.stream(model="m", max_tokens=60, messages=[{"role": "user", "content": main_prompt}],
+                                    system="You are a coding agent.", extra_body={"temperature": 0}) as stream:
+            stream.get_final_message()
+        spans["main"] = (started, time.monotonic())
+
+    runner = threading.Thread(target=main_turn)
+    runner.start()
+    while runner.is_alive() and not any(s["is_processing"] for s in httpx.get(f"{two_slots}/slots").json()):
+        time.sleep(0.01)
+    started = time.monotonic()
+    title = client.messages.create(
+        model="m", max_tokens=200, messages=[{"role": "user", "content": "list the files here\n\nWrite the title."}],
+        extra_body={"temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    spans["title"] = (started, time.monotonic())
+    runner.join()
+    assert isinstance(json.loads(title.content[0].text)["title"], str)
+    assert spans["main"][0] < spans["title"][0] and spans["title"][1] < spans["main"][1], spans

@@ -150,3 +150,23 @@ def test_cpu_context_size_from_available_ram() -> None:
     assert cpu_context_size(*args, None, available_bytes=1 << 20) == 4096
     assert cpu_context_size(*args, 2048, available_bytes=1 << 20) == 2048
     assert cpu_context_size(*args, 99999, available_bytes=1 << 20) == 32768
+
+
+def test_slots_each_have_a_context_and_the_plan_refuses_what_does_not_fit() -> None:
+    """--parallel N: N contexts of --ctx-size tokens (target and drafter KV), the weights once; a request that does
+    not fit names the largest context per slot."""
+    config, drafter = gemma4_31b_config(), DrafterPlan(gemma4_31b_drafter_config(), "q8")
+    weights = 16 * GiB
+    one = plan_memory(config, weights, 8192, drafter=drafter)
+    four = plan_memory(config, weights, 8192, drafter=drafter, slots=4)
+    kv = [k for k in one.items if "KV" in k]
+    assert all(four.items[k] == 4 * one.items[k] for k in kv)
+    assert four.items["target weights"] == one.items["target weights"] and four.slots == 4
+    assert "4 slots x a 8192-token context" in four.describe() and four.to_json()["slots"] == 4
+    budget = 23 * GiB
+    largest = fit_context(budget, config, weights, drafter=drafter, slots=4).ctx_size
+    assert largest < fit_context(budget, config, weights, drafter=drafter).ctx_size
+    assert plan_memory(config, weights, largest, drafter=drafter, slots=4, budget_bytes=budget).fits
+    with pytest.raises(MemoryPlanError, match=rf"x 4 slots .* the largest context that fits is {largest} tokens per "
+                                              r"slot"):
+        fit_context(budget, config, weights, requested=largest + 1, drafter=drafter, slots=4)
