@@ -13,7 +13,7 @@ from typing import Any
 from dflash_agent.agent.backend import AssistantTurn, TurnOptions
 from dflash_agent.chat.parser import Delta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from dflash_agent.chat.types import Conversation, ToolCall
-from dflash_agent.engine.engine import Usage
+from dflash_agent.engine import Usage
 
 
 @dataclass

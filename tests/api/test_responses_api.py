@@ -121,7 +121,7 @@ def test_output_items_and_events_without_a_server():
     """The item machine alone: kinds change open new items; an empty output is an empty message."""
     from dflash_agent.api.responses_routes import _Output
     from dflash_agent.chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
-    from dflash_agent.engine.engine import FinalEvent, Timings, Usage
+    from dflash_agent.engine import FinalEvent, Timings, Usage
 
     empty = _Output({})
     empty.close(FinalEvent("stop", Usage(1, 0), Timings()))

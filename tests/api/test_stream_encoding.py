@@ -16,7 +16,7 @@ from dflash_agent.api.metrics import ServerMetrics
 from dflash_agent.api.openai_routes import _chat_chunks
 from dflash_agent.api.service import Generation
 from dflash_agent.chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
-from dflash_agent.engine.engine import FinalEvent, Timings, Usage
+from dflash_agent.engine import FinalEvent, Timings, Usage
 
 SCRIPT = [
     ReasoningDelta("Let me "), ReasoningDelta("look."),
