@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ import httpx
 from ..api.background import free_port
 from ..engine.weights import resolve_model_path
 from ..errors import UserError
+from .cpu import llama_cpp_binary
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +64,6 @@ class ConcurrentBenchResult:
     repeats: int
     rows: list[ConcurrencyRow] = field(default_factory=list)
     arrivals: list[ArrivalResult] = field(default_factory=list)
-
-
-def llama_server_binary(directory: str | None) -> Path | None:
-    """llama-server in `directory`, else in $LLAMA_CPP_BIN, else on PATH."""
-    for d in (directory, os.environ.get("LLAMA_CPP_BIN")):
-        if d:
-            candidate = Path(d).expanduser() / "llama-server"
-            if not candidate.is_file():
-                raise UserError(f"no llama-server in {d}")
-            return candidate
-    found = shutil.which("llama-server")
-    return Path(found) if found else None
 
 
 @contextmanager
@@ -180,7 +167,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
     ours = [sys.executable, "-m", "dflash_agent", "serve", "--model", model, "--port", "{port}", "--parallel",
             str(slots), "--ctx-size", str(ctx), "--threads", str(threads), "--no-access-log", "--max-queue", "64"]
     servers: list[tuple[str, list[str]]] = [("dflash-agent", ours)]
-    binary = llama_server_binary(llama_cpp)
+    binary = llama_cpp_binary(llama_cpp, "llama-server")
     if binary is None:
         log.warning("no llama-server found (--llama-cpp DIR or $LLAMA_CPP_BIN): only dflash-agent is measured")
     elif path.suffix != ".gguf":

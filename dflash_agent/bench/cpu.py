@@ -56,15 +56,15 @@ def _ratio(a: Speed, b: Speed) -> Speed:
     return Speed(a.prefill_tok_s / b.prefill_tok_s, a.decode_tok_s / b.decode_tok_s)
 
 
-def llama_bench_binary(directory: str | None) -> Path | None:
-    """llama-bench in `directory`, else in $LLAMA_CPP_BIN, else on PATH."""
+def llama_cpp_binary(directory: str | None, name: str = "llama-bench") -> Path | None:
+    """llama.cpp's `name` (llama-bench, llama-server) in `directory`, else in $LLAMA_CPP_BIN, else on PATH."""
     for d in (directory, os.environ.get("LLAMA_CPP_BIN")):
         if d:
-            candidate = Path(d).expanduser() / "llama-bench"
+            candidate = Path(d).expanduser() / name
             if not candidate.is_file():
-                raise UserError(f"no llama-bench in {d}")
+                raise UserError(f"no {name} in {d}")
             return candidate
-    found = shutil.which("llama-bench")
+    found = shutil.which(name)
     return Path(found) if found else None
 
 
@@ -123,7 +123,7 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
                   threads: int | None = None) -> BenchResult:
     from transformers import AutoModelForCausalLM
 
-    llama_bench = llama_bench_binary(llama_cpp)
+    llama_bench = llama_cpp_binary(llama_cpp)
     # Every round prefills the same prompt: without the prefix cache, so each one is measured in full;
     # and decodes plainly, as transformers does (bench --spec measures speculation).
     engines = {weights: Engine.load(model, device="cpu", dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 8,

@@ -314,10 +314,6 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or physical_cores())
 
 
-def _rate(n: int, ms: float) -> float:
-    return n / ms * 1e3 if ms > 0 else 0.0
-
-
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash_agent.bench.cpu import _llama_cpp, llama_bench_binary, report, run_cpu_bench
+from dflash_agent.bench.cpu import _llama_cpp, llama_cpp_binary, report, run_cpu_bench
 from dflash_agent.engine.weights import resolve_model_path
 
 
@@ -24,13 +24,13 @@ def test_bench_runs_and_writes_json(tmp_path, monkeypatch):
 
 def test_llama_cpp_dir_without_llama_bench(tmp_path):
     with pytest.raises(ValueError, match="no llama-bench"):
-        llama_bench_binary(str(tmp_path))
+        llama_cpp_binary(str(tmp_path))
 
 
 def test_llama_bench_figures_from_an_empty_context_and_at_the_prompts_depth():
     """With a llama.cpp build at hand ($LLAMA_CPP_BIN or PATH): pp and tg from an empty context, and tg again after
     the prompt, each read from its own row of llama-bench's JSON."""
-    binary = llama_bench_binary(None)
+    binary = llama_cpp_binary(None)
     if binary is None:
         pytest.skip("no llama-bench (../shared/peers/llama-cpp.sh builds one; set LLAMA_CPP_BIN)")
     prefill_s, decode, after_prompt = _llama_cpp(binary, resolve_model_path("embedded"), 64, 4, 2)

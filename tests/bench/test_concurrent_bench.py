@@ -1,0 +1,48 @@
+"""bench --concurrent: its client against a real two-slot server (the streams overlap and every token is counted),
+its report, and its option errors. The llama-server column is exercised where a build is found."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from click.testing import CliRunner
+
+from dflash_agent.api.background import live_server
+from dflash_agent.bench.commands import bench
+from dflash_agent.bench.concurrent import (
+    ArrivalResult,
+    ConcurrencyRow,
+    ConcurrentBenchResult,
+    _batch,
+    report,
+)
+from dflash_agent.engine import SpecConfig
+from dflash_agent.engine.engine import Engine
+
+
+def test_a_batch_of_streams_counts_every_token():
+    with live_server(lambda: Engine.load(progress=False, ctx_size=256, parallel=2,
+                                         spec=SpecConfig(enabled=False))) as url:
+        aggregate, rates, ttfts = asyncio.run(_batch(url, 3, 12))  # three streams on two slots: one waits
+    assert aggregate > 0 and len(rates) == len(ttfts) == 3
+    assert all(r > 0 for r in rates) and max(ttfts) > min(ttfts)
+
+
+def test_report_prints_ratios_against_llama_server(tmp_path, capsys):
+    result = ConcurrentBenchResult("m", 2, 128, 3, [
+        ConcurrencyRow("dflash-agent", 1, 40.0, 42.0, 0.2), ConcurrencyRow("llama-server", 1, 40.0, 41.0, 0.2),
+        ConcurrencyRow("dflash-agent", 4, 80.0, 20.0, 0.6), ConcurrencyRow("llama-server", 4, 64.0, 16.0, 0.8)],
+        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7)])
+    report(result, tmp_path / "c.json")
+    out = capsys.readouterr().out
+    assert "2.00x" in out and "1.25x" in out and "(2.5x)" in out
+    assert json.loads((tmp_path / "c.json").read_text())["rows"][2]["aggregate_tok_s"] == 80.0
+
+
+def test_bad_stream_counts_and_mixed_modes_are_usage_errors():
+    for args, message in ((["--concurrent", "one"], "not a list of stream counts"),
+                          (["--concurrent", "0,4"], "from 1 to 64"),
+                          (["--concurrent", "1,4", "--spec"], "--concurrent takes only")):
+        result = CliRunner().invoke(bench, args)
+        assert result.exit_code == 2 and message in result.output, result.output
