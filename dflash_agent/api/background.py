@@ -41,7 +41,9 @@ def live_server(load: Callable[[], Engine], settings: ServerSettings | None = No
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
     if wait_ready:
-        while httpx.get(f"{url}/health").status_code != 200:
+        while (health := httpx.get(f"{url}/health")).status_code != 200:
+            if health.status_code == 500:  # the load failed: waiting longer changes nothing
+                raise RuntimeError(f"the server's model did not load: {health.text}")
             if time.monotonic() > deadline:
                 raise RuntimeError("the server's model did not load")
             time.sleep(0.05)

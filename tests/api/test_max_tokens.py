@@ -34,6 +34,7 @@ class EndlessEngine:
         self.model = SimpleNamespace(config=config)
         self.model_path, self.model_name, self.n_ctx = path, "endless", N_CTX
         self.sampling_defaults, self.drafter = SamplingDefaults(), None
+        self.parallel, self.slots = 1, []
         self.limits: list[int | None] = []
 
     stream = Engine.stream
