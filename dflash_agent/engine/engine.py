@@ -125,7 +125,7 @@ class Engine:
         AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots would only
         take turns (the Triton kernels do not batch sequences yet) and divide the card's memory."""
         check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
-        if parallel < 1:
+        if parallel is not None and parallel < 1:
             raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
         if weights not in WEIGHTS:
             raise OptionError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")

@@ -121,3 +121,15 @@ def test_a_cancelled_waiting_request_never_takes_a_slot_and_slots_are_reported()
         assert [s.state for s in engine.slots] == ["idle", "idle"]
     finally:
         engine.close()
+
+
+def test_parallel_none_is_four_slots_on_the_cpu_and_zero_is_refused():
+    from dflash_agent.engine import OptionError
+
+    engine = Engine.load(ctx_size=256, progress=False, parallel=None)  # what serve passes without --parallel
+    try:
+        assert engine.parallel == 4 and len(engine.slots) == 4
+    finally:
+        engine.close()
+    with pytest.raises(OptionError, match="parallel must be >= 1"):
+        Engine.load(ctx_size=256, progress=False, parallel=0)
