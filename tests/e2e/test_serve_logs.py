@@ -28,6 +28,6 @@ def test_serve_says_when_it_is_ready_and_leaves_health_polls_out_of_the_log():
     assert proc.returncode == 0, err
     ready = [line for line in err.splitlines() if " ready: " in line]
     assert len(ready) == 1, err
-    assert f"ready: gemma-3-270m-q4_k_m.gguf, context 512 tokens, on http://127.0.0.1:{port} " in ready[0]
+    assert f"ready: gemma-3-270m-q4_k_m.gguf, context 512 tokens x 4 slots, on http://127.0.0.1:{port} " in ready[0]
     assert '"GET /v1/models HTTP/1.1" 200' in err
     assert "GET /health" not in err and "GET /v1/health" not in err

@@ -117,7 +117,7 @@ def test_cancelling_run_task_cancels_the_engine_request(mcp_engine, mcp_repo, mo
     last: dict[str, object] = {}  # the last event the engine emitted for each request, by id
     left_early: list[str] = []  # requests whose consumer stopped before the final event
     started = anyio.Event()
-    generate, make_job = mcp_engine.generate, engine_module._Job
+    generate, make_job = mcp_engine.generate, engine_module.Job
 
     def spy_job(request, emit):
         def recording(event):
@@ -138,7 +138,7 @@ def test_cancelling_run_task_cancels_the_engine_request(mcp_engine, mcp_repo, mo
             if not finished:
                 left_early.append(request.request_id)
 
-    monkeypatch.setattr(engine_module, "_Job", spy_job)
+    monkeypatch.setattr(engine_module, "Job", spy_job)
     monkeypatch.setattr(mcp_engine, "generate", spy_generate)
     loaded = LoadedModel.of(mcp_engine)
     model = LocalModel(lambda: loaded, loaded.name)
