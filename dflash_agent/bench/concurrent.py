@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +28,7 @@ from ..api.background import free_port
 from ..engine.weights import resolve_model_path
 from ..errors import UserError
 from .cpu import llama_cpp_binary
+from .http import decode_rate
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,7 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
     n = n or pieces
-    rate = (n - 1) / (last - first) if last > first else 0.0
-    return first - started, rate, n
+    return first - started, decode_rate(first, last, n), n
 
 
 def _prompts(n: int) -> list[str]:
@@ -209,8 +209,6 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
 
 @contextmanager
 def _servers(servers: list[tuple[str, list[str]]]) -> Iterator[list[tuple[str, str]]]:
-    from contextlib import ExitStack
-
     with ExitStack() as stack:
         urls = []
         for name, command in servers:
@@ -230,8 +228,9 @@ def report(result: ConcurrentBenchResult, out: Path) -> None:
         theirs = by_key.get(("llama-server", r.streams))
         versus = f"{r.aggregate_tok_s / theirs.aggregate_tok_s:9.2f}x" if theirs and r.server != "llama-server" \
             else ""
-        print(f"  {r.server:<14}{r.streams:>8}{r.aggregate_tok_s:>12.1f}{r.aggregate_tok_s / single[r.server]:>7.2f}x"
-              f"{r.per_stream_tok_s:>12.1f}{r.ttft_p50_s:>9.2f}s{versus}")
+        one = f"{r.aggregate_tok_s / single[r.server]:>7.2f}x" if r.server in single else f"{'':>8}"
+        print(f"  {r.server:<14}{r.streams:>8}{r.aggregate_tok_s:>12.1f}{one}{r.per_stream_tok_s:>12.1f}"
+              f"{r.ttft_p50_s:>9.2f}s{versus}")
     for a in result.arrivals:
         print(f"  {a.server}: a {SHORT_NEW}-token request arriving during a {LONG_PROMPT}-token prefill and 3 "
               f"streams: TTFT p50 {a.busy_ttft_p50_s:.2f} s, p95 {a.busy_ttft_p95_s:.2f} s; idle {a.idle_ttft_s:.2f} s "

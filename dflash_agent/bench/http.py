@@ -35,7 +35,7 @@ class HttpBenchResult:
     loss_percent: float  # (engine - http) / engine
 
 
-def _decode_rate(first: float, last: float, tokens: int) -> float:
+def decode_rate(first: float, last: float, tokens: int) -> float:
     # The first token ends the prefill; the rate counts the tokens that came after it.
     return (tokens - 1) / (last - first) if last > first else 0.0
 
@@ -50,7 +50,7 @@ def _engine_run(engine: Engine, prompt: list[int], decode_tokens: int) -> tuple[
 
     request = GenerateRequest(prompt, max_tokens=decode_tokens, cache_prompt=False)
     n = asyncio.run(engine.complete(request, on_token)).final.usage.completion_tokens
-    return _decode_rate(seen[0], seen[1], n), n
+    return decode_rate(seen[0], seen[1], n), n
 
 
 def _http_run(url: str, prompt: list[int], decode_tokens: int) -> tuple[float, int]:
@@ -69,7 +69,7 @@ def _http_run(url: str, prompt: list[int], decode_tokens: int) -> tuple[float, i
                 first = first or last
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
-    return _decode_rate(first, last, n), n
+    return decode_rate(first, last, n), n
 
 
 def run_http_bench(model: str, prompt_tokens: int, decode_tokens: int, repeats: int,

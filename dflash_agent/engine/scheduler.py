@@ -61,7 +61,7 @@ class Task:
 
     def __init__(self, scheduler: Scheduler, job: Job, slot: Slot) -> None:
         req, model = job.request, scheduler.model
-        self.job, self.slot, self.scheduler = job, slot, scheduler
+        self.job, self.slot = job, slot
         self.decoder = RequestDecoder(
             model, slot.cache, Sampler(req.sampling, model.device, model.argmax),
             drafter=scheduler.drafter, drafter_cache=slot.drafter_cache,
