@@ -22,13 +22,14 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Weights and activations of both engines.")
 @click.option("--spec", is_flag=True,
-              help="Speculative decoding instead: plain vs prompt lookup vs DFlash vs hybrid, tok/s and acceptance.")
+              help="Speculative decoding instead: plain vs prompt lookup vs DFlash vs hybrid, and llama-server's "
+                   "n-gram modes (--llama-cpp DIR): tok/s and acceptance.")
 @click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one "
               "[default: the model's bundled drafter].")
 @click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
 @click.option("--llama-cpp", "llama_cpp", default=None, metavar="DIR",
-              help="The llama.cpp column: a directory with llama-bench (CPU bench) or llama-server (--concurrent) "
-                   "[default: $LLAMA_CPP_BIN, PATH].")
+              help="The llama.cpp column: a directory with llama-bench (CPU bench) or llama-server (--concurrent, "
+                   "--spec) [default: $LLAMA_CPP_BIN, PATH].")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: the physical cores].")
 @click.option("--fidelity", is_flag=True,
               help="Packed CPU weights against exact ones instead: teacher-forced top-1 agreement and KL.")
@@ -142,7 +143,8 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
 
         if draft is None and (bundled := default_drafter(model)) is not None:
             draft = str(bundled)
-        results, costs = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype)
+        results, costs = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype,
+                                        llama_cpp=llama_cpp, threads=threads)
         title = f"speculative decoding, {model}, draft={draft or 'none'}, block={spec_block or 'adaptive'}"
         spec_report(results, costs, out or Path("bench-results/spec.json"), title)
         return

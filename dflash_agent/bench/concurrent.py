@@ -14,21 +14,18 @@ import asyncio
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
-from ..api.background import free_port
 from ..engine.weights import resolve_model_path
 from ..errors import UserError
 from .cpu import llama_cpp_binary
 from .http import decode_rate
+from .servers import running_servers
 
 log = logging.getLogger(__name__)
 
@@ -65,34 +62,6 @@ class ConcurrentBenchResult:
     repeats: int
     rows: list[ConcurrencyRow] = field(default_factory=list)
     arrivals: list[ArrivalResult] = field(default_factory=list)
-
-
-@contextmanager
-def _process(name: str, command: list[str], port: int) -> Iterator[str]:
-    """A server process; yields its URL once /health answers 200."""
-    log.info("starting %s: %s", name, " ".join(command))
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise UserError(f"{name} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise UserError(f"{name} did not become ready in 600 s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
@@ -178,7 +147,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                                          "--no-webui"]))
     result = ConcurrentBenchResult(model, threads, decode_tokens, repeats)
     long_prompt, short_prompt = _long_prompt(LONG_PROMPT), "Write the numbers from one to ten: 1, 2,"
-    with _servers(servers) as urls:
+    with running_servers(servers) as urls:
         for name, url in urls:  # warm-up: first requests pay for lazy setup
             asyncio.run(_batch(url, 1, 8))
         rates: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
@@ -205,16 +174,6 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         result.arrivals.append(ArrivalResult(name, statistics.median(idle[name]), statistics.median(ordered),
                                              ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]))
     return result
-
-
-@contextmanager
-def _servers(servers: list[tuple[str, list[str]]]) -> Iterator[list[tuple[str, str]]]:
-    with ExitStack() as stack:
-        urls = []
-        for name, command in servers:
-            port = free_port()
-            urls.append((name, stack.enter_context(_process(name, [c.format(port=port) for c in command], port))))
-        yield urls
 
 
 def report(result: ConcurrentBenchResult, out: Path) -> None:

@@ -1,11 +1,13 @@
 """Speculative decoding benchmark: tok/s and acceptance with and without speculation, in one run.
 
 Every mode runs the same greedy requests on the same loaded target, so the ratios against plain
-autoregressive decoding are measured under the same machine load. Three workloads: continuing a
-Python file (what a drafter is for), rewriting a function with a rename and copying a module back with
-one comment added (what prompt lookup is for: the output copies the context). Beside them, what a
-verification step of 16 and 64 rows costs against a one-row decode step on the same context: the
-price of drafting long blocks, which decides how far speculation can take a copy.
+autoregressive decoding are measured under the same machine load. Workloads an agent produces: continuing a
+Python file (what a drafter is for), rewriting a function with a rename, copying a module back with one comment
+added, a patch of that module, and a tool result quoted back (what prompt lookup is for: the output copies the
+context). Where a llama-server build is found and the model is a GGUF, llama-server runs the same token ids with
+no speculation and with its n-gram modes (`--spec-type ngram-simple`, `ngram-mod`, both), alternating with ours.
+Beside them, what a verification step of 16 and 64 rows costs against a one-row decode step on the same context:
+the price of drafting long blocks, which decides how far speculation can take a copy.
 """
 
 from __future__ import annotations
@@ -17,16 +19,30 @@ import logging
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 
 from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig
 from ..engine.drafter import init_drafter_checkpoint, load_drafter
-from .cpu import code_prompt
+from ..engine.weights import resolve_model_path
+from ..errors import UserError
+from .cpu import code_prompt, llama_cpp_binary
+from .servers import running_servers
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MODE = "hybrid"  # what `serve` runs with its bundled drafter: DFlash and prompt lookup, adaptive
+# llama-server's modes, by their extra arguments: none, and its n-gram speculation (with its own defaults)
+LLAMA_MODES: dict[str, list[str]] = {
+    "llama": [],
+    "llama ngram-simple": ["--spec-type", "ngram-simple"],
+    "llama ngram-mod": ["--spec-type", "ngram-mod"],
+    "llama ngram-mod+simple": ["--spec-type", "ngram-mod,ngram-simple"],
+}
 
 
 @dataclass
@@ -38,7 +54,14 @@ class ModeResult:
     drafted: int
     accepted: int
     by_source: dict[str, list[int]] = field(default_factory=dict)
-    speedup: float = 0.0  # decode tok/s over the "ar" mode on the same workload
+    speedup: float = 0.0  # decode tok/s over plain decoding on the same workload ("ar", or "llama" for its modes)
+    tokens: int = 0  # new tokens of the last request (drafted and accepted are its too): one that stops early is
+    # not a faster one
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per target forward, every step counted (each commits its accepted drafts and one more)."""
+        return self.tokens / (self.tokens - self.accepted) if self.tokens > self.accepted else 0.0
 
 
 @dataclass
@@ -60,22 +83,54 @@ def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
         f"everything else unchanged:\n{snippet.splitlines()[0]}\n"
     )
     edit = engine.tokenizer.encode(edit_text)[-prompt_tokens:]
-    return {"code": code, "edit": edit, "module": module_prompt(engine, prompt_tokens)}
+    return {"code": code, "edit": edit, "module": module_prompt(engine, prompt_tokens),
+            "patch": patch_prompt(engine, prompt_tokens), "quote": quote_prompt(engine, prompt_tokens)}
+
+
+def _module_lines(engine: Engine, budget: int) -> list[str]:
+    """textwrap.py's first lines, as many whole lines as fit in `budget` tokens."""
+    import textwrap
+
+    source = inspect.getsource(textwrap).splitlines()
+    lines = len(source)
+    while lines > 1 and len(engine.tokenizer.encode("\n".join(source[:lines]))) > budget:
+        lines = lines * 3 // 4
+    return source[:lines]
 
 
 def module_prompt(engine: Engine, prompt_tokens: int) -> list[int]:
     """A module, then the start of the same module again with a comment added at its top: the answer copies the
     module (an agent rewriting a file with a small change). The module is cut to whole lines within the budget."""
-    import textwrap
+    lines = _module_lines(engine, prompt_tokens - 40)  # 40: the lines around it
+    module = "\n".join(lines)
+    text = f"# textwrap.py\n{module}\n\n# textwrap.py, with a comment added at the top\n# Wrapping text.\n{lines[0]}\n"
+    return engine.tokenizer.encode(text)[-prompt_tokens:]
 
-    source = inspect.getsource(textwrap).splitlines()
-    tokens = engine.tokenizer.encode
-    lines = len(source)
-    while lines > 1 and len(tokens("\n".join(source[:lines]))) + 40 > prompt_tokens:  # 40: the lines around it
-        lines = lines * 3 // 4
-    module = "\n".join(source[:lines])
-    text = f"# textwrap.py\n{module}\n\n# textwrap.py, with a comment added at the top\n# Wrapping text.\n{source[0]}\n"
-    return tokens(text)[-prompt_tokens:]
+
+def patch_prompt(engine: Engine, prompt_tokens: int) -> list[int]:
+    """A module, then a unified diff that adds a comment at its top, started: the answer's context lines copy the
+    module with a space before each (an agent writing a patch)."""
+    lines = _module_lines(engine, (prompt_tokens - 60) // 2)  # the diff's own lines may tokenize longer
+    header = f"--- a/textwrap.py\n+++ b/textwrap.py\n@@ -1,{len(lines)} +1,{len(lines) + 1} @@\n+# Wrapping text.\n"
+    module = "\n".join(lines)
+    text = f"# textwrap.py\n{module}\n\n# The patch that adds a comment at the top:\n{header} {lines[0]}\n"
+    return engine.tokenizer.encode(text)[-prompt_tokens:]
+
+
+def quote_prompt(engine: Engine, prompt_tokens: int) -> list[int]:
+    """A tool's JSON output, then the start of the same output quoted back (an agent reporting what a tool said)."""
+    import keyword
+
+    words = keyword.kwlist + keyword.softkwlist
+    records = [{"id": i, "name": word, "kind": "keyword" if keyword.iskeyword(word) else "soft keyword",
+                "length": len(word), "upper": word.upper()} for i, word in enumerate(words)]
+    for n in range(len(records), 0, -1):
+        output = json.dumps(records[:n], indent=2)
+        text = f"$ python list_keywords.py --json\n{output}\n\nThe tool printed, unchanged:\n```json\n[\n"
+        ids = engine.tokenizer.encode(text)
+        if len(ids) <= prompt_tokens:
+            return ids
+    return ids[-prompt_tokens:]
 
 
 def verify_costs(engine: Engine, prompt: list[int], rows: tuple[int, ...] = (1, 16, 64),
@@ -104,6 +159,31 @@ def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:
     return asyncio.run(engine.complete(GenerateRequest(prompt, max_tokens=decode_tokens))).final
 
 
+def llama_run(url: str, prompt: list[int], decode_tokens: int) -> dict:
+    """llama-server's timings of one greedy completion of the token ids `prompt` (no prompt cache: each run
+    prefills, as ours do)."""
+    body = {"prompt": prompt, "n_predict": decode_tokens, "temperature": 0, "cache_prompt": False}
+    response = httpx.post(f"{url}/completion", json=body, timeout=600)
+    if response.status_code != 200:
+        raise UserError(f"llama-server: HTTP {response.status_code}: {response.text[:500]}")
+    return response.json()["timings"]
+
+
+def llama_servers(model: str, llama_cpp: str | None, ctx: int, threads: int) -> list[tuple[str, list[str]]]:
+    """The llama-server modes to run beside ours: none without a build or a GGUF."""
+    binary = llama_cpp_binary(llama_cpp, "llama-server")
+    path = resolve_model_path(model)
+    if binary is None:
+        log.warning("no llama-server found (--llama-cpp DIR or $LLAMA_CPP_BIN): no llama.cpp column")
+        return []
+    if path.suffix != ".gguf":
+        log.warning("llama-server needs a GGUF; %s is not one: no llama.cpp column", path)
+        return []
+    base = [str(binary), "-m", str(path), "--port", "{port}", "-np", "1", "-c", str(ctx), "-t", str(threads),
+            "-tb", str(threads), "--no-webui"]
+    return [(mode, base + extra) for mode, extra in LLAMA_MODES.items()]
+
+
 def run_spec_bench(
     model: str,
     draft: str | None,
@@ -113,11 +193,16 @@ def run_spec_bench(
     spec_block: int | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    llama_cpp: str | None = None,
+    threads: int | None = None,
 ) -> tuple[list[ModeResult], list[VerifyCost]]:
     """draft: a drafter checkpoint, "random" for a randomly initialized one (until a trained drafter
-    exists), or None to measure prompt lookup alone."""
-    base = Engine.load(model, device=device, dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 32,
-                       spec=SpecConfig(enabled=False))
+    exists), or None to measure prompt lookup alone. llama_cpp: llama-server's directory (else $LLAMA_CPP_BIN,
+    PATH); threads: ours and llama-server's."""
+    ctx = prompt_tokens + decode_tokens + 32
+    base = Engine.load(model, device=device, dtype=dtype, ctx_size=ctx, spec=SpecConfig(enabled=False),
+                       threads=threads)
+    threads = torch.get_num_threads()
     drafter = None
     if draft is not None:
         cfg = base.model.config
@@ -135,34 +220,17 @@ def run_spec_bench(
     modes = {"ar": (None, SpecConfig(enabled=False)), "ngram": (None, SpecConfig(block=spec_block))}
     if drafter is not None:
         modes["dflash"] = (drafter, SpecConfig(block=spec_block, ngram=False))
-        modes["hybrid"] = (drafter, SpecConfig(block=spec_block))
+        modes[DEFAULT_MODE] = (drafter, SpecConfig(block=spec_block))
     prompts = workloads(base, prompt_tokens)
     results: list[ModeResult] = []
-    for workload, prompt in prompts.items():
-        # every mode shares the model; rounds alternate the modes, so each sees the same machine load
-        engines = {mode: Engine(base.model, base.tokenizer, base.n_ctx, base.model_name, drafter=mode_drafter,
-                                spec=spec) for mode, (mode_drafter, spec) in modes.items()}
-        runs: dict[str, list] = {mode: [] for mode in modes}
-        for i in range(repeats + 1):  # round 0 warms every mode up (and trains its adaptive controller)
-            for mode, engine in engines.items():
-                final = _run(engine, prompt, decode_tokens)
-                if i:
-                    runs[mode].append(final)
-        for engine in engines.values():
-            engine.close()
-        for mode, mode_runs in runs.items():
-            stats = mode_runs[-1].spec
-            result = ModeResult(
-                mode=mode, workload=workload,
-                decode_tok_s=statistics.median(r.timings.predicted_per_second for r in mode_runs),
-                acceptance_length_mean=statistics.mean(r.spec.acceptance_length_mean for r in mode_runs),
-                drafted=stats.drafted, accepted=stats.accepted, by_source=stats.by_source,
-            )
-            log.info("%s / %s: %.2f tok/s, acceptance %.2f", workload, mode, result.decode_tok_s,
-                     result.acceptance_length_mean)
-            results.append(result)
+    with ExitStack() as stack:
+        llama = stack.enter_context(running_servers(llama_servers(model, llama_cpp, ctx, threads))) \
+            if device in ("auto", "cpu") and base.model.device.type == "cpu" else []
+        for workload, prompt in prompts.items():
+            results += _workload(base, workload, prompt, modes, llama, decode_tokens, repeats)
     for r in results:
-        ar = next(x for x in results if x.workload == r.workload and x.mode == "ar")
+        plain = "llama" if r.mode.startswith("llama") else "ar"
+        ar = next(x for x in results if x.workload == r.workload and x.mode == plain)
         r.speedup = r.decode_tok_s / ar.decode_tok_s if ar.decode_tok_s else 0.0
     costs = verify_costs(base, prompts["code"])
     for cost in costs:
@@ -170,18 +238,64 @@ def run_spec_bench(
     return results, costs
 
 
+def _workload(base: Engine, workload: str, prompt: list[int], modes: dict, llama: list[tuple[str, str]],
+              decode_tokens: int, repeats: int) -> list[ModeResult]:
+    """Every mode on one prompt, in rounds that alternate the modes (each sees the same machine load); round 0
+    warms every mode up (and trains our adaptive controllers)."""
+    # our modes share the model
+    engines = {mode: Engine(base.model, base.tokenizer, base.n_ctx, base.model_name, drafter=mode_drafter, spec=spec)
+               for mode, (mode_drafter, spec) in modes.items()}
+    ours: dict[str, list[FinalEvent]] = {mode: [] for mode in modes}
+    theirs: dict[str, list[dict]] = {mode: [] for mode, _ in llama}
+    try:
+        for i in range(repeats + 1):
+            for mode, engine in engines.items():
+                final = _run(engine, prompt, decode_tokens)
+                if i:
+                    ours[mode].append(final)
+            for mode, url in llama:
+                timings = llama_run(url, prompt, decode_tokens)
+                if i:
+                    theirs[mode].append(timings)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    results = []
+    for mode, runs in ours.items():
+        last = runs[-1]
+        results.append(ModeResult(
+            mode=mode, workload=workload,
+            decode_tok_s=statistics.median(r.timings.predicted_per_second for r in runs),
+            acceptance_length_mean=statistics.mean(r.spec.acceptance_length_mean for r in runs),
+            drafted=last.spec.drafted, accepted=last.spec.accepted, by_source=last.spec.by_source,
+            tokens=last.usage.completion_tokens))
+    for mode, runs in theirs.items():
+        last = runs[-1]
+        results.append(ModeResult(
+            mode=mode, workload=workload,
+            decode_tok_s=statistics.median(t["predicted_per_second"] for t in runs), acceptance_length_mean=0.0,
+            drafted=last.get("draft_n", 0), accepted=last.get("draft_n_accepted", 0), tokens=last["predicted_n"]))
+    for r in results:
+        log.info("%s / %s: %.2f tok/s, %.2f tokens per step, %d tokens", workload, r.mode, r.decode_tok_s,
+                 r.tokens_per_step, r.tokens)
+    return results
+
+
 def report(results: list[ModeResult], costs: list[VerifyCost], out: Path | None, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("workload", "mode", "decode tok/s", "x ar", "acceptance length", "drafted", "accepted"):
+    columns = ("workload", "mode", "decode tok/s", "x plain", "tokens / step", "drafted", "accepted", "tokens")
+    for column in columns:
         table.add_column(column, justify="right" if column not in ("workload", "mode") else "left")
     for r in results:
-        table.add_row(r.workload, r.mode, f"{r.decode_tok_s:.2f}", f"{r.speedup:.2f}",
-                      f"{r.acceptance_length_mean:.2f}", str(r.drafted), str(r.accepted))
-    console = Console(stderr=True)
+        table.add_row(r.workload, r.mode, f"{r.decode_tok_s:.2f}", f"{r.speedup:.2f}", f"{r.tokens_per_step:.2f}",
+                      str(r.drafted), str(r.accepted), str(r.tokens))
+    console = Console(stderr=True, width=max(120, Console(stderr=True).width))  # the llama modes' names
     console.print(table)
+    for line in versus_llama(results):
+        console.print(line)
     rows = Table(title="verification step vs a one-row decode step, same context (all rows' logits)")
     for column in ("rows", "ms", "x one row", "ms per row"):
         rows.add_column(column, justify="right")
@@ -193,3 +307,19 @@ def report(results: list[ModeResult], costs: list[VerifyCost], out: Path | None,
         out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results],
                                    "verify_costs": [asdict(c) for c in costs]}, indent=2) + "\n")
         log.warning("wrote %s", out)
+
+
+def versus_llama(results: list[ModeResult]) -> list[str]:
+    """Per workload: our default mode against llama-server's fastest n-gram mode (none without a llama column)."""
+    lines = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        rows = [r for r in results if r.workload == workload]
+        ours = next((r for r in rows if r.mode == DEFAULT_MODE), None) or next((r for r in rows if r.mode == "ngram"),
+                                                                              None)
+        speculating = [r for r in rows if r.mode.startswith("llama ")]
+        if ours is None or not speculating:
+            continue
+        best = max(speculating, key=lambda r: r.decode_tok_s)
+        lines.append(f"{workload}: {ours.mode} {ours.decode_tok_s:.1f} tok/s = "
+                     f"{ours.decode_tok_s / best.decode_tok_s:.2f}x {best.mode} ({best.decode_tok_s:.1f})")
+    return lines

@@ -17,7 +17,12 @@ import torch
 
 from ..kernels.cpu_dot import CpuDot, IntMatrix, LayerCache, LayerWeights, Matrix
 from .kv_cache import LayerKV
-from .packed_linear import GEMM_ROWS, CpuDotWeight, PackedWeight, cpu_dot
+from .packed_linear import CpuDotWeight, PackedWeight, cpu_dot
+
+# The most rows one call takes: decode rows, verification blocks of up to 64 drafts, a prompt's last short chunk.
+# Rows cost ~9 ms each on 2 cores for the embedded model here (the 262144-row LM head is half of it), where the
+# eager path's float32 GEMMs spend ~18 ms a row on 64 (each weight dequantized per forward): long prompts only.
+MAX_ROWS = 128
 
 
 def _int_matrix(weight) -> IntMatrix | None:
@@ -102,7 +107,7 @@ class CpuDecodeLayers:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The final norm and LM head of rows hidden [T, hidden] float32 in one C call (None: the head is not
         repacked for it, or too many rows); as GemmaModel.logits before its softcap."""
-        if self._head is None or hidden.dim() != 2 or hidden.shape[0] >= GEMM_ROWS or hidden.dtype != torch.float32:
+        if self._head is None or hidden.dim() != 2 or hidden.shape[0] > MAX_ROWS or hidden.dtype != torch.float32:
             return None
         norm, matrix, eps = self._head
         return self.lib.norm_linear(hidden.contiguous(), norm, eps, matrix)
@@ -110,7 +115,7 @@ class CpuDecodeLayers:
     @staticmethod
     def takes(rows: int, kv: list[LayerKV]) -> bool:
         """Whether a forward of `rows` new tokens over caches `kv` runs here (before its plan is made)."""
-        return rows < GEMM_ROWS and all(layer.k_scale is None and layer.k.dtype == torch.float32 for layer in kv)
+        return rows <= MAX_ROWS and all(layer.k_scale is None and layer.k.dtype == torch.float32 for layer in kv)
 
     def forward(self, x: torch.Tensor, plan, kv: list[LayerKV],
                 capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -16,6 +16,8 @@ from .errors import OptionError
 
 # A forward of up to this many tokens may be rolled back (a speculative block plus its bonus token).
 DEFAULT_SLACK = 16
+# Where the target verifies prompt lookup's long drafts (the CPU's C layers): 48 more slots per sliding layer.
+LOOKUP_SLACK = 64
 
 KV_DTYPES = ("auto", "q8")  # auto: the model's dtype
 

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import cache_attention, grouped_attention
-from ..kernels.dispatch import triton_runs
+from ..kernels.dispatch import SPLIT_ROWS, triton_runs
 from .config import LayerSpec, ModelConfig
+from .cpu_decode import MAX_ROWS
 from .errors import ContextOverflowError
-from .kv_cache import KVCache, LayerKV
-from .packed_linear import GEMM_ROWS
+from .kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
 from .sampling import torch_argmax
 
 
@@ -230,7 +230,9 @@ class GemmaModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def new_cache(self, max_len: int, kv_dtype: str = "auto") -> KVCache:
-        return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, kv_dtype=kv_dtype)
+        # the C layers verify prompt lookup's long drafts, so their rings keep room to roll such a block back
+        slack = LOOKUP_SLACK if self.cpu_layers is not None else DEFAULT_SLACK
+        return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, slack=slack, kv_dtype=kv_dtype)
 
     @torch.inference_mode()
     def forward(
@@ -289,8 +291,8 @@ class GemmaModel(nn.Module):
             wanted.append(at + offset)
             offset += T
         rows = torch.cat(wanted)
-        # C's LM head takes fewer than GEMM_ROWS rows a call; each row alone, so the split changes nothing
-        logits = torch.cat([self.logits(x[rows[i:i + GEMM_ROWS - 1]]) for i in range(0, rows.shape[0], GEMM_ROWS - 1)]
+        # C's LM head takes MAX_ROWS rows a call; each row alone, so the split changes nothing
+        logits = torch.cat([self.logits(x[rows[i:i + MAX_ROWS]]) for i in range(0, rows.shape[0], MAX_ROWS)]
                            ) if rows.numel() else None
         outputs, offset, used = [], 0, 0
         for group, at in zip(groups, wanted, strict=True):
@@ -300,6 +302,14 @@ class GemmaModel(nn.Module):
             outputs.append(ForwardOutput(out_logits, {i: h[offset:offset + T] for i, h in captured.items()}))
             offset += T
         return outputs
+
+    def step_rows(self, cache: KVCache) -> int:
+        """The most new tokens one forward over `cache` computes as decode rows, each as a one-token step computes
+        it, so a verified block of that many gives what decoding it token by token gives: a block must fit in the
+        rings' slack; the C layers take up to MAX_ROWS; the Triton and eager paths keep to SPLIT_ROWS."""
+        fits = cache.slack + 1 if cache.ring_slots < cache.max_len else cache.max_len
+        on_c = self.cpu_layers is not None and self.cpu_layers.takes(1, cache.layers)
+        return min(MAX_ROWS if on_c else SPLIT_ROWS, fits)
 
     def _cpu_kernel_plan(self, T: int, cache: KVCache) -> bool:
         """Whether T new tokens over `cache` take the C layers with the "kernel" plan for both kinds of layer."""

@@ -29,11 +29,11 @@ from .types import SpecStats
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
-# Prompt chunks shorter than this go through the C decode layers SHORT_PREFILL_PIECE rows at a time: the prefill
+# Prompt chunks shorter than this go through the C decode layers in blocks of GemmaModel.step_rows: the prefill
 # GEMM dequantizes every weight per forward, a fixed ~150 ms for the embedded model on 2 cores (measured there:
 # 39 rows 376 ms as one GEMM forward, 173 ms as 16-row C pieces; even from about 150 rows).
 SHORT_PREFILL = 128
-SHORT_PREFILL_PIECE = 16
+NGRAM_MAX_DRAFT = 64  # prompt lookup's longest draft: a copied file continues for as long as the match holds
 
 
 class Matcher(Protocol):
@@ -54,14 +54,18 @@ class SpecConfig:
     ngram: bool = True  # prompt-lookup proposals
     ngram_min: int = 2
     ngram_max: int = 4
+    # A copy: once the last `copy_match` tokens occurred before, drafts run as far as that continuation goes (up to
+    # NGRAM_MAX_DRAFT), measured by the controller apart from short matches (llama.cpp's ngram-mod matches 24).
+    copy_match: int | None = 16
 
 
 class NgramIndex:
-    """The most recent earlier occurrence of each short n-gram in the sequence, kept incrementally,
-    so proposing the continuation of the longest suffix match costs O(ngram_max) per step."""
+    """The most recent earlier occurrence of each short n-gram in the sequence (and of the last `copy_n` tokens),
+    kept incrementally, so proposing the continuation of the longest suffix match costs O(ngram_max) per step."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, min_n: int, max_n: int, copy_n: int | None = None) -> None:
+        self.min_n, self.max_n, self.copy_n = min_n, max_n, copy_n
+        self._sizes = [*range(min_n, max_n + 1), *([copy_n] if copy_n and copy_n > max_n else [])]
         self.ids: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end index (exclusive) of its latest occurrence
         self._pending: dict[tuple[int, ...], int] = {}
@@ -74,7 +78,7 @@ class NgramIndex:
             self._pending = {}
             self.ids.append(token)
             end = len(self.ids)
-            for n in range(self.min_n, self.max_n + 1):
+            for n in self._sizes:
                 if end >= n:
                     self._pending[tuple(self.ids[end - n : end])] = end
 
@@ -85,8 +89,30 @@ class NgramIndex:
                 continue
             at = self._last.get(tuple(self.ids[end - n :]))
             if at is not None:
-                return self.ids[at : min(at + k, end)]
+                return self._continuation(at, k)
         return []
+
+    def _continuation(self, at: int, k: int) -> list[int]:
+        """k tokens from index `at` of the sequence as the drafts extend it: where the match is the tail of a
+        repeat (a line the output keeps writing), the copy runs past the end into the drafts themselves, so a
+        repeat of period p drafts k tokens rather than p."""
+        end, draft = len(self.ids), []
+        for i in range(at, at + k):
+            draft.append(self.ids[i] if i < end else draft[i - end])
+        return draft
+
+    def copy(self, k: int) -> list[int]:
+        """The continuation of the latest earlier occurrence of the last copy_n tokens ([] where there is none), as
+        long as the match: a copy under way matches further back with every step, so its drafts grow to k, where
+        records that only share a layout (JSON, logs) match a little past copy_n and get short ones."""
+        end, n = len(self.ids), self.copy_n
+        at = self._last.get(tuple(self.ids[end - n :])) if n and end >= n else None
+        if at is None:
+            return []
+        matched = n
+        while matched < k and at - matched > 0 and self.ids[at - matched - 1] == self.ids[end - matched - 1]:
+            matched += 1
+        return self._continuation(at, min(k, matched))
 
 
 class LengthController:
@@ -108,16 +134,21 @@ class LengthController:
     MIN_SAMPLES = 3
     EXPLORE_BUDGET = 0.01
 
-    def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None) -> None:
+    def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None,
+                 max_lookup: int | None = None, copy: bool = False) -> None:
         self.fixed = fixed
         self.drafter = drafter
         self.max_draft = max_draft
         lengths = sorted({k for k in (2, 4, 8, max_draft) if 0 < k <= max_draft})
+        longest = max_draft if max_lookup is None else max_lookup
         self.arms: list[tuple[str, int]] = [("ar", 0)]
+        if ngram and copy:  # a long match: the copy likely goes on, and a long block is one step for many tokens
+            self.arms += [("copy", k) for k in sorted({min(32, longest), longest}) if k > 0]
         if drafter:
             self.arms += [("dflash", k) for k in lengths]
-        if ngram:  # a copied span is often long, but verifying a long block costs several steps on a CPU
-            self.arms += [("ngram", k) for k in sorted({min(4, max_draft), min(8, max_draft), max_draft}) if k > 0]
+        if ngram:  # a short match is often wrong, and verifying a long block costs several steps on a CPU
+            self.arms += [("ngram", k) for k in sorted({min(k, longest) for k in (4, 8, 16)} | {min(16, longest)})
+                          if k > 0]
         self.rate: dict[tuple[str, int], float] = {}
         self.step_seconds: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
@@ -125,12 +156,19 @@ class LengthController:
         self.steps = 0
         self.credit = 0.0  # seconds of exploration the budget has earned
 
-    def choose(self, ngram_available: bool) -> tuple[str, int]:
+    def choose(self, ngram_available: bool, copy_available: bool = False) -> tuple[str, int]:
         if self.fixed is not None:
             if self.drafter:
                 return ("dflash", self.fixed)
+            if copy_available and any(a[0] == "copy" for a in self.arms):
+                return ("copy", self.fixed)
             return ("ngram", self.fixed) if ngram_available else ("ar", 0)
-        arms = [a for a in self.arms if a[0] != "ngram" or ngram_available]
+        if copy_available and any(a[0] == "copy" for a in self.arms):
+            # where a copy is under way it is measured against plain decoding only: the other sources' rates,
+            # learnt mostly where nothing is copied, say little here, and they would draft what the copy drafts
+            arms = [a for a in self.arms if a[0] in ("ar", "copy")]
+        else:
+            arms = [a for a in self.arms if a[0] != "copy" and (a[0] != "ngram" or ngram_available)]
         self.steps += 1
         best_rate = max((self.rate[a] for a in arms if a in self.rate), default=0.0)
         fresh = [a for a in arms if self.samples[a] == 0
@@ -204,17 +242,21 @@ class RequestDecoder:
         self.drafter_cache = drafter_cache if self.drafter is not None else None
         self.stats = SpecStats()
         self.capture = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
+        # a block's rows must come out as decode steps give them (and within what the rings can roll back)
+        longest = target.step_rows(cache) - 1
         max_draft = (self.drafter.config.block_size - 1) if self.drafter is not None else 15
+        max_lookup = NGRAM_MAX_DRAFT
         if self.spec.block is not None:
-            max_draft = self.spec.block - 1
-        max_draft = min(max_draft, cache.slack)  # the sliding rings can roll back `slack` tokens
+            max_draft = max_lookup = self.spec.block - 1
         use_ngram = self.spec.enabled and self.spec.ngram
         # The adaptive controller outlives the request: the engine passes it to the next one.
         self.shared_controller = controller or LengthController(
-            max_draft,
+            min(max_draft, longest),
             drafter=self.drafter is not None,
             ngram=use_ngram,
-            fixed=None if self.spec.block is None else max_draft,
+            fixed=None if self.spec.block is None else min(max_draft, longest),
+            max_lookup=min(max_lookup, longest),
+            copy=bool(self.spec.copy_match),
         )
         self.controller = self.shared_controller
         if sampler.params.seed is not None and not sampler.params.greedy and self.spec.block is None:
@@ -223,7 +265,7 @@ class RequestDecoder:
             # so such a request decodes plainly (a fixed block is deterministic and keeps drafting).
             # The drafter is still fed, for the requests after it.
             self.controller = LengthController(0, drafter=False, ngram=False, fixed=None)
-        self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max) if use_ngram else None
+        self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max, self.spec.copy_match) if use_ngram else None
         self.sequence: list[int] = []  # the prompt and every token committed so far
         self._prompt_len = 0
         self._yielded = 0  # tokens `tokens()` handed out
@@ -285,8 +327,9 @@ class RequestDecoder:
         bounds = [*bounds, len(prompt_ids)] if cached < len(prompt_ids) else []
         for start, end in itertools.pairwise(bounds):
             # a short chunk in pieces the C decode layers take: a prefill GEMM pays for dequantizing every weight
-            step = SHORT_PREFILL_PIECE if end - start < SHORT_PREFILL and self.target.cpu_layers is not None \
-                and self.target.cpu_layers.takes(SHORT_PREFILL_PIECE, self.cache.layers) else end - start
+            step = self.target.step_rows(self.cache) if end - start < SHORT_PREFILL and \
+                self.target.cpu_layers is not None and self.target.cpu_layers.takes(1, self.cache.layers) \
+                else end - start
             for piece in range(start, end, step):
                 chunk = torch.tensor(prompt_ids[piece:min(piece + step, end)], device=self.target.device)
                 out = self.target(chunk, self.cache, capture=self.capture)
@@ -355,7 +398,7 @@ class RequestDecoder:
         room = min(budget - 1, self.cache.max_len - start - 1)
         if self.ngram is not None:
             self.ngram.extend([anchor])
-        arm = self.controller.choose(ngram_available=self._ngram_ready(room)) if draft else None
+        arm = self.controller.choose(self._ngram_ready(room), self._copy_ready(room)) if draft else None
         if arm is None:
             ids = torch.tensor([anchor], device=self.target.device)
             return PlannedStep(ids, torch.arange(1, device=ids.device), _Proposal("ar", []), None, start,
@@ -389,6 +432,9 @@ class RequestDecoder:
     def _ngram_ready(self, room: int) -> bool:
         return self.ngram is not None and room > 0 and bool(self.ngram.propose(1))
 
+    def _copy_ready(self, room: int) -> bool:
+        return self.ngram is not None and room > 0 and bool(self.ngram.copy(1))
+
     def _queue_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
         if self.drafter is None or self.drafter_cache is None or n == 0:
             return
@@ -407,9 +453,9 @@ class RequestDecoder:
     # --- proposals --------------------------------------------------------------------------------
 
     def _propose(self, source: str, anchor: int, k: int) -> _Proposal:
-        if source == "ngram":
+        if source in ("ngram", "copy"):
             assert self.ngram is not None
-            return _Proposal("ngram", self.ngram.propose(k))
+            return _Proposal(source, self.ngram.propose(k) if source == "ngram" else self.ngram.copy(k))
         assert self.drafter is not None and self.drafter_cache is not None
         self._feed_drafter()
         config = self.drafter.config

@@ -1,10 +1,24 @@
-"""bench --spec's pieces that are not timings alone: the module-copy workload and the verification cost table."""
+"""bench --spec's pieces that are not timings alone: the copy workloads, the verification cost table, the llama.cpp
+column."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from dflash_agent.bench.spec import module_prompt, verify_costs
+from dflash_agent.bench.spec import (
+    DEFAULT_MODE,
+    LLAMA_MODES,
+    ModeResult,
+    llama_run,
+    llama_servers,
+    module_prompt,
+    patch_prompt,
+    quote_prompt,
+    verify_costs,
+    versus_llama,
+)
 from dflash_agent.engine import Engine, SpecConfig
 
 
@@ -30,3 +44,40 @@ def test_verification_costs_are_measured_against_a_one_row_step(engine):
     assert [c.rows for c in costs] == [1, 4, 20]
     assert costs[0].vs_one_row == pytest.approx(1.0) and all(c.ms > 0 for c in costs)
     assert costs[2].ms > costs[0].ms  # twenty rows of logits cost more than one
+
+
+def test_the_patch_and_quote_workloads_end_where_the_copy_begins(engine):
+    patch = engine.tokenizer.decode(patch_prompt(engine, 400)).removeprefix("<bos>")
+    assert patch.startswith("# textwrap.py\n") and "--- a/textwrap.py\n+++ b/textwrap.py\n@@ -1," in patch
+    assert patch.endswith('+# Wrapping text.\n """Text wrapping and filling.\n')  # a context line: the module's first
+    quote = quote_prompt(engine, 400)
+    assert len(quote) <= 400
+    text = engine.tokenizer.decode(quote).removeprefix("<bos>")
+    output, _, tail = text.partition("\n\nThe tool printed, unchanged:\n")
+    assert tail == "```json\n[\n" and json.loads(output.split("\n", 1)[1])[0]["name"] == "False"
+
+
+def test_the_default_is_set_against_llama_servers_fastest_ngram_mode():
+    def row(mode, workload, tok_s):
+        return ModeResult(mode, workload, tok_s, 0.0, 0, 0)
+
+    results = [row("ar", "edit", 40), row(DEFAULT_MODE, "edit", 90), row("llama", "edit", 41),
+               row("llama ngram-simple", "edit", 60), row("llama ngram-mod", "edit", 75),
+               row("ar", "code", 40), row(DEFAULT_MODE, "code", 40)]  # no llama column for code
+    assert versus_llama(results) == [f"edit: {DEFAULT_MODE} 90.0 tok/s = 1.20x llama ngram-mod (75.0)"]
+
+
+def test_llama_server_answers_the_same_token_ids(engine):
+    """A live llama-server (where a build is found) completes our prompt ids greedily and reports its timings."""
+    from dflash_agent.bench.cpu import llama_cpp_binary
+    from dflash_agent.bench.servers import running_servers
+
+    binary = llama_cpp_binary(None, "llama-server")
+    if binary is None:
+        pytest.skip("no llama-server build ($LLAMA_CPP_BIN)")
+    servers = llama_servers("embedded", str(binary.parent), 1024, 2)
+    assert [name for name, _ in servers] == list(LLAMA_MODES)
+    prompt = module_prompt(engine, 300)
+    with running_servers(servers[2:3]) as urls:  # ngram-mod
+        timings = llama_run(urls[0][1], prompt, 24)
+    assert timings["prompt_n"] == len(prompt) and timings["predicted_n"] == 24

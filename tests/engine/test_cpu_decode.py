@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_agent.engine.cpu_decode import CpuDecodeLayers
+from dflash_agent.engine.cpu_decode import MAX_ROWS, CpuDecodeLayers
 from dflash_agent.engine.packed_linear import cpu_dot
 from dflash_agent.engine.weights import build_model, open_checkpoint, resolve_model_path
 
@@ -86,8 +86,8 @@ def test_attention_over_many_key_chunks_matches_eager_and_any_block_size(tiny):
 
 def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny, monkeypatch):
     assert not CpuDecodeLayers.takes(1, tiny.new_cache(64, kv_dtype="q8").layers)
-    assert not CpuDecodeLayers.takes(32, tiny.new_cache(64).layers)
-    assert CpuDecodeLayers.takes(16, tiny.new_cache(64).layers)
+    assert not CpuDecodeLayers.takes(MAX_ROWS + 1, tiny.new_cache(256).layers)
+    assert CpuDecodeLayers.takes(MAX_ROWS, tiny.new_cache(256).layers)
     calls = []
     forward = CpuDecodeLayers.forward
     monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
@@ -105,7 +105,7 @@ def test_the_final_norm_and_head_run_in_one_c_call_for_a_few_rows(tiny):
     torch.testing.assert_close(fused, F.linear(tiny.norm(hidden), tiny.output_weight), rtol=1e-5, atol=1e-5)
     for row in range(5):  # each row alone gives the same bits (verify steps give what decode steps give)
         assert torch.equal(tiny.cpu_layers.logits(hidden[row:row + 1]), fused[row:row + 1])
-    assert tiny.cpu_layers.logits(torch.randn(40, tiny.config.hidden_size)) is None  # prefill: torch's GEMM
+    assert tiny.cpu_layers.logits(torch.randn(MAX_ROWS + 1, tiny.config.hidden_size)) is None  # prefill: GEMM
 
 
 def test_exact_weights_have_no_c_layers():
@@ -147,7 +147,7 @@ def test_a_cache_shorter_than_the_window_still_decodes_through_the_c_layers(tiny
     ids = torch.arange(20) % VOCAB
 
     def steps() -> torch.Tensor:
-        cache = tiny.new_cache(20)  # shorter than window + slack (24): the ring is the whole cache
+        cache = tiny.new_cache(20)  # shorter than window + slack: the ring is the whole cache
         assert cache.ring_slots == cache.max_len
         rows = [tiny(ids[:12], cache).logits]
         rows += [tiny(ids[i:i + 1], cache).logits for i in range(12, 20)]
@@ -164,15 +164,17 @@ def test_a_cache_shorter_than_the_window_still_decodes_through_the_c_layers(tiny
 
 
 def test_blocks_a_ring_cannot_take_stay_on_the_eager_plan(tiny, monkeypatch):
-    """20 new tokens over a ring of window + 16 slots: the sliding layers need the eager "prefill" plan, so the
-    full layers keep the eager plan too (not the kernel plan, whose CPU fallback copies keys per head)."""
+    """More new tokens than a ring's slack + 1: the sliding layers need the eager "prefill" plan, so the full layers
+    keep the eager plan too (not the kernel plan, whose CPU fallback copies keys per head)."""
     calls = []
     monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a))
-    cache = tiny.new_cache(64)
-    assert cache.ring_slots < cache.max_len
-    plan = tiny._plan(cache, torch.arange(20), 0, 20)
+    cache = tiny.new_cache(256)
+    T = cache.slack + 2
+    assert cache.ring_slots < cache.max_len and CpuDecodeLayers.takes(T, cache.layers)
+    assert tiny.step_rows(cache) == T - 1
+    plan = tiny._plan(cache, torch.arange(T), 0, T)
     assert (plan.full.mode, plan.sliding.mode) == ("cache", "prefill")
-    tiny(torch.arange(20) % VOCAB, tiny.new_cache(64))
+    tiny(torch.arange(T) % VOCAB, tiny.new_cache(256))
     assert calls == []
 
 

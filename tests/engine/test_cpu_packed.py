@@ -171,6 +171,32 @@ def test_speculation_is_lossless_on_the_packed_path():
         plain.close()
 
 
+def test_long_copy_drafts_are_lossless_across_the_window_and_from_the_prefix_cache():
+    """A module copied back: prompt lookup drafts up to 64 tokens a step, in blocks that cross the embedded model's
+    512-token sliding window, first from an empty cache and then resumed from the prefix cache; every run gives
+    plain decoding's greedy tokens."""
+    from dflash_agent.bench.spec import module_prompt
+
+    plain = Engine.load("embedded", device="cpu", ctx_size=1024, progress=False, spec=SpecConfig(enabled=False),
+                        prefix_cache=False)
+    lookup = Engine(plain.model, plain.tokenizer, plain.n_ctx, plain.model_name, spec=SpecConfig())
+    try:
+        prompt = module_prompt(plain, 460)
+        assert 400 < len(prompt) < 512
+        expected = _greedy(plain, prompt, 120)
+        for run in range(2):
+            events = asyncio.run(lookup.complete(GenerateRequest(prompt, max_tokens=120)))
+            assert events.ids == expected
+            assert events.final.usage.cached_tokens == (0 if run == 0 else len(prompt))
+        stats = events.final.spec
+        if plain.model.cpu_layers is not None:  # the C layers verify 65-row blocks
+            assert plain.model.step_rows(plain.model.new_cache(1024)) == 65
+            assert max(stats.accept_lengths) > 16 and "copy" in stats.by_source
+    finally:
+        lookup.close()
+        plain.close()
+
+
 def test_the_cpu_default_is_the_packed_path_where_the_kernels_build():
     if cpu_dot() is None:
         pytest.skip("no C compiler: the CPU dot kernels cannot be built")

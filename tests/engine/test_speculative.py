@@ -188,6 +188,44 @@ def test_ngram_index_proposes_latest_earlier_continuation():
     assert index.propose(3) == []
 
 
+def test_ngram_index_copies_only_after_a_long_match():
+    index = NgramIndex(2, 3, copy_n=4)
+    index.extend([1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4, 5])
+    # the last four tokens occurred before, followed by 6, 7, 9, 2, ...: drafts as long as the match
+    assert index.copy(3) == [6, 7, 9] and index.copy(50) == [6, 7, 9, 2]
+    copying = NgramIndex(2, 3, copy_n=4)
+    copying.extend([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6])  # six tokens of the copy so far
+    assert copying.copy(50) == [7, 8, 9, 1, 2, 3] and copying.copy(4) == [7, 8, 9, 1]
+    index.extend([8])  # [5, 8] never occurred: no match of any length
+    assert index.copy(3) == [] and index.propose(3) == []
+    index.extend([1, 2])
+    assert index.copy(3) == [] and index.propose(2) == [3, 4]  # a short match proposes; a copy needs four
+
+
+def test_a_repeat_drafts_past_the_end_of_the_sequence():
+    """An output that keeps writing the same line: the match is the repeat's own tail, and its continuation runs on
+    into the drafts (llama.cpp's ngram-mod does the same), not just to the sequence's end."""
+    index = NgramIndex(2, 3, copy_n=4)
+    index.extend([7, 1, 2, 1, 2, 1, 2, 1, 2])
+    assert index.propose(5) == [1, 2, 1, 2, 1]
+    assert index.copy(6) == [1, 2, 1, 2, 1, 2]  # the match reaches back six tokens
+
+
+def test_controller_plays_copies_only_where_a_long_match_is():
+    controller = LengthController(7, drafter=True, ngram=True, fixed=None, max_lookup=64, copy=True)
+    assert controller.arms == [("ar", 0), ("copy", 32), ("copy", 64), ("dflash", 2), ("dflash", 4), ("dflash", 7),
+                               ("ngram", 4), ("ngram", 8), ("ngram", 16)]
+    seconds = {arm: 0.02 + 0.01 * arm[1] for arm in controller.arms}
+    tokens = {arm: arm[1] + 1 if arm[0] == "copy" else 1 for arm in controller.arms}  # copies land, the rest not
+    for step in range(300):
+        copy = step % 3 == 0
+        arm = controller.choose(ngram_available=True, copy_available=copy)
+        assert copy or arm[0] != "copy"
+        controller.record(arm, tokens[arm], seconds[arm])
+    assert controller.choose(ngram_available=True, copy_available=True)[0] == "copy"
+    assert controller.choose(ngram_available=True, copy_available=False) == ("ar", 0)
+
+
 def _word_tokenizer() -> Tokenizer:
     import tokenizers
     from tokenizers.models import WordLevel
