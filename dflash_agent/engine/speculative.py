@@ -147,8 +147,7 @@ class LengthController:
         if drafter:
             self.arms += [("dflash", k) for k in lengths]
         if ngram:  # a short match is often wrong, and verifying a long block costs several steps on a CPU
-            self.arms += [("ngram", k) for k in sorted({min(k, longest) for k in (4, 8, 16)} | {min(16, longest)})
-                          if k > 0]
+            self.arms += [("ngram", k) for k in sorted({min(k, longest) for k in (4, 8, 16)}) if k > 0]
         self.rate: dict[tuple[str, int], float] = {}
         self.step_seconds: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
