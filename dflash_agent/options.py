@@ -35,7 +35,8 @@ def model_options(f):
                      help="Context length in tokens (default: the model's own where memory holds it, else the "
                           "largest that fits).")(f)
     f = click.option("--draft", default=None,
-                     help="DFlash drafter: a z-lab checkpoint directory or hub id (speculative decoding).")(f)
+                     help="Drafter for speculative decoding: a z-lab DFlash checkpoint directory or hub id, or a "
+                          "Gemma 4 assistant (MTP) checkpoint.")(f)
     f = click.option("--draft-quant", type=click.Choice(["q8", "q4"]), default=None,
                      help="Quantize the drafter's weights at load (saves memory beside a large target).")(f)
     f = click.option("--spec-block", type=click.IntRange(2, 17), default=None,

@@ -1,11 +1,12 @@
-"""`bench --kernels`: every Triton launch the engine makes for Gemma 4 31B and its DFlash drafter, compiled for
-RTX 3090 / 4090 / 5090 and H100 (sm_86 / 89 / 120 / 90) without a GPU, with registers, spills and shared memory
-per launch, checked against the budgets below.
+"""`bench --kernels`: every Triton launch the engine makes for Gemma 4 31B and 26B-A4B and their DFlash drafters,
+compiled for RTX 3090 / 4090 / 5090 and H100 (sm_86 / 89 / 120 / 90) without a GPU, with registers, spills and
+shared memory per launch, checked against the budgets below.
 
 The launches are not a hand-kept list: they come from the same functions the engine launches through
 (kernels.quant_matmul.quant_matmul_launch, kernels.attention_triton.cache_attention_launch), called with meta
 tensors of the shapes the engine passes them:
-- matmuls: every packed weight of `bench --synthetic gemma4-31b` at each quantization (bench.synthetic.quant_types,
+- matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (each routed expert a matrix of
+  its own, as the model launches them) at each quantization (bench.synthetic.quant_types,
   plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), the CUDA-graph buckets up to the
   drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
   target's embedding, block - 1 rows). The drafter's own matrices are QuantLinear (torch dequantize + F.linear),
@@ -45,7 +46,7 @@ from ..engine.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
 from ..engine.model import GemmaModel
 from ..engine.speculative import PREFILL_CHUNK
 from ..kernels.dispatch import KEYS_PER_CHUNK
-from .synthetic import DEFAULT_CTX, gemma4_31b_config, gemma4_31b_drafter_config, quant_types
+from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
     return {name: qtype for name, qtype in quant_types(config, quant).items() if qtype is not None}
 
 
-def _matmul_launches(config: ModelConfig, drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
+def _matmul_launches(model: str, config: ModelConfig,
+                     drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
     from ..kernels.quant_matmul import quant_matmul_launch
 
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
@@ -95,17 +97,18 @@ def _matmul_launches(config: ModelConfig, drafter: DrafterConfig) -> Iterator[tu
         for name, phase, m in uses:
             weight = head if name.startswith("drafter") else name
             qtype = types[weight]
-            n, k = shapes[weight]
+            n, k = shapes[weight][-2:]  # an expert stack [experts, n, k] launches one expert's matrix at a time
             block, type_size = GGML_QUANT_SIZES[qtype]
             x = torch.empty(m, k, dtype=DTYPE, device=meta)
             raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
             y = torch.empty(m, n, dtype=DTYPE, device=meta)
             launch = quant_matmul_launch(x, raw, qtype, y)
-            short = name.removesuffix(".weight").split(".")[-1] if name.startswith("layers.") else name
-            yield phase, f"{qtype.name}", f"gemma4-31b {quant}: {short} K={k} M={m}", launch
+            short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
+            yield phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
 
 
-def _attention_launches(config: ModelConfig, drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
+def _attention_launches(model: str, config: ModelConfig,
+                        drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
     from ..kernels.attention_triton import cache_attention_launch
 
     meta = torch.device("meta")
@@ -122,7 +125,7 @@ def _attention_launches(config: ModelConfig, drafter: DrafterConfig) -> Iterator
                     for t in ms:
                         if sliding and t > DEFAULT_SLACK + 1:
                             continue  # model._plan: blocks past the ring's slack attend through SDPA
-                        name = f"gemma4-31b {'sliding' if sliding else 'full'} d={d} {kv_dtype} KV"
+                        name = f"{model} {'sliding' if sliding else 'full'} d={d} {kv_dtype} KV"
                         cases.append((phase, name, config.num_heads, kv_heads, d, slots,
                                       config.sliding_window if sliding else None, sliding, kv_dtype, t))
         # the drafter's captured step: its block of queries over its whole cache, slot = position
@@ -143,23 +146,26 @@ def _attention_launches(config: ModelConfig, drafter: DrafterConfig) -> Iterator
 
 
 def kernel_configs() -> list[tuple[KernelConfig, object]]:
-    """Every distinct compiled kernel the engine launches for the 31B target and drafter, with one launch each."""
+    """Every distinct compiled kernel the engine launches for the synthetic targets and their drafters, with one
+    launch each."""
     from ..kernels.compile_check import compile_key
 
-    config, drafter = gemma4_31b_config(), gemma4_31b_drafter_config()
     merged: dict[str, tuple[KernelConfig, object]] = {}
-    for kernel, launches in (("quant_matmul", _matmul_launches(config, drafter)),
-                             ("cache_attention", _attention_launches(config, drafter))):
-        for phase, detail, use, launch in launches:
-            key = compile_key(launch)
-            if key not in merged:
-                meta = {k: v for k, v in launch.meta.items() if k != "DOT"}
-                merged[key] = (KernelConfig(kernel, phase, f"{detail} {meta}", []), launch)
-            entry = merged[key][0]
-            # a kernel shared by phases is held to the strictest budget of them
-            entry.phase = min(phase, entry.phase, key=PHASES.index)
-            if len(entry.used_by) < 8:
-                entry.used_by.append(use)
+    launches = []
+    for model, (target, draft) in SYNTHETIC_CONFIGS.items():
+        config, drafter = target(), draft()
+        launches += [("quant_matmul", model, launch) for launch in _matmul_launches(model, config, drafter)]
+        launches += [("cache_attention", model, launch) for launch in _attention_launches(model, config, drafter)]
+    for kernel, model, (phase, detail, use, launch) in launches:
+        key = compile_key(launch)
+        if key not in merged:
+            meta = {k: v for k, v in launch.meta.items() if k != "DOT"}
+            merged[key] = (KernelConfig(kernel, phase, f"{detail} {meta}", []), launch)
+        entry = merged[key][0]
+        # a kernel shared by phases is held to the strictest budget of them
+        entry.phase = min(phase, entry.phase, key=PHASES.index)
+        if len(entry.used_by) < 8 or not any(u.startswith(f"{model} ") for u in entry.used_by):
+            entry.used_by.append(use)  # a few uses, and one of each model
     return list(merged.values())
 
 
@@ -244,8 +250,9 @@ def command(out: Path | None, as_json: bool, targets: list[str] | None = None) -
     out.write_text(json.dumps(data, indent=2) + "\n")
     if as_json:
         return json.dumps(data), not broken
-    lines = [f"Triton {triton.__version__}: {len(configs)} distinct kernels the engine launches for gemma4-31b "
-             f"and its drafter, compiled for {', '.join(targets)} (registers / thread, spilled bytes / thread, "
+    lines = [f"Triton {triton.__version__}: {len(configs)} distinct kernels the engine launches for "
+             f"{' and '.join(SYNTHETIC_CONFIGS)} and their drafters, compiled for {', '.join(targets)} "
+             "(registers / thread, spilled bytes / thread, "
              "shared KB / program)", table(configs, targets), ""]
     lines += [f"budget broken: {v}" for v in broken] or ["every budget holds"]
     lines.append(f"results in {out}")

@@ -46,7 +46,7 @@ from ..errors import UserError
 log = logging.getLogger(__name__)
 
 T = GGMLQuantizationType
-MODELS = ("gemma4-31b",)
+MODELS = ("gemma4-31b", "gemma4-26b-a4b")
 QUANTS = ("Q4_0", "Q4_K_M")
 CONTEXTS = (1024, 8192, 32768)
 DEFAULT_CTX = 32768
@@ -56,33 +56,66 @@ ACCEPTANCE_LENGTHS = (4, 6, 8)
 PLAN_BUDGET = 23 * GiB  # the goal: the 32K plan within 23 GiB of a 24 GB card
 
 
-def gemma4_31b_config() -> ModelConfig:
-    """google/gemma-4-31B-it's text config.json keys (shared/reference/gemma4.md section 1)."""
+def _gemma4_large(**shape) -> ModelConfig:
+    """The text config.json keys Gemma 4's two large members share, plus `shape`."""
     return ModelConfig.from_hf_dict(dict(
-        model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504,
-        num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16, head_dim=256,
-        global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
-        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10, rms_norm_eps=1e-6,
-        final_logit_softcapping=30.0, tie_word_embeddings=True, hidden_size_per_layer_input=0,
-        max_position_embeddings=262144,
+        model_type="gemma4_text", vocab_size=262144, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
+        sliding_window=1024, rms_norm_eps=1e-6, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        hidden_size_per_layer_input=0, max_position_embeddings=262144,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * (shape["num_hidden_layers"] // 6),
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                "rope_theta": 1_000_000.0},
         },
+        **shape,
     ))
+
+
+def _dflash_drafter(**shape) -> DrafterConfig:
+    """The config.json keys z-lab's Gemma 4 DFlash drafters share, plus `shape`."""
+    return DrafterConfig.from_dict(dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=5, num_key_value_heads=8,
+        head_dim=128, vocab_size=262144, rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
+        final_logit_softcapping=30.0, block_size=16, **shape,
+    ))
+
+
+def gemma4_31b_config() -> ModelConfig:
+    """google/gemma-4-31B-it's text config.json keys (shared/reference/gemma4.md section 1)."""
+    return _gemma4_large(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+                         num_key_value_heads=16, num_global_key_value_heads=4)
 
 
 def gemma4_31b_drafter_config() -> DrafterConfig:
     """z-lab/gemma-4-31B-it-DFlash's config.json (shared/reference/dflash.md section 1.2)."""
-    return DrafterConfig.from_dict(dict(
-        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=5376, num_hidden_layers=5,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=10752,
-        vocab_size=262144, rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False,
-        layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
-        final_logit_softcapping=30.0, block_size=16, num_target_layers=60,
-        dflash_config={"mask_token_id": 4, "target_layer_ids": [1, 12, 23, 35, 46, 57]},
-    ))
+    return _dflash_drafter(hidden_size=5376, num_attention_heads=64, intermediate_size=10752, num_target_layers=60,
+                           dflash_config={"mask_token_id": 4, "target_layer_ids": [1, 12, 23, 35, 46, 57]})
+
+
+def gemma4_26b_a4b_config() -> ModelConfig:
+    """google/gemma-4-26B-A4B-it's text config.json keys, as several independent copies of it give them (MLX, Rust
+    and Swift loaders' fixtures): 30 layers 2816 wide, a 2112-wide dense MLP beside 128 experts 704 wide, 8 a
+    token."""
+    return _gemma4_large(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+                         num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True,
+                         num_experts=128, top_k_experts=8, moe_intermediate_size=704)
+
+
+def gemma4_26b_a4b_drafter_config() -> DrafterConfig:
+    """z-lab/gemma-4-26B-A4B-it-DFlash. Its config.json is not in shared/reference: this is the 31B drafter's
+    layout at the 26B's width (5 layers, MLP twice the width; about 0.43B weights, as the published "0.4B"), reading
+    the target layers third parties report (1, 6, 11, 17, 22, 27). A plan, not a loader: the real file decides."""
+    return _dflash_drafter(hidden_size=2816, num_attention_heads=32, intermediate_size=5632, num_target_layers=30,
+                           dflash_config={"mask_token_id": 4, "target_layer_ids": [1, 6, 11, 17, 22, 27]})
+
+
+# name -> (target config, its DFlash drafter's config)
+SYNTHETIC_CONFIGS = {
+    "gemma4-31b": (gemma4_31b_config, gemma4_31b_drafter_config),
+    "gemma4-26b-a4b": (gemma4_26b_a4b_config, gemma4_26b_a4b_drafter_config),
+}
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -94,8 +127,10 @@ def quant_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantizationTy
     """The GGUF type of every parameter in a checkpoint quantized as `quant` (None: a float vector).
 
     Q4_0 (Google's QAT GGUF): every block matrix Q4_0; the tied embedding Q6_K, which is what its published
-    size (16.44 GiB) implies. Q4_K_M (llama.cpp): Q4_K, with Q6_K for attn_v and ffn_down of the layers
-    llama.cpp's use_more_bits picks, and for the embedding.
+    size (16.44 GiB) implies. Q4_K_M (llama.cpp): Q4_K, with Q6_K for attn_v and ffn_down (the experts' too) of
+    the layers llama.cpp's use_more_bits picks, and for the embedding; rows of widths that are not a multiple of
+    256 (26B-A4B's 2112 and 704) take llama.cpp's fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. A MoE router stays
+    float.
     """
     if quant not in QUANTS:
         raise UserError(f"unknown quantization {quant!r} ({', '.join(QUANTS)})")
@@ -104,7 +139,7 @@ def quant_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantizationTy
     v_layers = [i for i, spec in enumerate(config.layers) if not spec.k_eq_v]
     types: dict[str, GGMLQuantizationType | None] = {}
     for name, shape in shapes.items():
-        if len(shape) < 2:
+        if len(shape) < 2 or name.endswith("router.proj.weight"):  # llama.cpp keeps the router in float
             types[name] = None
         elif name == "embed_tokens.weight" or quant == "Q4_K_M" and name == "lm_head.weight":
             types[name] = T.Q6_K
@@ -112,12 +147,14 @@ def quant_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantizationTy
             types[name] = T.Q4_0
         else:
             layer = int(name.split(".")[1])
-            if name.endswith("mlp.down_proj.weight") and _use_more_bits(layer, n_layers):
+            if name.endswith(("mlp.down_proj.weight", "experts.down_proj")) and _use_more_bits(layer, n_layers):
                 types[name] = T.Q6_K
             elif name.endswith("self_attn.v_proj.weight") and _use_more_bits(v_layers.index(layer), len(v_layers)):
                 types[name] = T.Q6_K
             else:
                 types[name] = T.Q4_K
+            if shape[-1] % 256:  # llama.cpp's fallback where rows do not hold whole K-quant super-blocks
+                types[name] = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}[types[name]]
     return types
 
 
@@ -128,10 +165,11 @@ def synthetic_weight_bytes(config: ModelConfig, quant: str, dtype: torch.dtype =
 
 
 def synthetic_plan(quant: str, ctx_size: int, gpu_memory: int | None, draft_quant: str | None = DRAFT_QUANT,
-                   kv_dtype: str = "auto") -> MemoryPlan:
-    """The memory plan of the 31B target (bf16 compute) + drafter at `ctx_size` tokens."""
-    config = gemma4_31b_config()
-    drafter = DrafterPlan(gemma4_31b_drafter_config(), draft_quant)
+                   kv_dtype: str = "auto", model: str = "gemma4-31b") -> MemoryPlan:
+    """The memory plan of a synthetic target (bf16 compute) + its drafter at `ctx_size` tokens."""
+    target, draft = SYNTHETIC_CONFIGS[model]
+    config = target()
+    drafter = DrafterPlan(draft(), draft_quant)
     return plan_memory(config, synthetic_weight_bytes(config, quant), ctx_size, kv_dtype=kv_dtype,
                        drafter=drafter, budget_bytes=gpu_memory)
 
@@ -287,7 +325,7 @@ def _fill_context(cache, length: int) -> None:
 def _kv_bytes_read(cache, context: int) -> int:
     """KV bytes a decode step reads: full layers up to the context, rings whole."""
     total = 0
-    for layer in cache.layers:
+    for layer in cache.owned:
         per_slot = sum(t[0].numel() * t.element_size() for t in layer.storage())
         total += per_slot * (layer.k.shape[0] if layer.sliding else context)
     return total
@@ -302,6 +340,9 @@ def run_synthetic_bench(model: str, quant: str, ctx_size: int | None, draft_quan
     if not torch.cuda.is_available():
         raise UserError("bench --synthetic needs a CUDA GPU (--plan-only --gpu-memory SIZE prints the memory plan "
                         "without one)")
+    if model != "gemma4-31b":
+        raise UserError(f"bench --synthetic {model} prints its memory plan only (--plan-only --gpu-memory SIZE): "
+                        "the timed run needs grouped expert kernels, which are not built yet")
     return measure(model, gemma4_31b_config(), gemma4_31b_drafter_config(), quant, ctx_size or DEFAULT_CTX,
                    draft_quant, torch.device("cuda"), iters)
 
@@ -475,9 +516,10 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
         if gpu_memory is None:
             raise UserError("--plan-only needs --gpu-memory (e.g. 24GiB): the memory to plan for")
         budget = parse_size(gpu_memory)
-        config = gemma4_31b_config()
+        target, draft = SYNTHETIC_CONFIGS[model]
+        config = target()
         weights = synthetic_weight_bytes(config, quant)
-        drafter = DrafterPlan(gemma4_31b_drafter_config(), DRAFT_QUANT)
+        drafter = DrafterPlan(draft(), DRAFT_QUANT)
         plan = fit_context(budget, config, weights, requested=ctx, drafter=drafter)  # refuses what does not fit
         largest = largest_context(budget, config, weights, drafter=drafter)
         if as_json:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,12 +27,26 @@ class LayerSpec:
     rope_factor: float = 1.0
     # V is the (v-normed) raw K projection: Gemma 4 full layers have no v_proj.
     k_eq_v: bool = False
+    # Gemma 4 E2B / E4B: the layer has no K / V of its own and attends over those of layer `kv_source` (the last
+    # earlier layer of its kind that has them), as that layer attended in the same step.
+    kv_source: int | None = None
+    # The MLP width where it differs from the model's (E2B / E4B double the KV-sharing layers'); 0: the model's.
+    intermediate_size: int = 0
 
     def inv_freq(self) -> list[float]:
         """RoPE inverse frequencies; exponents use the full head_dim even when only some pairs rotate."""
         rotated = [1.0 / self.rope_theta ** (2 * i / self.head_dim) for i in range(self.rope_angles)]
         zeros = [0.0] * (self.head_dim // 2 - self.rope_angles)
         return [f / self.rope_factor for f in rotated + zeros]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Gemma 4 26B-A4B: every layer adds routed experts beside its dense MLP."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
 
 
 @dataclass(frozen=True)
@@ -56,10 +70,23 @@ class ModelConfig:
     layer_scalar: bool
     tie_embeddings: bool
     max_position_embeddings: int
+    moe: MoESpec | None = None
+    # Gemma 4 E2B / E4B per-layer embeddings (PLE): each layer adds a gated [per_layer_input]-wide input made from a
+    # [vocab, layers x per_layer_input] table and a projection of the token's embedding; 0: none.
+    per_layer_input: int = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def dense(self) -> bool:
+        """Every layer owns its K / V and a plain MLP, nothing per layer beside it: what the C layers, the CUDA
+        graphs and the Triton kernels run."""
+        return self.moe is None and not self.per_layer_input and all(s.kv_source is None for s in self.layers)
+
+    def layer_intermediate_size(self, index: int) -> int:
+        return self.layers[index].intermediate_size or self.intermediate_size
 
     @property
     def embed_scale(self) -> float:
@@ -201,13 +228,6 @@ def _gemma3_from_hf(k: _Keys) -> ModelConfig:
 
 
 def _gemma4_from_hf(k: _Keys) -> ModelConfig:
-    for key, what in (
-        ("hidden_size_per_layer_input", "per-layer embeddings (PLE)"),
-        ("num_kv_shared_layers", "KV sharing across layers"),
-        ("enable_moe_block", "mixture-of-experts blocks"),
-    ):
-        if k.opt(key):
-            raise ConfigError(f"{k.source}: {key}={k.opt(key)!r}: {what} are not supported (dense Gemma 4 only)")
     if k.opt("use_bidirectional_attention") == "all":
         raise ConfigError(f"{k.source}: use_bidirectional_attention='all' is not a causal decoder")
     num_layers = int(k.req("num_hidden_layers"))
@@ -235,6 +255,15 @@ def _gemma4_from_hf(k: _Keys) -> ModelConfig:
         dim, kv = int(override.get("head_dim", dim)), int(override.get("num_key_value_heads", kv))
         theta, angles, factor = _rope_from_hf(k, layer_type, dim, 10_000.0)
         specs.append(LayerSpec(sliding, dim, kv, theta, angles, factor, k_eq_v and not sliding))
+    intermediate = int(k.req("intermediate_size"))
+    wide = intermediate * 2 if k.opt("use_double_wide_mlp", False) else 0
+    specs = _share_kv(specs, int(k.opt("num_kv_shared_layers", 0)), wide, k.source)
+    moe = None
+    if k.opt("enable_moe_block", False):
+        moe = MoESpec(int(k.req("num_experts")), int(k.req("top_k_experts")), int(k.req("moe_intermediate_size")))
+    per_layer = int(k.opt("hidden_size_per_layer_input", 0))
+    if per_layer and int(k.opt("vocab_size_per_layer_input", k.req("vocab_size"))) != int(k.req("vocab_size")):
+        raise ConfigError(f"{k.source}: vocab_size_per_layer_input differs from vocab_size (no Gemma 4 does that)")
     return ModelConfig(
         family="gemma4",
         layers=tuple(specs),
@@ -243,8 +272,29 @@ def _gemma4_from_hf(k: _Keys) -> ModelConfig:
         final_softcap=k.opt("final_logit_softcapping"),
         v_norm=True,
         layer_scalar=True,
+        moe=moe,
+        per_layer_input=per_layer,
         **_hf_shared(k),
     )
+
+
+def _share_kv(specs: list[LayerSpec], shared: int, wide_intermediate: int, source: str) -> list[LayerSpec]:
+    """The last `shared` layers attend over the K / V of the last earlier layer of their kind (transformers'
+    `kv_sharing_modes`, llama.cpp's `shared_kv_layers`); those layers' MLP is `wide_intermediate` wide when set."""
+    if not shared:
+        return specs
+    first = len(specs) - shared
+    if not 0 < first < len(specs):
+        raise ConfigError(f"{source}: {shared} KV-sharing layers of {len(specs)} leave no layer that owns K / V")
+    out = list(specs)
+    for i in range(first, len(specs)):
+        owners = [j for j in range(first) if specs[j].sliding == specs[i].sliding]
+        if not owners:
+            kind = "sliding" if specs[i].sliding else "full"
+            raise ConfigError(f"{source}: layer {i} shares the K / V of a {kind} layer, and no earlier layer is one")
+        out[i] = replace(specs[i], kv_source=owners[-1], k_eq_v=specs[owners[-1]].k_eq_v,
+                         intermediate_size=wide_intermediate)
+    return out
 
 
 def _per_layer(value: Any, num_layers: int, key: str, source: str) -> list[Any]:
@@ -295,10 +345,6 @@ def _gemma3_from_gguf(k: _Keys) -> ModelConfig:
 
 
 def _gemma4_from_gguf(k: _Keys, tensor_names: set[str], rope_freqs: list[float] | None) -> ModelConfig:
-    if k.opt("embedding_length_per_layer_input"):
-        raise ConfigError(f"{k.source}: per-layer embeddings (PLE) are not supported (dense Gemma 4 only)")
-    if k.opt("attention.shared_kv_layers"):
-        raise ConfigError(f"{k.source}: KV sharing across layers is not supported (dense Gemma 4 only)")
     num_layers = int(k.req("block_count"))
     sliding = [bool(s) for s in _per_layer(k.req("attention.sliding_window_pattern"), num_layers,
                                            k.prefix + "attention.sliding_window_pattern", k.source)]
@@ -316,11 +362,20 @@ def _gemma4_from_gguf(k: _Keys, tensor_names: set[str], rope_freqs: list[float] 
         else:
             k_eq_v = f"blk.{i}.attn_v.weight" not in tensor_names
             specs.append(LayerSpec(False, full_dim, int(kv_heads[i]), full_theta, full_angles, 1.0, k_eq_v))
+    widths = _per_layer(k.req("feed_forward_length"), num_layers, k.prefix + "feed_forward_length", k.source)
+    shared = int(k.opt("attention.shared_kv_layers", 0))
+    # llama.cpp's converter writes E2B / E4B's double-wide MLPs as a per-layer feed_forward_length
+    wide = int(widths[-1]) if shared and int(widths[-1]) != int(widths[0]) else 0
+    specs = _share_kv(specs, shared, wide, k.source)
+    moe = None
+    if any(name.endswith(".ffn_gate_inp.weight") for name in tensor_names):
+        moe = MoESpec(int(k.req("expert_count")), int(k.req("expert_used_count")),
+                      int(k.req("expert_feed_forward_length")))
     return ModelConfig(
         family="gemma4",
         vocab_size=_gguf_vocab_size(k),
         hidden_size=int(k.req("embedding_length")),
-        intermediate_size=int(_per_layer(k.req("feed_forward_length"), num_layers, "feed_forward_length", k.source)[0]),
+        intermediate_size=int(widths[0]),
         num_heads=int(_per_layer(k.req("attention.head_count"), num_layers, "attention.head_count", k.source)[0]),
         layers=tuple(specs),
         sliding_window=int(k.req("attention.sliding_window")),
@@ -332,6 +387,8 @@ def _gemma4_from_gguf(k: _Keys, tensor_names: set[str], rope_freqs: list[float] 
         layer_scalar=True,
         tie_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=int(k.opt("context_length", 131_072)),
+        moe=moe,
+        per_layer_input=int(k.opt("embedding_length_per_layer_input", 0)),
     )
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 
 import torch
 
 from ..kernels.cpu_dot import CpuDot, IntMatrix, LayerCache, LayerWeights, Matrix
 from .kv_cache import LayerKV
 from .packed_linear import CpuDotWeight, PackedWeight, cpu_dot
+
+log = logging.getLogger(__name__)
 
 # The most rows one call takes: decode rows, verification blocks of up to 64 drafts, a prompt's last short chunk.
 # Rows cost ~9 ms each on 2 cores for the embedded model here (the 262144-row LM head is half of it), where the
@@ -60,6 +63,9 @@ class CpuDecodeLayers:
         """For a float32 model on the CPU whose every layer matrix is repacked for the C matmuls."""
         lib = cpu_dot()
         if lib is None or model.device.type != "cpu" or model.dtype != torch.float32:
+            return None
+        if not model.config.dense:
+            log.info("the C layers run dense decoders only: this model's layers run in torch")
             return None
         config, keep, layers = model.config, [], []
 

@@ -32,7 +32,7 @@ BUCKETS = (1, 2, 4, 8, 16)
 
 def enable_cuda_graphs(model: GemmaModel) -> None:
     """Route the model's decode / verify forwards (blocks of up to 16 tokens) through captured graphs."""
-    if model.device.type == "cuda":
+    if model.device.type == "cuda" and model.config.dense:  # the captured step runs the dense layers only
         model.step_graphs = TargetStepGraphs(model)
 
 

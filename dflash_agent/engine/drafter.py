@@ -267,6 +267,11 @@ class Drafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs it drafts from."""
+        return tuple(self.config.target_layer_ids)
+
     def new_cache(self, max_len: int) -> DrafterCache:
         return DrafterCache(self.config, max_len, self.device, self.dtype)
 

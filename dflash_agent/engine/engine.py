@@ -21,6 +21,7 @@ from .generation_config import read_sampling_defaults
 from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
+from .mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
 from .packed_linear import cpu_dot
 from .prefix_cache import PrefixCacheConfig, PrefixCacheStats
 from .progress import PROGRESS_EVERY_S
@@ -53,7 +54,7 @@ class Engine:
         tokenizer: Tokenizer,
         n_ctx: int,
         model_name: str = "",
-        drafter: Drafter | None = None,
+        drafter: Drafter | MtpDrafter | None = None,
         spec: SpecConfig | None = None,
         model_path: Path | None = None,
         prefix_cache: PrefixCacheConfig | None = DEFAULT_PREFIX_CACHE,
@@ -108,8 +109,8 @@ class Engine:
         sampling_defaults: str = "model",
         parallel: int | None = 1,
     ) -> Engine:
-        """draft: a DFlash drafter checkpoint; None takes the model's bundled one, if it has one
-        and speculation is on (spec.enabled).
+        """draft: a DFlash drafter checkpoint, or a Gemma 4 assistant (MTP) one (engine.mtp); None takes the
+        model's bundled one, if it has one and speculation is on (spec.enabled).
         prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
         kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
@@ -148,7 +149,10 @@ class Engine:
                     if sampling_defaults == "model" else SamplingDefaults())
         # Planned before the weights load: without ctx_size, the model's own context where memory holds it
         # (the card's free memory on CUDA, the available RAM on the CPU), else the largest that fits.
-        planned_drafter = drafter_plan(resolve_model_path(draft), draft_quant) if draft is not None else None
+        draft_path = resolve_model_path(draft) if draft is not None else None
+        # a Gemma 4 assistant is a few small layers with no cache of its own: nothing to plan beside the target
+        mtp = draft_path is not None and is_mtp_checkpoint(draft_path)
+        planned_drafter = drafter_plan(draft_path, draft_quant) if draft_path is not None and not mtp else None
         if torch_device.type == "cuda":
             n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, ctx_size, kv_dtype,
                                      planned_drafter, slots=parallel)
@@ -161,11 +165,13 @@ class Engine:
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu)
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
-        drafter = None
-        if draft is not None:
+        drafter: Drafter | MtpDrafter | None = None
+        if draft_path is not None and mtp:
+            drafter = load_mtp_drafter(draft_path, ckpt.config, torch_device, torch_dtype)
+        elif draft_path is not None:
             cfg = ckpt.config
             drafter = load_drafter(
-                resolve_model_path(draft), cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
+                draft_path, cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
                 torch_device, torch_dtype, quantize=draft_quant,
             )
         log.info("loaded in %.1f s; context %d tokens%s", time.perf_counter() - started, n_ctx,

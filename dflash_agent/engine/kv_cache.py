@@ -119,9 +119,13 @@ class KVCache:
         self.ring_slots = min(max_len, config.sliding_window + slack)
         # Every sliding layer writes the same positions to the same slots, so they share one position map.
         self.ring_pos = torch.full((self.ring_slots,), -1, device=device, dtype=torch.long)
+        # one per layer; a layer that shares another's K / V (spec.kv_source) holds that layer's LayerKV
         self.layers: list[LayerKV] = []
         quantized = kv_dtype == "q8"
         for spec in config.layers:
+            if spec.kv_source is not None:
+                self.layers.append(self.layers[spec.kv_source])
+                continue
             shape = (self.ring_slots if spec.sliding else max_len, spec.num_kv_heads, spec.head_dim)
             store = torch.int8 if quantized else dtype
             k, v = torch.zeros(shape, device=device, dtype=store), torch.zeros(shape, device=device, dtype=store)
@@ -138,6 +142,12 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.ring_pos.device
+
+    @property
+    def owned(self) -> list[LayerKV]:
+        """Each layer's K / V once: the layers that share another's are left out (what memory and snapshots count)."""
+        seen: set[int] = set()
+        return [layer for layer in self.layers if not (id(layer) in seen or seen.add(id(layer)))]
 
     @property
     def has_rings(self) -> bool:
@@ -164,11 +174,11 @@ class KVCache:
 
     def full_snapshot(self, length: int, device: torch.device | str) -> list[torch.Tensor]:
         """Copies of the full-attention layers' state for positions [:length]."""
-        return [t[:length].to(device, copy=True) for layer in self.layers if not layer.sliding
+        return [t[:length].to(device, copy=True) for layer in self.owned if not layer.sliding
                 for t in layer.storage()]
 
     def ring_snapshot(self, device: torch.device | str) -> RingSnapshot:
-        rings = [t.to(device, copy=True) for layer in self.layers if layer.sliding for t in layer.storage()]
+        rings = [t.to(device, copy=True) for layer in self.owned if layer.sliding for t in layer.storage()]
         return RingSnapshot(self.ring_pos.to(device, copy=True), rings)
 
     def restore(self, length: int, full: list[torch.Tensor] | None, ring: RingSnapshot | None) -> None:
@@ -177,11 +187,11 @@ class KVCache:
         if full is None and length > self.length:
             raise ValueError(f"cannot extend a cache of {self.length} tokens to {length} without their keys")
         if full is not None:
-            targets = [t for layer in self.layers if not layer.sliding for t in layer.storage()]
+            targets = [t for layer in self.owned if not layer.sliding for t in layer.storage()]
             for dst, src in zip(targets, full, strict=True):
                 dst[:length].copy_(src[:length])
         if ring is not None:
-            targets = [t for layer in self.layers if layer.sliding for t in layer.storage()]
+            targets = [t for layer in self.owned if layer.sliding for t in layer.storage()]
             for dst, src in zip(targets, ring.rings, strict=True):
                 dst.copy_(src)
             self.ring_pos.copy_(ring.ring_pos)

@@ -142,8 +142,8 @@ def target_kv_bytes(config: ModelConfig, ctx_size: int, kv_dtype: str, dtype: to
     """(full-attention layers, sliding rings with their slot map) of engine.kv_cache.KVCache, built on the
     meta device so the figures are the cache's own, whatever its layout."""
     cache = KVCache(config, ctx_size, device="meta", dtype=dtype, kv_dtype=kv_dtype)
-    full = sum(t.nbytes for layer in cache.layers if not layer.sliding for t in layer.storage())
-    rings = sum(t.nbytes for layer in cache.layers if layer.sliding for t in layer.storage())
+    full = sum(t.nbytes for layer in cache.owned if not layer.sliding for t in layer.storage())
+    rings = sum(t.nbytes for layer in cache.owned if layer.sliding for t in layer.storage())
     return full, rings + (cache.ring_pos.nbytes if cache.has_rings else 0)
 
 

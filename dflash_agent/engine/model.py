@@ -11,7 +11,7 @@ from torch import nn
 
 from ..kernels.attention import cache_attention, grouped_attention
 from ..kernels.dispatch import SPLIT_ROWS, triton_runs
-from .config import LayerSpec, ModelConfig
+from .config import LayerSpec, ModelConfig, MoESpec
 from .cpu_decode import MAX_ROWS
 from .errors import ContextOverflowError
 from .kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
@@ -71,27 +71,38 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.scale = config.attn_scale
         hidden, d, nkv = config.hidden_size, spec.head_dim, spec.num_kv_heads
-        self.q_proj = Linear(hidden, config.num_heads * d)
-        self.k_proj = Linear(hidden, nkv * d)
-        self.v_proj = None if spec.k_eq_v else Linear(hidden, nkv * d)
-        self.o_proj = Linear(config.num_heads * d, hidden)
         eps, offset = config.rms_norm_eps, config.norm_offset
+        self.q_proj = Linear(hidden, config.num_heads * d)
         self.q_norm = RMSNorm(d, eps, offset)
-        self.k_norm = RMSNorm(d, eps, offset)
-        self.v_norm = RMSNorm(d, eps, offset, with_weight=False) if config.v_norm else None
+        self.o_proj = Linear(config.num_heads * d, hidden)
+        # a layer that shares another's K / V has no K / V weights of its own
+        owns_kv = spec.kv_source is None
+        self.k_proj = Linear(hidden, nkv * d) if owns_kv else None
+        self.v_proj = Linear(hidden, nkv * d) if owns_kv and not spec.k_eq_v else None
+        self.k_norm = RMSNorm(d, eps, offset) if owns_kv else None
+        self.v_norm = RMSNorm(d, eps, offset, with_weight=False) if owns_kv and config.v_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan,
+        shared: dict[int, StepKeys] | None = None, index: int = 0,
     ) -> torch.Tensor:
-        """x [..., T, hidden] (a leading batch dimension needs a batched kv and an SDPA plan)."""
+        """x [..., T, hidden] (a leading batch dimension needs a batched kv and an SDPA plan). `shared` carries the
+        keys each layer attended over to the layers that share them (KV-sharing models only)."""
         lead, d = x.shape[:-1], self.spec.head_dim
         q = rotate(self.q_norm(self.q_proj(x).view(*lead, self.num_heads, d)), cos, sin)
-        k_raw = self.k_proj(x).view(*lead, -1, d)
-        v = k_raw if self.v_proj is None else self.v_proj(x).view(*lead, -1, d)
-        k = rotate(self.k_norm(k_raw), cos, sin)
-        if self.v_norm is not None:
-            v = self.v_norm(v)
-        out = plan.attend(kv, q, k, v, self.scale)
+        if self.k_proj is None:
+            assert shared is not None and self.spec.kv_source is not None
+            keys = shared[self.spec.kv_source]
+        else:
+            k_raw = self.k_proj(x).view(*lead, -1, d)
+            v = k_raw if self.v_proj is None else self.v_proj(x).view(*lead, -1, d)
+            k = rotate(self.k_norm(k_raw), cos, sin)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
+            keys = plan.store(kv, k, v)
+            if shared is not None:
+                shared[index] = keys
+        out = plan.attend(q, keys, self.scale)
         return self.o_proj(out.reshape(*lead, self.num_heads * d))
 
 
@@ -106,23 +117,89 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
+class Router(nn.Module):
+    """Gemma 4's expert router: weightless RMSNorm x learned scale x hidden^-0.5 -> scores -> softmax over every
+    expert -> the top k, renormalised, each times its expert's learned scale."""
+
+    def __init__(self, config: ModelConfig, moe: MoESpec) -> None:
+        super().__init__()
+        self.top_k, self.eps = moe.top_k, config.rms_norm_eps
+        self.proj = Linear(config.hidden_size, moe.num_experts)
+        self.register_buffer("scale", torch.empty(config.hidden_size))
+        self.register_buffer("per_expert_scale", torch.empty(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, k] float32, experts [N, k])."""
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x)
+        h = h * self.scale * x.shape[-1] ** -0.5
+        probs = torch.softmax(self.proj(h).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts].float(), experts
+
+
+class Experts(nn.Module):
+    """The routed experts' GeGLU MLPs, stacked: gate_up [experts, 2 x width, hidden], down [experts, hidden, width].
+    Each token runs only its top k."""
+
+    def __init__(self, config: ModelConfig, moe: MoESpec) -> None:
+        super().__init__()
+        self.register_buffer("gate_up_proj", torch.empty(moe.num_experts, 2 * moe.intermediate_size,
+                                                         config.hidden_size))
+        self.register_buffer("down_proj", torch.empty(moe.num_experts, config.hidden_size, moe.intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden], weights / experts [N, k] -> the weighted sum of each token's experts [N, hidden]."""
+        out = torch.zeros_like(x)
+        for expert in torch.unique(experts).tolist():
+            token, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: LayerSpec, index: int) -> None:
         super().__init__()
         eps, offset, hidden = config.rms_norm_eps, config.norm_offset, config.hidden_size
+        self.index = index
         self.input_layernorm = RMSNorm(hidden, eps, offset)
         self.self_attn = Attention(config, spec)
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
-        self.mlp = MLP(hidden, config.intermediate_size)
+        self.mlp = MLP(hidden, config.layer_intermediate_size(index))
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
         self.register_buffer("layer_scalar", torch.empty(1) if config.layer_scalar else None)
+        self.experts: Experts | None = None
+        if config.moe is not None:  # the experts' output joins the dense MLP's, each normed on its own
+            self.router = Router(config, config.moe)
+            self.experts = Experts(config, config.moe)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps, offset)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps, offset)
+        if config.per_layer_input:
+            self.per_layer_input_gate = Linear(hidden, config.per_layer_input)
+            self.per_layer_projection = Linear(config.per_layer_input, hidden)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps, offset)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan,
+        shared: dict[int, StepKeys] | None = None, per_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv, plan))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        """per_layer: this layer's slice [..., T, per_layer_input] of the per-layer inputs (PLE models)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv, plan, shared, self.index)
+        x = x + self.post_attention_layernorm(attn)
+        ffn = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.experts is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            weights, experts = self.router(flat)
+            routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).view_as(x)
+            ffn = self.post_feedforward_layernorm_1(ffn) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(ffn)
+        if per_layer is not None:
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
         return x
@@ -167,27 +244,41 @@ class LayerPlan:
         if (self.mode == "kernel") != (self.positions is not None):
             raise ValueError("key positions go with the 'kernel' mode, and only with it")
 
-    def attend(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of queries q [..., T, heads, d] over kv and the new k / v, writing these into kv."""
-        if self.mode == "kernel":
-            assert self.positions is not None
-            kv.write(self.slots, k, v)
-            n, pos = self.end, self.positions
-            return cache_attention(
-                q, kv.k[:n], kv.v[:n], pos.query, pos.key, pos.window, scale,
-                None if kv.k_scale is None else kv.k_scale[:n],
-                None if kv.v_scale is None else kv.v_scale[:n],
-                contiguous=pos.key is None and n is not None,
-            )
-        if self.mode == "cache":
-            kv.write(self.slots, k, v)
-            keys, values = kv.read(self.end)
-        else:
+    def store(self, kv: LayerKV, k: torch.Tensor, v: torch.Tensor) -> StepKeys:
+        """Write the new keys k / v [..., T, heads, d] into kv; returns what this step's queries attend over."""
+        if self.mode == "prefill":
             cached_k, cached_v = kv.read(self.end)
             keys, values = torch.cat((cached_k, k), dim=-3), torch.cat((cached_v, v), dim=-3)
             n = self.slots.shape[0]
             kv.write(self.slots, k[..., -n:, :, :], v[..., -n:, :, :])
-        return grouped_attention(q, keys, values, self.mask, scale)
+            return StepKeys(keys, values)
+        kv.write(self.slots, k, v)
+        if self.mode == "cache":
+            return StepKeys(*kv.read(self.end))
+        n = self.end
+        return StepKeys(kv.k[:n], kv.v[:n], None if kv.k_scale is None else kv.k_scale[:n],
+                        None if kv.v_scale is None else kv.v_scale[:n])
+
+    def attend(self, q: torch.Tensor, keys: StepKeys, scale: float) -> torch.Tensor:
+        """Attention of queries q [..., T, heads, d] over `keys` (what `store` returned, for this layer or for the
+        layer whose K / V it shares)."""
+        if self.mode == "kernel":
+            assert self.positions is not None
+            pos = self.positions
+            return cache_attention(q, keys.k, keys.v, pos.query, pos.key, pos.window, scale, keys.k_scale,
+                                   keys.v_scale, contiguous=pos.key is None and self.end is not None)
+        return grouped_attention(q, keys.k, keys.v, self.mask, scale)
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """The keys and values one layer's queries attend over in a step: the cache's slots (mode "kernel": int8 with
+    scales when quantized), or the cache read in the model's dtype and, in mode "prefill", the new keys after it."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -207,9 +298,18 @@ class GemmaModel(nn.Module):
         with torch.device("meta"):
             self.embed_tokens = nn.Module()
             self.embed_tokens.register_buffer("weight", torch.empty(config.vocab_size, config.hidden_size))
-            self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
+            self.layers = nn.ModuleList(DecoderLayer(config, spec, i) for i, spec in enumerate(config.layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
             self.lm_head = None if config.tie_embeddings else Linear(config.hidden_size, config.vocab_size)
+            if config.per_layer_input:
+                width = config.num_layers * config.per_layer_input
+                self.embed_tokens_per_layer = nn.Module()
+                self.embed_tokens_per_layer.register_buffer("weight", torch.empty(config.vocab_size, width))
+                self.per_layer_model_projection = Linear(config.hidden_size, width)
+                self.per_layer_projection_norm = RMSNorm(config.per_layer_input, config.rms_norm_eps,
+                                                         config.norm_offset)
+        # the layers whose K / V later layers share keep what they attended over for those, during a step
+        self._shares_kv = not all(spec.kv_source is None for spec in config.layers)
         # One table per distinct RoPE; layers of a type share it.
         self._inv_freq: dict[tuple, torch.Tensor] = {}
         for spec in config.layers:
@@ -256,7 +356,8 @@ class GemmaModel(nn.Module):
             if out is not None:
                 return out
         plan = self._plan(cache, torch.arange(start, end, device=ids.device), start, end)
-        x, captured = self.layers_forward(self.embed(ids), plan, cache.layers, capture)
+        x = self.embed(ids)
+        x, captured = self.layers_forward(x, plan, cache.layers, capture, self.per_layer_inputs(ids, x))
         cache.length = end
         if logits_at is None:
             return ForwardOutput(self.logits(x[T - 1:]), captured)
@@ -324,19 +425,39 @@ class GemmaModel(nn.Module):
                 return x
         return self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
 
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """PLE models: each layer's input [..., T, layers, per_layer_input] from token ids [..., T] and their
+        embeddings x: (RMSNorm(x @ P^T / sqrt(hidden)) + table[ids] x sqrt(per_layer_input)) / sqrt(2). None
+        for the others."""
+        width = self.config.per_layer_input
+        if not width:
+            return None
+        shape = (*ids.shape, self.config.num_layers, width)
+        dtype = self.dtype
+        tokens = self.embed_tokens_per_layer.weight[ids].view(shape) * torch.tensor(width ** 0.5, dtype=dtype)
+        context = self.per_layer_model_projection(x) * torch.tensor(self.config.hidden_size ** -0.5, dtype=dtype)
+        return (self.per_layer_projection_norm(context.view(shape)) + tokens) * torch.tensor(2.0 ** -0.5,
+                                                                                             dtype=dtype)
+
     def layers_forward(
-        self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = ()
+        self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = (),
+        per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers over embeddings x [..., T, hidden]: the one layer loop that eager steps, CUDA-graph
-        steps (engine.cuda_graphs) and training-data generation (train.target) run. Returns the last layer's
-        output and the outputs of the layers in `capture`."""
+        steps (engine.cuda_graphs) and training-data generation (train.target) run. per_layer: PLE models' inputs
+        (per_layer_inputs). Returns the last layer's output and the outputs of the layers in `capture`."""
         rows = x.shape[0] if x.dim() == 2 else None
         if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
             return self.cpu_layers.forward(x, plan, kv, capture)
+        if (per_layer is None) != (not self.config.per_layer_input):
+            raise ValueError("per-layer inputs go with a PLE model, and only with one")
         tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
+        shared: dict[int, StepKeys] | None = {} if self._shares_kv else None
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, spec, layer_kv) in enumerate(zip(self.layers, self.config.layers, kv, strict=True)):
-            x = layer(x, *tables[_rope_key(spec)], layer_kv, plan.sliding if layer_kv.sliding else plan.full)
+            layer_plan = plan.sliding if layer_kv.sliding else plan.full
+            x = layer(x, *tables[_rope_key(spec)], layer_kv, layer_plan, shared,
+                      None if per_layer is None else per_layer[..., i, :])
             if i in capture:
                 captured[i] = x
         return x, captured

@@ -5,7 +5,9 @@ A `PackedWeight` stands where the model expects a [out, in] weight matrix of the
 - `F.linear(x, w)`: kernels.quant_matmul's Triton kernel on CUDA; on the CPU, packed kernels when the
   weight was repacked for them at load (`repack_for_cpu`, below), else the
   reference (dequantize to the compute dtype, then F.linear), which is bit-identical to dequantizing at load;
-- `w[ids]`: the embedding rows of `ids`, dequantized from the GGUF blocks, exactly (blocks never straddle rows).
+- `w[ids]`: the embedding rows of `ids`, dequantized from the GGUF blocks, exactly (blocks never straddle rows);
+- a stack of matrices [experts, out, in] (a MoE layer's routed experts): `w[e]`, expert e's matrix, still packed,
+  so a token reads only its chosen experts' blocks.
 Anything else that would need the data (`.float()`, `.to()`, arithmetic) raises a TypeError instead of
 silently expanding gigabytes.
 
@@ -55,8 +57,9 @@ def cpu_dot() -> CpuDot | None:
 
 
 def keeps_packed(source: PackedTensor) -> bool:
-    """Whether a checkpoint tensor can stay packed: a matrix of a type the kernel reads."""
-    return source.qtype in PACKED_TYPES and len(source.shape) == 2
+    """Whether a checkpoint tensor can stay packed: a matrix of a type the kernel reads, or a stack of them (the
+    routed experts of a MoE layer, [experts, out, in])."""
+    return source.qtype in PACKED_TYPES and len(source.shape) in (2, 3)
 
 
 class PackedWeight(torch.Tensor):
@@ -79,6 +82,14 @@ class PackedWeight(torch.Tensor):
         self.cpu = None
         self.rescore = 0
         return self
+
+    def expert(self, index: int) -> PackedWeight:
+        """Matrix `index` of a stack [experts, out, in], still packed (its blocks are a slice of the stack's)."""
+        if self.dim() != 3:
+            raise TypeError("only a stack of packed matrices is indexed by an expert")
+        per_expert = self.packed.raw.numel() // self.shape[0]
+        raw = self.packed.raw[index * per_expert:(index + 1) * per_expert]
+        return PackedWeight(PackedTensor(raw, self.packed.qtype, tuple(self.shape[1:])), self.dtype)
 
     def __repr__(self) -> str:  # the default would try to print the values
         kernel = f", cpu={type(self.cpu).__name__}" if self.cpu is not None else ""
@@ -136,6 +147,8 @@ class PackedWeight(torch.Tensor):
                 raise TypeError("a packed GGUF weight has no bias")
             return args[1].linear(args[0])
         if func is torch.Tensor.__getitem__ and isinstance(args[0], PackedWeight):
+            if args[0].dim() == 3 and isinstance(args[1], int):
+                return args[0].expert(args[1])
             if not isinstance(args[1], torch.Tensor) or args[1].dtype not in (torch.long, torch.int):
                 raise TypeError("a packed GGUF weight is indexed by a tensor of row ids only")
             return args[0].rows(args[1])

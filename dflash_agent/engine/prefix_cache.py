@@ -343,7 +343,7 @@ class PrefixCache:
         n = len(live.ids)
         if not self._worth_keeping(n, position) or self.config.max_entries == 0:
             return
-        per_token = sum(t[0].nbytes for layer in self.cache.layers if not layer.sliding for t in layer.storage())
+        per_token = sum(t[0].nbytes for layer in self.cache.owned if not layer.sliding for t in layer.storage())
         if self.drafter_cache is not None:
             per_token += sum(t[0].nbytes for t in (*self.drafter_cache.k, *self.drafter_cache.v))
         on_device = n * per_token <= self.config.device_bytes - self.store.usage()[1]

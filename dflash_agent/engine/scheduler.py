@@ -28,6 +28,7 @@ from . import speculative
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
+from .mtp import MtpDrafter
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
 from .progress import ProgressLog
 from .sampling import Sampler, StopStringFilter
@@ -229,7 +230,7 @@ class Scheduler:
     """The worker's loop (see the module doc). `submit` from any thread; `run` on the worker thread."""
 
     def __init__(self, model: GemmaModel, tokenizer: Tokenizer, n_ctx: int, parallel: int, kv_dtype: str,
-                 drafter: Drafter | None, spec: SpecConfig, prefix_cache: PrefixCacheConfig | None,
+                 drafter: Drafter | MtpDrafter | None, spec: SpecConfig, prefix_cache: PrefixCacheConfig | None,
                  progress_every_s: float) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.drafter, self.spec = drafter, spec
@@ -244,7 +245,7 @@ class Scheduler:
             fed = drafter_cache if spec.enabled else None
             prefix = PrefixCache(prefix_cache, cache, fed, store) if store is not None else None
             self.slots.append(Slot(i, cache, drafter_cache, prefix))
-        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None and spec.enabled else ()
+        self.capture = drafter.capture_layers if drafter is not None and spec.enabled else ()
         self.batch_drafting = BatchDrafting()
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._waiting: deque[Job] = deque()

@@ -23,6 +23,7 @@ import torch
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import ForwardOutput, GemmaModel
+from .mtp import MtpDrafter
 from .sampling import Sampler
 from .types import SpecStats
 
@@ -118,16 +119,15 @@ class NgramIndex:
 class LengthController:
     """Picks each step's proposal source and draft length by measured throughput.
 
-    Arms are ("ar", 0), ("dflash", k) for a few k, and ("ngram", k). Each keeps an EWMA of committed tokens
-    per second of step time and of seconds per step. Every arm is measured once; those within half of the
-    best rate get MIN_SAMPLES; then the best arm is played, and the others are re-measured from an exploration
-    budget: each step adds EXPLORE_BUDGET of its time to a credit, and re-measuring an arm spends what it is
-    expected to lose against the best (its step time times its rate deficit). So an arm as good as the best
-    is re-checked every few steps, one four times slower every several hundred, and exploring never costs
-    more than EXPLORE_BUDGET of the time: speculation turns itself off when drafting does not pay (verifying a
-    block costs several decode steps on a CPU) and back on when it starts to (as beellama's profit
-    controller does). 1%: with 2%, re-checking the bundled drafter on code it cannot draft cost the default
-    2-3% against plain decoding.
+    Arms are ("ar", 0), ("dflash", k) (or ("mtp", k): a Gemma 4 assistant) for a few k, and ("ngram", k). Each keeps
+    an EWMA of committed tokens per second of step time and of seconds per step. Every arm is measured once; those
+    within half of the best rate get MIN_SAMPLES; then the best arm is played, and the others are re-measured from
+    an exploration budget: each step adds EXPLORE_BUDGET of its time to a credit, and re-measuring an arm spends
+    what it is expected to lose against the best (its step time times its rate deficit). So an arm as good as the
+    best is re-checked every few steps, one four times slower every several hundred, and exploring never costs more
+    than EXPLORE_BUDGET of the time: speculation turns itself off when drafting does not pay (verifying a block
+    costs several decode steps on a CPU) and back on when it starts to (as beellama's profit controller does). 1%:
+    with 2%, re-checking the bundled drafter on code it cannot draft cost the default 2-3% against plain decoding.
     """
 
     ALPHA = 0.15
@@ -135,9 +135,10 @@ class LengthController:
     EXPLORE_BUDGET = 0.01
 
     def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None,
-                 max_lookup: int | None = None, copy: bool = False) -> None:
+                 max_lookup: int | None = None, copy: bool = False, drafter_source: str = "dflash") -> None:
         self.fixed = fixed
         self.drafter = drafter
+        self.drafter_source = drafter_source  # "dflash", or "mtp" for a Gemma 4 assistant
         self.max_draft = max_draft
         lengths = sorted({k for k in (2, 4, 8, max_draft) if 0 < k <= max_draft})
         longest = max_draft if max_lookup is None else max_lookup
@@ -145,7 +146,7 @@ class LengthController:
         if ngram and copy:  # a long match: the copy likely goes on, and a long block is one step for many tokens
             self.arms += [("copy", k) for k in sorted({min(32, longest), longest}) if k > 0]
         if drafter:
-            self.arms += [("dflash", k) for k in lengths]
+            self.arms += [(drafter_source, k) for k in lengths]
         if ngram:  # a short match is often wrong, and verifying a long block costs several steps on a CPU
             self.arms += [("ngram", k) for k in sorted({min(k, longest) for k in (4, 8, 16)}) if k > 0]
         self.rate: dict[tuple[str, int], float] = {}
@@ -158,7 +159,7 @@ class LengthController:
     def choose(self, ngram_available: bool, copy_available: bool = False) -> tuple[str, int]:
         if self.fixed is not None:
             if self.drafter:
-                return ("dflash", self.fixed)
+                return (self.drafter_source, self.fixed)
             if copy_available and any(a[0] == "copy" for a in self.arms):
                 return ("copy", self.fixed)
             return ("ngram", self.fixed) if ngram_available else ("ar", 0)
@@ -227,7 +228,7 @@ class RequestDecoder:
         target: GemmaModel,
         cache: KVCache,
         sampler: Sampler,
-        drafter: Drafter | None = None,
+        drafter: Drafter | MtpDrafter | None = None,
         drafter_cache: DrafterCache | None = None,
         matcher: Matcher | None = None,
         spec: SpecConfig | None = None,
@@ -237,13 +238,20 @@ class RequestDecoder:
         self.matcher = matcher
         self.spec = spec or SpecConfig()
         # With speculation off a loaded drafter is not fed either: no features are captured.
-        self.drafter = drafter if self.spec.enabled else None
+        # A Gemma 4 assistant (MTP) drafts from the target's cache and last hidden state; DFlash from its own cache.
+        self.mtp = drafter if self.spec.enabled and isinstance(drafter, MtpDrafter) else None
+        self.drafter = drafter if self.spec.enabled and self.mtp is None else None
         self.drafter_cache = drafter_cache if self.drafter is not None else None
         self.stats = SpecStats()
-        self.capture = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
+        model_drafter = self.mtp or self.drafter
+        self.capture = model_drafter.capture_layers if model_drafter is not None else ()
+        self._mtp_hidden: torch.Tensor | None = None  # the target's last committed row, for the assistant
         # a block's rows must come out as decode steps give them (and within what the rings can roll back)
         longest = target.step_rows(cache) - 1
-        max_draft = (self.drafter.config.block_size - 1) if self.drafter is not None else 15
+        if self.mtp is not None:
+            max_draft = self.mtp.config.draft_steps
+        else:
+            max_draft = (self.drafter.config.block_size - 1) if self.drafter is not None else 15
         max_lookup = NGRAM_MAX_DRAFT
         if self.spec.block is not None:
             max_draft = max_lookup = self.spec.block - 1
@@ -251,11 +259,12 @@ class RequestDecoder:
         # The adaptive controller outlives the request: the engine passes it to the next one.
         self.shared_controller = controller or LengthController(
             min(max_draft, longest),
-            drafter=self.drafter is not None,
+            drafter=model_drafter is not None,
             ngram=use_ngram,
             fixed=None if self.spec.block is None else min(max_draft, longest),
             max_lookup=min(max_lookup, longest),
             copy=bool(self.spec.copy_match),
+            drafter_source="mtp" if self.mtp is not None else "dflash",
         )
         self.controller = self.shared_controller
         if sampler.params.seed is not None and not sampler.params.greedy and self.spec.block is None:
@@ -309,6 +318,7 @@ class RequestDecoder:
         logits: the last prompt token's logits [vocab], needed when all of the prompt is cached.
         on_chunk(position, logits): called after each chunk; logits [vocab] after the last one, else None.
         """
+        self._mtp_hidden = None  # set by the prompt's last chunk, or by the first step after a full cache hit
         if cached == 0:
             self.cache.reset()
             if self.drafter_cache is not None:
@@ -435,6 +445,9 @@ class RequestDecoder:
         return self.ngram is not None and room > 0 and bool(self.ngram.copy(1))
 
     def _queue_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
+        if self.mtp is not None and n > 0:
+            self._mtp_hidden = captured[self.mtp.target_layer][n - 1]
+            return
         if self.drafter is None or self.drafter_cache is None or n == 0:
             return
         self._unfed.append(torch.cat([captured[i] for i in self.capture], dim=-1))
@@ -455,6 +468,8 @@ class RequestDecoder:
         if source in ("ngram", "copy"):
             assert self.ngram is not None
             return _Proposal(source, self.ngram.propose(k) if source == "ngram" else self.ngram.copy(k))
+        if source == "mtp":
+            return self._propose_mtp(anchor, k)
         assert self.drafter is not None and self.drafter_cache is not None
         self._feed_drafter()
         config = self.drafter.config
@@ -465,23 +480,54 @@ class RequestDecoder:
         tokens: list[int] = []
         probs = [] if not self.sampler.params.greedy else None
         for row in logits:
-            if self.matcher is not None:
-                # Constrain drafts too, so a grammar-forced block is not rejected for shape alone.
-                self.matcher.mask(row)
-                if torch.isinf(row).all():
-                    break
-            if probs is None:
-                token = self.sampler.argmax(row)
-            else:
-                p = self.sampler.probs(row)
-                token = self.sampler.draw(p)
-                probs.append(p)
-            if self.matcher is not None and not self.matcher.accept(token):
+            token = self._draft_token(row, probs)
+            if token is None:
                 break
             tokens.append(token)
+        return self._proposal("dflash", tokens, probs)
+
+    def _propose_mtp(self, anchor: int, k: int) -> _Proposal:
+        """k steps of the assistant, each fed the token the last one drafted (no drafts before the target has a
+        committed row of its own this request: a prompt wholly from the prefix cache)."""
+        assert self.mtp is not None
+        if self._mtp_hidden is None:
+            return _Proposal("mtp", [])
+        keys = self.mtp.keys(self.cache)
+        hidden, token, position = self.target.norm(self._mtp_hidden), anchor, self.cache.length
+        tokens: list[int] = []
+        probs = [] if not self.sampler.params.greedy else None
+        for _ in range(k):
+            embed = self.target.embed(torch.tensor([token], device=self.target.device))[0]
+            row, hidden = self.mtp.step(embed, hidden, position, keys)
+            token = self._draft_token(row, probs)
+            if token is None:
+                break
+            tokens.append(token)
+        return self._proposal("mtp", tokens, probs)
+
+    def _draft_token(self, row: torch.Tensor, probs: list[torch.Tensor] | None) -> int | None:
+        """A draft from a drafter's logits row [vocab] (its distribution appended to `probs` when sampling), under
+        the grammar, which it advances; None where the grammar allows nothing more."""
+        if self.matcher is not None:
+            # Constrain drafts too, so a grammar-forced block is not rejected for shape alone.
+            self.matcher.mask(row)
+            if torch.isinf(row).all():
+                return None
+        if probs is None:
+            token = self.sampler.argmax(row)
+        else:
+            p = self.sampler.probs(row)
+            token = self.sampler.draw(p)
+            probs.append(p)
+        if self.matcher is not None and not self.matcher.accept(token):
+            return None
+        return token
+
+    def _proposal(self, source: str, tokens: list[int], probs: list[torch.Tensor] | None) -> _Proposal:
+        """The drafts, with the grammar put back to before them (verification advances it again)."""
         if self.matcher is not None and tokens:
             self.matcher.rollback(len(tokens))
-        return _Proposal("dflash", tokens, torch.stack(probs[: len(tokens)]) if probs else None)
+        return _Proposal(source, tokens, torch.stack(probs[: len(tokens)]) if probs else None)
 
     # --- verification -----------------------------------------------------------------------------
 

@@ -100,21 +100,38 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj.weight",
     "post_ffw_norm": "post_feedforward_layernorm.weight",
     "layer_output_scale": "layer_scalar",
+    # Gemma 4 26B-A4B: the router and the routed experts beside the dense MLP
+    "ffn_gate_inp": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1.weight",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2.weight",
+    # Gemma 4 E2B / E4B: each layer's gated per-layer input
+    "inp_gate": "per_layer_input_gate.weight",
+    "proj": "per_layer_projection.weight",
+    "post_norm": "post_per_layer_input_norm.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "per_layer_projection_norm.weight",
 }
 
 
-def _gguf_name(name: str) -> str | None:
+def gguf_tensor_name(name: str) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
-    return None
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|scale)", name)
+    if m is None:
+        return None
+    key = m.group(2) if m.group(3) == "weight" else f"{m.group(2)}.scale"
+    return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[key]}" if key in _GGUF_LAYER_NAMES else None
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -138,7 +155,7 @@ def _open_gguf(path: Path) -> Checkpoint:
         raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
     for t in gguf.tensors.values():
-        ours = _gguf_name(t.name)
+        ours = gguf_tensor_name(t.name)
         if ours is None:
             if t.name == "rope_freqs.weight":
                 continue  # folded into the config
@@ -188,6 +205,7 @@ def _open_hf(path: Path) -> Checkpoint:
     else:
         raise ModelLoadError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
+    skipped = 0
     for file in files:
         try:
             with safe_open(path / file, framework="pt") as f:
@@ -195,10 +213,14 @@ def _open_hf(path: Path) -> Checkpoint:
                     ours = _hf_name(name)
                     if ours is not None:
                         tensors[ours] = f.get_tensor(name)
+                    else:
+                        skipped += 1
         except FileNotFoundError:
             raise ModelLoadError(f"{path / file} not found (listed in the safetensors index)") from None
         except Exception as exc:
             raise ModelLoadError(f"{path / file} is not a readable safetensors file ({exc})") from None
+    if skipped:
+        log.info("%s: skipping its vision / audio towers (%d tensors): text only", path, skipped)
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     return Checkpoint(path, "hf", config, tensors)
@@ -244,7 +266,7 @@ def build_model(
     if repack_cpu:
         head = "embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
         for name, tensor in state.items():
-            if isinstance(tensor, PackedWeight):
+            if isinstance(tensor, PackedWeight) and tensor.dim() == 2:  # expert stacks stay in their GGUF blocks
                 tensor.repack_for_cpu(head=name == head)
         _into_huge_pages([t.cpu for t in state.values() if isinstance(t, PackedWeight)])
         _release_freed_memory()

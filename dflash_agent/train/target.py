@@ -54,6 +54,9 @@ class BatchGenerator:
         device, dtype = model.device, model.dtype
         kv = []
         for spec in cfg.layers:
+            if spec.kv_source is not None:  # a layer that shares another's K / V reads that layer's
+                kv.append(kv[spec.kv_source])
+                continue
             shape = (n, total, spec.num_kv_heads, spec.head_dim)
             kv.append(LayerKV(torch.zeros(shape, dtype=dtype, device=device),
                               torch.zeros(shape, dtype=dtype, device=device), spec.sliding))
@@ -89,7 +92,8 @@ class BatchGenerator:
             full=LayerPlan("cache", pos, end, causal),
             sliding=LayerPlan("cache", pos, end, causal & (pos[:, None] - keys[None, :] < cfg.sliding_window)),
         )
-        x, captured = model.layers_forward(model.embed(ids), plan, kv, self.capture)
+        x = model.embed(ids)
+        x, captured = model.layers_forward(x, plan, kv, self.capture, model.per_layer_inputs(ids, x))
         width = cfg.hidden_size
         for j, i in enumerate(self.capture):
             features[:, start:end, j * width : (j + 1) * width] = captured[i]

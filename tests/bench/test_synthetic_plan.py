@@ -13,6 +13,7 @@ from dflash_agent.bench import synthetic
 from dflash_agent.bench.synthetic import (
     DecodeSpeed,
     SyntheticResult,
+    gemma4_26b_a4b_config,
     gemma4_31b_config,
     gemma4_31b_drafter_config,
     parse_size,
@@ -53,6 +54,32 @@ def test_quantized_sizes_match_published_files() -> None:
     assert sum(t.name == "Q6_K" for n, t in types.items() if n.endswith("v_proj.weight")) == 25
     with pytest.raises(ValueError, match="unknown quantization"):
         quant_types(config, "Q3_K_S")
+
+
+def test_26b_a4b_shapes_and_size_match_the_published_figures() -> None:
+    # issue 34 / Google's model card: 25.2B parameters, about 3.8B active (8 of 128 experts); QAT Q4_0 is 14.4 GB
+    config = gemma4_26b_a4b_config()
+    state = GemmaModel(config).state_dict()
+    total = sum(t.numel() for t in state.values())
+    experts = sum(t.numel() for name, t in state.items() if ".experts." in name)
+    assert abs(total - 25.2e9) < 0.05e9
+    assert abs(total - experts + experts * 8 / 128 - 3.8e9) < 0.05e9
+    assert abs(synthetic_weight_bytes(config, "Q4_0") - 14.4e9) < 0.05e9
+    types = quant_types(config, "Q4_K_M")
+    assert types["layers.0.router.proj.weight"] is None
+    # 704-wide expert rows hold no whole 256-value super-block: llama.cpp's fallbacks, Q8_0 for Q6_K, Q5_0 for Q4_K
+    assert types["layers.0.experts.down_proj"].name == "Q8_0" and types["layers.4.experts.down_proj"].name == "Q5_0"
+    assert types["layers.0.experts.gate_up_proj"].name == "Q4_K"
+
+
+def test_26b_a4b_plans_a_long_context_on_24_gib_with_its_drafter() -> None:
+    result = CliRunner().invoke(main, ["bench", "--synthetic", "gemma4-26b-a4b", "--plan-only", "--gpu-memory",
+                                       "24GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["fits"] and plan["items"]["drafter weights"] > 0
+    # a few times the 31B's reach (about 50K tokens): 5 full-attention layers of 2 KV heads, 14 GB of weights
+    assert plan["largest_ctx_size"] > 200_000
 
 
 @pytest.mark.parametrize("draft_quant", ["q4", "q8"])

@@ -105,9 +105,14 @@ def test_missing_key_is_named(tmp_path):
         ModelConfig.from_hf_dir(tmp_path)
 
 
-def test_ple_is_refused_not_silently_built():
-    with pytest.raises(ConfigError, match="per-layer embeddings"):
-        ModelConfig.from_hf_dict({"model_type": "gemma4_text", "hidden_size_per_layer_input": 256})
+def test_kv_sharing_needs_an_owner_of_each_kind():
+    base = dict(model_type="gemma4_text", vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4, rms_norm_eps=1e-6,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    with pytest.raises(ConfigError, match="layer 2 shares the K / V of a full layer"):
+        ModelConfig.from_hf_dict(base | {"num_kv_shared_layers": 1})
+    with pytest.raises(ConfigError, match="leave no layer that owns"):
+        ModelConfig.from_hf_dict(base | {"num_kv_shared_layers": 3})
 
 
 def test_directory_without_weights(tmp_path):

@@ -17,7 +17,7 @@ def _randomize(model: torch.nn.Module) -> None:
     """Norm weights and layer scalars away from their identity init, so a wrong convention shows."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "gemma4" in type(model).__module__ else 0.0))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
@@ -46,18 +46,21 @@ def gemma4_config():
 
 
 def save_reference(kind: str, path: Path):
+    """kind: gemma3, gemma4, or a Gemma 4 family layout of tests/engine/test_gemma4_family.py (moe, ple)."""
+    from tests.engine.test_gemma4_family import CONFIGS
+
     torch.manual_seed(1)
     if kind == "gemma3":
         ref = transformers.Gemma3ForCausalLM(gemma3_config())
     else:
-        ref = transformers.Gemma4ForCausalLM(gemma4_config())
+        ref = transformers.Gemma4ForCausalLM(CONFIGS[kind]() if kind in CONFIGS else gemma4_config())
     _randomize(ref)
     ref.eval()
     ref.save_pretrained(path)
     return ref
 
 
-@pytest.fixture(params=["gemma3", "gemma4"])
+@pytest.fixture(params=["gemma3", "gemma4", "moe", "ple"])
 def pair(request, tmp_path):
     ref = save_reference(request.param, tmp_path)
     ours = build_model(open_checkpoint(tmp_path), "cpu", torch.float32, progress=False)

@@ -39,6 +39,24 @@ def tiny_gemma4_config() -> ModelConfig:
     ))
 
 
+def tiny_family_config(kind: str) -> ModelConfig:
+    """tiny_gemma4_config's widths with 26B-A4B's routed experts ("moe") or E2B / E4B's per-layer inputs and
+    KV shared by the last two of four layers ("ple")."""
+    if kind == "moe":  # two layers of 4 experts, 2 a token: each chosen expert is a kernel launch of its own
+        extra = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=256,
+                     hidden_size_per_layer_input=0, num_hidden_layers=2)
+    else:
+        extra = dict(hidden_size_per_layer_input=256, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                     num_hidden_layers=4)
+    layers = ["sliding_attention", "full_attention"] * (extra["num_hidden_layers"] // 2)
+    return ModelConfig.from_hf_dict(dict(
+        model_type="gemma4_text", vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        max_position_embeddings=256, layer_types=layers, **extra,
+    ))
+
+
 def pack(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> PackedTensor:
     """gguf-py's quantizer where it has one; K-quants (which gguf-py only dequantizes) get random blocks
     with small scales, which are as good a test of the unpacking."""
@@ -55,13 +73,13 @@ def pack(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generat
     return PackedTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)), qtype, shape)
 
 
-def tiny_packed_checkpoint(seed: int = 0) -> Checkpoint:
-    config = tiny_gemma4_config()
+def tiny_packed_checkpoint(seed: int = 0, config: ModelConfig | None = None) -> Checkpoint:
+    config = config or tiny_gemma4_config()
     rng = np.random.default_rng(seed)
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
     for i, (name, shape) in enumerate(sorted(shapes.items())):
-        if len(shape) == 2:
+        if len(shape) in (2, 3):  # matrices, and the stacks of a MoE layer's experts
             tensors[name] = pack(rng.standard_normal(shape).astype(np.float32) * 0.05, TYPES[i % len(TYPES)], rng)
         elif name.endswith("layer_scalar"):
             tensors[name] = torch.tensor([0.8])
@@ -95,6 +113,22 @@ def test_packed_model_on_cpu_is_bit_identical() -> None:
     assert isinstance(packed.layers[0].mlp.down_proj.weight, PackedWeight)
     assert not isinstance(plain.layers[0].mlp.down_proj.weight, PackedWeight)
     assert {w.packed.qtype for w in packed.buffers() if isinstance(w, PackedWeight)} == PACKED_TYPES
+    for a, b in zip(run_steps(plain), run_steps(packed), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["moe", "ple"])
+def test_gemma4_family_packed_is_bit_identical(kind) -> None:
+    """Expert stacks stay packed ([experts, out, in], each token reading its experts' blocks), as do the per-layer
+    embedding table and projections: the logits are those of the model dequantized at load, bit for bit."""
+    ckpt = tiny_packed_checkpoint(config=tiny_family_config(kind))
+    plain = build_model(ckpt, "cpu", torch.float32, progress=False)
+    packed = build_model(ckpt, "cpu", torch.float32, progress=False, packed=True)
+    if kind == "moe":
+        assert isinstance(packed.layers[0].experts.down_proj, PackedWeight)
+        assert packed.layers[0].experts.down_proj.dim() == 3
+    else:
+        assert isinstance(packed.embed_tokens_per_layer.weight, PackedWeight)
     for a, b in zip(run_steps(plain), run_steps(packed), strict=True):
         assert torch.equal(a, b)
 

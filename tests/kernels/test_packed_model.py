@@ -9,7 +9,7 @@ import torch
 
 from dflash_agent.engine.weights import build_model
 from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
-from tests.engine.test_packed_linear import run_steps, tiny_packed_checkpoint
+from tests.engine.test_packed_linear import run_steps, tiny_family_config, tiny_packed_checkpoint
 
 
 @pytest.mark.parametrize("cache_kind", ["auto", "q8"])
@@ -24,3 +24,19 @@ def test_kernel_path_matches_cpu_model(kernels, cache_kind) -> None:
     for got, want in zip(kernel_logits, expected, strict=True):
         # float32 throughout; only the order of the sums differs (the q8 cache is the same int8 either way)
         torch.testing.assert_close(got, want, atol=2e-5 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["moe", "ple"])
+def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
+    """26B-A4B's experts (one packed matmul per chosen expert) and E2B / E4B's per-layer inputs and shared KV on
+    the kernel path, against the plain CPU model."""
+    ckpt = tiny_packed_checkpoint(config=tiny_family_config(kind))
+    packed = build_model(ckpt, kernels.device, torch.float32, progress=False, packed=True)
+    kernel_logits = [logits.cpu() for logits in run_steps(packed)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(CPU_KERNELS_ENV, raising=False)
+        plain = build_model(ckpt, "cpu", torch.float32, progress=False)
+        expected = run_steps(plain)
+    for got, want in zip(kernel_logits, expected, strict=True):
+        # a token's FFN sums the dense MLP's and its experts' outputs, each in the kernels' own order
+        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
