@@ -68,6 +68,7 @@ class PackedWeight(torch.Tensor):
     packed: PackedTensor
     cpu: CpuDotWeight | CpuInt4 | CpuInt8 | None  # set by repack_for_cpu
     rescore: int  # the LM head: candidates per row recomputed exactly after the int4 pass (0: none)
+    experts: list[PackedWeight] | None  # a stack's matrices, set by repack_for_cpu
 
     @staticmethod
     def __new__(cls, packed: PackedTensor, dtype: torch.dtype) -> PackedWeight:
@@ -81,12 +82,16 @@ class PackedWeight(torch.Tensor):
         self.packed = PackedTensor(raw, packed.qtype, packed.shape)
         self.cpu = None
         self.rescore = 0
+        self.experts = None  # a stack's matrices, each repacked for the CPU kernels (repack_for_cpu)
         return self
 
     def expert(self, index: int) -> PackedWeight:
-        """Matrix `index` of a stack [experts, out, in], still packed (its blocks are a slice of the stack's)."""
+        """Matrix `index` of a stack [experts, out, in], still packed (its blocks are a slice of the stack's), or as
+        repacked for the CPU kernels."""
         if self.dim() != 3:
             raise TypeError("only a stack of packed matrices is indexed by an expert")
+        if self.experts is not None:
+            return self.experts[index]
         per_expert = self.packed.raw.numel() // self.shape[0]
         raw = self.packed.raw[index * per_expert:(index + 1) * per_expert]
         return PackedWeight(PackedTensor(raw, self.packed.qtype, tuple(self.shape[1:])), self.dtype)
@@ -101,6 +106,11 @@ class PackedWeight(torch.Tensor):
         take as int4 with the best RESCORE logits of each row recomputed exactly. The GGUF blocks stay for `rows`."""
         if self.device.type != "cpu":
             raise ValueError("repack_for_cpu needs a weight on the CPU")
+        if self.dim() == 3:  # a stack of experts: each matrix on its own, as a token reads only its experts
+            self.experts = [self.expert(i) for i in range(self.shape[0])]
+            for matrix in self.experts:
+                matrix.repack_for_cpu()
+            return
         lib = cpu_dot()
         if lib is not None:  # exact, the head included: no rescoring
             self.cpu, self.rescore = CpuDotWeight.from_packed(lib, self.packed), 0

@@ -266,9 +266,10 @@ def build_model(
     if repack_cpu:
         head = "embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
         for name, tensor in state.items():
-            if isinstance(tensor, PackedWeight) and tensor.dim() == 2:  # expert stacks stay in their GGUF blocks
+            if isinstance(tensor, PackedWeight):
                 tensor.repack_for_cpu(head=name == head)
-        _into_huge_pages([t.cpu for t in state.values() if isinstance(t, PackedWeight)])
+        matrices = [m for t in state.values() if isinstance(t, PackedWeight) for m in (t.experts or [t])]
+        _into_huge_pages([m.cpu for m in matrices])
         _release_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
     if repack_cpu:

@@ -134,7 +134,8 @@ def test_llama_server_decodes_the_same_tokens(converted):
 @pytest.mark.parametrize("repack_cpu", [False, True], ids=["packed", "repacked"])
 def test_q8_0_stays_packed_and_decodes_as_dequantized(converted, repack_cpu):
     """Kept in their GGUF blocks (the experts as stacks, a token reading only its experts' blocks), or repacked
-    for the CPU's C matmuls: the logits are those of the same file dequantized at load."""
+    for the CPU's C matmuls (each expert's matrix on its own): the logits are those of the same file dequantized at
+    load."""
     from dflash_agent.engine.packed_linear import PackedWeight
 
     ref, _, path = converted
@@ -145,6 +146,8 @@ def test_q8_0_stays_packed_and_decodes_as_dequantized(converted, repack_cpu):
     if ref.config.enable_moe_block:
         stack = packed.layers[0].experts.gate_up_proj
         assert isinstance(stack, PackedWeight) and stack.dim() == 3
+        # repacked: each expert's matrix on its own for the CPU matmuls (a token runs only its experts)
+        assert (stack.experts is not None and all(m.cpu is not None for m in stack.experts)) == repack_cpu
     ids = torch.randint(0, VOCAB, (21,))
     want = exact(ids, exact.new_cache(64), logits_at=torch.arange(21)).logits
     got = packed(ids, packed.new_cache(64), logits_at=torch.arange(21)).logits
