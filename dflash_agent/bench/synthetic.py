@@ -46,7 +46,6 @@ from ..errors import UserError
 log = logging.getLogger(__name__)
 
 T = GGMLQuantizationType
-MODELS = ("gemma4-31b", "gemma4-26b-a4b")
 QUANTS = ("Q4_0", "Q4_K_M")
 CONTEXTS = (1024, 8192, 32768)
 DEFAULT_CTX = 32768
@@ -116,6 +115,7 @@ SYNTHETIC_CONFIGS = {
     "gemma4-31b": (gemma4_31b_config, gemma4_31b_drafter_config),
     "gemma4-26b-a4b": (gemma4_26b_a4b_config, gemma4_26b_a4b_drafter_config),
 }
+MODELS = tuple(SYNTHETIC_CONFIGS)
 
 
 def _use_more_bits(i: int, n: int) -> bool:

@@ -12,11 +12,11 @@ one token; nothing is cached, so the prefix cache and a rollback need nothing fr
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -28,7 +28,9 @@ from .gguf import read_gguf
 from .kv_cache import KVCache
 from .model import DecoderLayer, LayerPlan, Linear, RMSNorm, StepKeys, rope_tables
 from .quant import PackedTensor, from_numpy
-from .weights import gguf_tensor_name
+from .weights import gguf_model_config, gguf_tensor_name
+
+log = logging.getLogger(__name__)
 
 # draft steps a round when the checkpoint's generation_config.json does not say (transformers' default)
 DEFAULT_DRAFT_STEPS = 4
@@ -82,7 +84,7 @@ class OrderedEmbedding(nn.Module):
 
 
 class MtpDrafter(nn.Module):
-    """A Gemma 4 assistant bound to its target: `draft` proposes tokens one step at a time."""
+    """A Gemma 4 assistant bound to its target: `step` drafts one token, `keys` gathers what its layers read."""
 
     def __init__(self, config: MtpConfig, target: ModelConfig) -> None:
         super().__init__()
@@ -117,10 +119,6 @@ class MtpDrafter(nn.Module):
             self.embed_tokens.register_buffer("weight", torch.empty(text.vocab_size, text.hidden_size))
             self.masked_embedding = OrderedEmbedding(config) if config.ordered_embeddings else None
         self._inv_freq = {spec.sliding: torch.tensor(spec.inv_freq(), dtype=torch.float32) for spec in specs}
-
-    @property
-    def device(self) -> torch.device:
-        return self.pre_projection.weight.device
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -194,8 +192,8 @@ def _open_hf(path: Path) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
     if generation.is_file():
         try:
             steps = int(json.loads(generation.read_text()).get("num_assistant_tokens", steps))
-        except (json.JSONDecodeError, TypeError, ValueError):
-            pass
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            log.warning("%s: no num_assistant_tokens read (%s); drafting %d steps a round", generation, exc, steps)
     config = MtpConfig.from_dict(raw, steps, str(path / "config.json"))
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -215,12 +213,8 @@ def _open_gguf(path: Path) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
     prefix = GGUF_ARCH + "."
     fields = {("gemma4." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in gguf.fields.items()}
     fields |= {"general.architecture": "gemma4", "gemma4.attention.shared_kv_layers": 0}
-    if "token_embd.weight" in gguf.tensors:
-        fields.setdefault("gemma4.vocab_size", gguf.tensors["token_embd.weight"].shape[0])
-    rope = gguf.tensors.get("rope_freqs.weight")
     try:
-        text = ModelConfig.from_gguf_fields(fields, set(gguf.tensors), rope.data.view(np.float32).tolist()
-                                            if rope is not None else None, source=str(path))
+        text = gguf_model_config(gguf, fields)
     except ConfigError as exc:
         raise DrafterError(str(exc)) from None
     backbone = fields.get("gemma4.embedding_length_out")

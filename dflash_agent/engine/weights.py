@@ -134,23 +134,29 @@ def gguf_tensor_name(name: str) -> str | None:
     return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[key]}" if key in _GGUF_LAYER_NAMES else None
 
 
+def gguf_model_config(gguf: GGUFFile, fields: dict) -> ModelConfig:
+    """The decoder a GGUF describes, from its metadata `fields` (gguf.fields, or a rewrite of them) and tensors:
+    the vocabulary from the embedding where the metadata omits it, Gemma 4's rope_freqs folded in."""
+    if "token_embd.weight" in gguf.tensors:
+        arch = fields.get("general.architecture")
+        fields.setdefault(f"{arch}.vocab_size", gguf.tensors["token_embd.weight"].shape[0])
+    rope_freqs = gguf.tensors.get("rope_freqs.weight")
+    return ModelConfig.from_gguf_fields(
+        fields,
+        set(gguf.tensors),
+        rope_freqs=rope_freqs.data.view(np.float32).tolist() if rope_freqs is not None else None,
+        source=str(gguf.path),
+    )
+
+
 def _open_gguf(path: Path) -> Checkpoint:
     try:
         gguf = read_gguf(path)
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
-    fields = dict(gguf.fields)
-    arch = fields.get("general.architecture")
-    if "token_embd.weight" in gguf.tensors:
-        fields.setdefault(f"{arch}.vocab_size", gguf.tensors["token_embd.weight"].shape[0])
-    rope_freqs = gguf.tensors.get("rope_freqs.weight")
+    arch = gguf.fields.get("general.architecture")
     try:
-        config = ModelConfig.from_gguf_fields(
-            fields,
-            set(gguf.tensors),
-            rope_freqs=rope_freqs.data.view(np.float32).tolist() if rope_freqs is not None else None,
-            source=str(path),
-        )
+        config = gguf_model_config(gguf, dict(gguf.fields))
     except ConfigError as exc:
         raise ModelLoadError(str(exc)) from exc  # the cause stays for --verbose
     tensors: dict[str, torch.Tensor | PackedTensor] = {}
