@@ -20,10 +20,15 @@ DIGEST = hashlib.sha256(b"\0".join(Path(name).read_bytes() for name in SOURCES +
 # The same flags as the run-time build (kernels/cpu_dot.py FLAGS) but the target: no fused multiply-adds the source
 # did not write, so every variant rounds as the reference does.
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c11"]
-# name -> target flags; kernels/cpu_dot.py VARIANTS says what each needs of the CPU.
-VARIANTS = {"generic": []}
-if platform.machine().lower() in ("x86_64", "amd64"):
-    VARIANTS["x86_64_v3"] = ["-march=x86-64-v3", "-mtune=generic"]  # AVX2, FMA, F16C, BMI2: every x86 since 2013-15
+# name -> target flags and macros; kernels/cpu_dot.py VARIANTS says what each needs of the CPU. The generic build is
+# the scalar C (DFA_SCALAR) on every machine: the reference each vector build is tested against.
+VARIANTS = {"generic": ([], [("DFA_SCALAR", "1")])}
+MACHINE = platform.machine().lower()
+if MACHINE in ("x86_64", "amd64"):
+    # AVX2, FMA, F16C, BMI2: every x86 since 2013-15
+    VARIANTS["x86_64_v3"] = (["-march=x86-64-v3", "-mtune=generic"], [])
+elif MACHINE in ("aarch64", "arm64"):
+    VARIANTS["aarch64_neon"] = ([], [])  # NEON is part of the aarch64 baseline (armv8-a)
 
 
 class BuildKernels(build_ext):
@@ -42,9 +47,9 @@ class BuildKernels(build_ext):
 setup(
     ext_modules=[
         Extension(f"dflash_agent.kernels._cpu_dot_{name}", SOURCES, depends=HEADERS,
-                  define_macros=[("DFA_SOURCE_DIGEST", f'"{DIGEST}"')],
+                  define_macros=[("DFA_SOURCE_DIGEST", f'"{DIGEST}"'), *macros],
                   extra_compile_args=[*COMMON, *flags], extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
-        for name, flags in VARIANTS.items()
+        for name, (flags, macros) in VARIANTS.items()
     ],
     cmdclass={"build_ext": BuildKernels},
 )

@@ -19,7 +19,7 @@ from .drafter import Drafter, load_drafter
 from .errors import OptionError, RequestError
 from .generation_config import read_sampling_defaults
 from .kv_cache import check_kv_dtype
-from .memory_plan import cpu_context_size, drafter_plan, gpu_context_size
+from .memory_plan import cpu_context_size, cpu_weights, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
 from .packed_linear import cpu_dot
@@ -114,9 +114,10 @@ class Engine:
         prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
         kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
-        weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu_dot on the CPU where a C
-        compiler builds it, else dequantized), "packed" (also on the CPU without a compiler, through torch's
-        int4 / int8 kernels; engine.packed_linear) or "exact"
+        weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu_dot on the CPU where a
+        vector build of it runs, else dequantized where that fits in RAM, else packed: memory_plan.cpu_weights),
+        "packed" (also on the CPU without the C kernels, through torch's int4 / int8 kernels;
+        engine.packed_linear) or "exact"
         (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors
         checkpoints always load exactly.
         threads: CPU threads (default: the physical cores).
@@ -157,11 +158,11 @@ class Engine:
             n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, ctx_size, kv_dtype,
                                      planned_drafter, slots=parallel)
         else:
+            if weights == "auto":  # the C kernels where a vector build runs, else by what fits in RAM
+                weights = cpu_weights(ckpt.tensors, torch_dtype, cpu_dot() is not None)
             n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter,
-                                     slots=parallel)
-        # auto on the CPU: the packed C kernels where they build (kernels.cpu_dot), else the exact weights, whose
-        # float32 GEMMs prefill faster than torch's int4 / int8 kernels
-        repack_cpu = weights == "packed" or (weights == "auto" and torch_device.type == "cpu" and cpu_dot() is not None)
+                                     slots=parallel, packed=weights == "packed")
+        repack_cpu = weights == "packed"
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu)
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)

@@ -317,6 +317,29 @@ def available_ram_bytes() -> int | None:
         return None
 
 
+def cpu_weights(tensors: dict[str, torch.Tensor | PackedTensor], dtype: torch.dtype, c_kernels: bool,
+                available_bytes: int | None = None) -> str:
+    """What weights="auto" loads on the CPU, said in the log: "packed" (the GGUF's blocks) where a vector build of
+    the C kernels runs (kernels.cpu_dot); without one, "exact" (dequantized to `dtype`: its GEMMs prefill faster
+    than torch's int4 / int8 kernels, and the scalar C is slower than both) where that fits in the RAM share,
+    else "packed" through torch's kernels, which a 31B model needs (~124 GB dequantized)."""
+    if c_kernels:
+        return "packed"
+    packed = checkpoint_weight_bytes(tensors, dtype, packed=True)
+    exact = checkpoint_weight_bytes(tensors, dtype, packed=False)
+    if packed == exact:  # nothing packed (safetensors)
+        return "exact"
+    free = available_ram_bytes() if available_bytes is None else available_bytes
+    if free is None or exact <= free * CPU_SHARE:
+        log.info("weights dequantized to %s (%.2f GiB): no vector build of the CPU kernels here, and torch's "
+                 "kernels prefill slower", str(dtype).removeprefix("torch."), exact / GiB)
+        return "exact"
+    log.info("weights kept packed for torch's int4 / int8 kernels (%.2f GiB): dequantized they would take %.2f GiB, "
+             "more than half the %.2f GiB of RAM available, and this CPU has no vector build of the C kernels",
+             packed / GiB, exact / GiB, free / GiB)
+    return "packed"
+
+
 def cpu_context_size(
     config: ModelConfig,
     tensors: dict[str, torch.Tensor | PackedTensor],
@@ -326,17 +349,19 @@ def cpu_context_size(
     drafter: DrafterPlan | None = None,
     available_bytes: int | None = None,
     slots: int = 1,
+    packed: bool = False,
 ) -> int:
     """The context the engine allocates (per slot) on the CPU: `requested` (capped by the model), else the model's
-    own context length where half the available RAM holds `slots` of them (weights, drafter, KV, workspace), else
-    the largest that does (at least 4096 tokens, which never threatened a machine that loads the model)."""
+    own context length where half the available RAM holds `slots` of them (weights, packed or dequantized as they
+    will load, drafter, KV, workspace), else the largest that does (at least 4096 tokens, which never threatened a
+    machine that loads the model)."""
     if requested is not None:
         return min(requested, config.max_position_embeddings)
     free = available_ram_bytes() if available_bytes is None else available_bytes
     if free is None:
         return config.max_position_embeddings
     budget = int(free * CPU_SHARE)
-    largest = largest_context(budget, config, checkpoint_weight_bytes(tensors, dtype, packed=False), dtype=dtype,
+    largest = largest_context(budget, config, checkpoint_weight_bytes(tensors, dtype, packed=packed), dtype=dtype,
                               kv_dtype=kv_dtype, drafter=drafter, slots=slots)
     n_ctx = min(config.max_position_embeddings, max(largest, 4096))
     log.info("context %d tokens (the model's: %d; %.1f GiB of RAM available)", n_ctx,

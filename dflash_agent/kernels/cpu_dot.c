@@ -1,6 +1,7 @@
 /* Weight-only quantized matmuls for the CPU: y[m, n] = sum_k x[m, k] w[n, k], with w kept as small
  * integers per group of inputs and x quantized to int8 per block of 32 (the integer dot is what makes
- * a CPU fast here: AVX2 multiplies 32 pairs of bytes per instruction, where float32 does 8).
+ * a CPU fast here: AVX2 multiplies 16 pairs of int16 per instruction, where float32 does 8; NEON 8 pairs per
+ * multiply-accumulate pair where float32 does 4). Each vector path has the scalar code as its reference (DFA_SCALAR).
  *
  * Weights (kernels.cpu_dot repacks GGUF blocks into these, exactly):
  *   u4: w = d q + m, q in 0..15, groups of 32 in 16 bytes: the group's runs of 8 values R0..R3 as bytes 0-7
@@ -22,15 +23,11 @@
 
 #include "cpu_dot.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define DFA_AVX2 1
-#endif
-
-
 int dfa_simd(void) {
-#ifdef DFA_AVX2
+#if defined(DFA_AVX2)
     return 2;
+#elif defined(DFA_NEON)
+    return 1;
 #else
     return 0;
 #endif
@@ -94,6 +91,24 @@ static inline float quantize_block(const float *v, int16_t *q, int *sum) {
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     *sum = _mm_cvtsi128_si32(s4);
+    return amax / 32767.0f;
+#elif defined(DFA_NEON)
+    float32x4_t x[8], mx = vdupq_n_f32(0.0f);
+    for (int j = 0; j < 8; j++) {
+        x[j] = vld1q_f32(v + 4 * j);
+        mx = vmaxq_f32(mx, vabsq_f32(x[j])); /* FMAX keeps a NaN: amax is then NaN and takes the rare path */
+    }
+    const float amax = vmaxvq_f32(mx);
+    const float scale = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    if (__builtin_expect(!(amax <= FLT_MAX && scale <= FLT_MAX), 0)) return quantize_rare_block(v, q, sum);
+    int32x4_t total = vdupq_n_s32(0);
+    for (int j = 0; j < 8; j += 2) {
+        /* round to nearest even, as nearbyintf and AVX2's cvtps do: every build quantizes to the same integers */
+        const int32x4_t i0 = vcvtnq_s32_f32(vmulq_n_f32(x[j], scale)), i1 = vcvtnq_s32_f32(vmulq_n_f32(x[j + 1], scale));
+        vst1q_s16(q + 4 * j, vcombine_s16(vqmovn_s32(i0), vqmovn_s32(i1)));
+        total = vaddq_s32(total, vaddq_s32(i0, i1));
+    }
+    *sum = vaddvq_s32(total);
     return amax / 32767.0f;
 #else
     float amax = 0.0f;
@@ -260,6 +275,110 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const
     }
     if (b < B) block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
+}
+#elif defined(DFA_NEON)
+/* 32 int16 weights w[0..3] (8 each) against 32 int16 activations: 4 int32 lanes of sums, each of 8 products of at
+ * most 2^15 * 2^7 (no overflow). */
+static inline int32x4_t dot32(const int16x8_t w[4], const int16_t *x) {
+    int32x4_t p = vdupq_n_s32(0), r = vdupq_n_s32(0);
+    for (int j = 0; j < 4; j += 2) {
+        const int16x8_t x0 = vld1q_s16(x + 8 * j), x1 = vld1q_s16(x + 8 * j + 8);
+        p = vmlal_high_s16(vmlal_s16(p, vget_low_s16(w[j]), vget_low_s16(x0)), w[j], x0);
+        r = vmlal_high_s16(vmlal_s16(r, vget_low_s16(w[j + 1]), vget_low_s16(x1)), w[j + 1], x1);
+    }
+    return vaddq_s32(p, r);
+}
+
+/* 16 int16 weights against 16 activations (the runs of an s8 layout with groups of 16). */
+static inline int32x4_t dot16(int16x8_t w0, int16x8_t w1, const int16_t *x) {
+    const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8);
+    const int32x4_t p = vmlal_high_s16(vmlal_s16(vdupq_n_s32(0), vget_low_s16(w0), vget_low_s16(x0)), w0, x0);
+    return vmlal_high_s16(vmlal_s16(p, vget_low_s16(w1), vget_low_s16(x1)), w1, x1);
+}
+
+#define ACC2(acc, a, i, p, s) acc[a][i] = vfmaq_n_f32(acc[a][i], vcvtq_f32_s32(p), s)
+
+/* The fifth bits of 16 values as bytes (16 where bit j of `bits` is set, byte j): the u5 layout's word holds the
+ * bits of (R0, R2) in its low half and of (R1, R3) in its high one, the order of the nibble vectors below. */
+static inline uint8x16_t fifth_bits16(uint32_t bits) {
+    static const uint8_t select[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t v = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
+    return vandq_u8(vtstq_u8(v, vld1q_u8(select)), vdupq_n_u8(16));
+}
+
+/* Block b of a u4 / u5 row into the accumulators of parity a: the 16 bytes' low nibbles are runs R0, R2 and their
+ * high nibbles R1, R3, so the values 0..31 in order are the halves of the two nibble vectors, widened. */
+static inline __attribute__((always_inline)) void block_nibbles(float32x4_t acc[2][TILE], int a, int five,
+                                                                const uint8_t *qn, const uint32_t *qhn,
+                                                                const float *dn, int offset, const int16_t *xq,
+                                                                const float *xs, int64_t K, int64_t b, int64_t r0,
+                                                                int rows) {
+    const int64_t B = K / 32;
+    const uint8x16_t raw = vld1q_u8(qn + b * 16);
+    uint8x16_t low = vandq_u8(raw, vdupq_n_u8(0x0F)), high = vshrq_n_u8(raw, 4); /* R0 R2 | R1 R3 */
+    if (five) {
+        low = vorrq_u8(low, fifth_bits16(qhn[b]));
+        high = vorrq_u8(high, fifth_bits16(qhn[b] >> 16));
+    }
+    int16x8_t w[4] = {vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(low))),
+                      vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(high))),
+                      vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(low))),
+                      vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(high)))};
+    if (five)
+        for (int j = 0; j < 4; j++) w[j] = vsubq_s16(w[j], vdupq_n_s16((int16_t)offset));
+    for (int i = 0; i < rows; i++)
+        ACC2(acc, a, i, dot32(w, xq + (r0 + i) * K + b * 32), dn[b] * xs[(r0 + i) * B + b]);
+}
+
+static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
+                                                              const float *dn, int offset, const int16_t *xq,
+                                                              const float *xs, int64_t K, int64_t r0, int rows,
+                                                              float *out) {
+    const int64_t B = K / 32;
+    float32x4_t acc[2][TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = vdupq_n_f32(0.0f);
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+        block_nibbles(acc, 0, five, qn, qhn, dn, offset, xq, xs, K, b, r0, rows);
+        block_nibbles(acc, 1, five, qn, qhn, dn, offset, xq, xs, K, b + 1, r0, rows);
+    }
+    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, offset, xq, xs, K, b, r0, rows);
+    for (int i = 0; i < rows; i++) out[i] = vaddvq_f32(vaddq_f32(acc[0][i], acc[1][i]));
+}
+
+static inline __attribute__((always_inline)) void block_s8(float32x4_t acc[2][TILE], int a, const int8_t *qn,
+                                                           const float *dn, int64_t group, const int16_t *xq,
+                                                           const float *xs, int64_t K, int64_t b, int64_t r0,
+                                                           int rows) {
+    const int64_t B = K / 32;
+    const int8x16_t q0 = vld1q_s8(qn + b * 32), q1 = vld1q_s8(qn + b * 32 + 16);
+    const int16x8_t w[4] = {vmovl_s8(vget_low_s8(q0)), vmovl_s8(vget_high_s8(q0)), vmovl_s8(vget_low_s8(q1)),
+                            vmovl_s8(vget_high_s8(q1))};
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xb = xq + (r0 + i) * K + b * 32;
+        const float sx = xs[(r0 + i) * B + b];
+        if (group == 32) {
+            ACC2(acc, a, i, dot32(w, xb), dn[b] * sx);
+        } else { /* runs of 16 with a scale each */
+            ACC2(acc, 0, i, dot16(w[0], w[1], xb), dn[2 * b] * sx);
+            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), dn[2 * b + 1] * sx);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const float *dn, int64_t group,
+                                                         const int16_t *xq, const float *xs, int64_t K,
+                                                         int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    float32x4_t acc[2][TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = vdupq_n_f32(0.0f);
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+        block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
+        block_s8(acc, 1, qn, dn, group, xq, xs, K, b + 1, r0, rows);
+    }
+    if (b < B) block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
+    for (int i = 0; i < rows; i++) out[i] = vaddvq_f32(vaddq_f32(acc[0][i], acc[1][i]));
 }
 #else
 static void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn, const float *dn, int offset,

@@ -1,7 +1,18 @@
-/* The quantized matmuls of cpu_dot.c that cpu_layer.c builds on (see cpu_dot.c for the layouts). */
+/* Every entry point of the CPU kernels library (cpu_dot.c: quantized matmuls, see there for the layouts; cpu_layer.c:
+ * decoder layers), the structs kernels/cpu_dot.py mirrors with ctypes, and the vector ISA a build uses. */
 #ifndef DFA_CPU_DOT_H
 #define DFA_CPU_DOT_H
 #include <stdint.h>
+
+/* The vector code a build compiles: AVX2 + FMA (x86-64-v3), NEON (every aarch64 CPU), else scalar C. DFA_SCALAR
+ * forces the scalar code, the reference each vector build is tested against (the generic variant). */
+#if !defined(DFA_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DFA_AVX2 1
+#elif !defined(DFA_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define DFA_NEON 1
+#endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
 #define DFA_ABI_VERSION 3
@@ -23,6 +34,51 @@ void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M
 /* x [M, K] float32 quantized and multiplied in one call; 0, or -1 when its scratch could not be had */
 int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
                const float *d, const float *m, int64_t group, int64_t N, float *y, int threads);
+
+/* Which vector code this build runs: 2 AVX2, 1 NEON, 0 scalar. */
+int dfa_simd(void);
+/* Sizes of the mirrored structs and the ABI version (see cpu_layer.c), and the sources' digest. */
+int64_t dfa_abi(int which);
+const char *dfa_source_digest(void);
+
+/* w [N, K] float32 from a layout (ids: the rows to take, else NULL for all N) */
+void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const float *d, const float *m,
+                    int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads);
+/* the index of the first largest of x[0..n), NaN largest (torch.argmax's rule) */
+int64_t dfa_argmax(const float *x, int64_t n, int threads);
+
+typedef struct {  /* a weight in one of cpu_dot.c's layouts */
+    const void *q;  /* NULL: no such matrix */
+    const uint32_t *qh;
+    const float *d, *m;
+    int64_t group, bits, offset, n, k;
+} dfa_matrix;
+
+typedef struct {
+    dfa_matrix q_proj, k_proj, v_proj, o_proj, gate, up, down; /* v_proj.q NULL: the values are the raw keys */
+    /* norm weights as applied, offset + w, float32 */
+    const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, v_norm; /* v_norm: values RMS-normed, no weight */
+    float eps, scale, layer_scalar;
+} dfa_layer;
+
+typedef struct {
+    float *k, *v;                /* [slots, kv_heads, head_dim] */
+    int64_t slots;               /* the caches' capacity: write_slots and n_keys are checked against it */
+    const int64_t *write_slots;  /* [T]: where the new keys go */
+    const int64_t *key_pos;      /* [n_keys]: the position each slot holds (-1: empty); NULL: the slot index */
+    int64_t n_keys, window;      /* window 0: full attention */
+} dfa_kv;
+
+/* cpu_layer.c: n decoder layers over x [T, hidden] in place (0; -1 no memory; -2 bad groups or slots) */
+int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
+                       const int64_t *q_pos, const float *const *cos, const float *const *sin,
+                       float *const *capture, const int64_t *groups, int64_t G, int threads);
+/* y [T, w->n] = rms_norm(x) * norm @ w^T (0; -1 no memory) */
+int dfa_norm_linear(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w, float *y,
+                    int threads);
+/* NeoX RoPE tables cos / sin [T, 2 half] at positions pos */
+void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_t half, float *cos, float *sin);
 
 /* Four partial sums: a single chain of float additions would cost a few cycles per element. */
 static inline float dotf(const float *a, const float *b, int64_t n) {

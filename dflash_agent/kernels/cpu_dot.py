@@ -46,13 +46,17 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
 ABI_VERSION = 3  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
-# F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2), and a generic build (scalar C; kept for comparisons and tests, since
-# torch's kernels beat it).
+# F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
+# generic build (the scalar C, DFA_SCALAR: the reference the vector builds are tested against; torch's kernels beat it).
 VARIANTS: dict[str, frozenset[str]] = {
     "x86_64_v3": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "cx16", "lahf_lm",
                             "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+    "aarch64_neon": frozenset({"asimd"}),
     "generic": frozenset(),
 }
+# The machines (platform.machine(), lower case) each vector variant is built for.
+MACHINES = {"x86_64_v3": ("x86_64", "amd64"), "aarch64_neon": ("aarch64", "arm64")}
+SIMD = {0: "scalar", 1: "neon", 2: "avx2"}  # dfa_simd()
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -246,7 +250,7 @@ class CpuDot:
         for name, (args, result) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, result
-        self.simd = "avx2" if lib.dfa_simd() == 2 else "scalar"
+        self.simd = SIMD.get(lib.dfa_simd(), "scalar")
 
     def quantize(self, x: torch.Tensor) -> QuantizedActivations:
         if x.dim() != 2 or x.shape[1] % 32:
@@ -402,29 +406,32 @@ def _cpu_signature() -> str:
     lines = _cpuinfo_lines()
     if lines is None:
         return platform.processor()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    named = ("model name", "flags", "Features", "CPU part")  # x86's, then ARM's names
+    return "\n".join(sorted({line for line in lines if line.startswith(named)}))
 
 
 def cpu_flags() -> frozenset[str] | None:
-    """The CPU's features as Linux names them in /proc/cpuinfo (None: unknown here). Linux lists AVX features only
-    where the OS also saves their registers (XCR0), so a listed flag is one a program may use."""
+    """The CPU's features as Linux names them in /proc/cpuinfo ("flags" on x86, "Features" on ARM; None: unknown
+    here). Linux lists AVX features only where the OS also saves their registers (XCR0), so a listed flag is one a
+    program may use."""
     for line in _cpuinfo_lines() or []:
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return frozenset(line.partition(":")[2].split())
     return None
 
 
-def supports(variant: str, flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU can run a prebuilt variant. Without /proc/cpuinfo, torch's own CPU dispatch says (it checks
-    CPUID and XCR0 at run time, as ggml's variant scoring does)."""
+def supports(variant: str, flags: frozenset[str] | None = None, machine: str | None = None) -> bool:
+    """Whether this CPU (machine: platform.machine()) can run a prebuilt variant. Without /proc/cpuinfo, torch's own
+    CPU dispatch says on x86 (it checks CPUID and XCR0 at run time, as ggml's variant scoring does); NEON is part of
+    every aarch64 CPU (macOS has no /proc/cpuinfo)."""
     needs = VARIANTS[variant]
     if not needs:
         return True
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if (machine or platform.machine()).lower() not in MACHINES[variant]:
         return False
     flags = cpu_flags() if flags is None else flags
     if flags is None:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        return variant == "aarch64_neon" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     return needs <= flags
 
 
@@ -491,10 +498,12 @@ def open_library(path: Path) -> CpuDot | None:
 
 def load(cache_root: Path) -> CpuDot | None:
     """The CPU kernels as DFLASH_AGENT_CPU_DOT says (logged once; None: torch's kernels serve):
-    - unset or `auto`: the best prebuilt variant this CPU runs with vector code; else, on a CPU that has the AVX2
-      path, a build for this machine into cache_root/kernels; else None (the scalar C path is slower than torch's);
+    - unset or `auto`: the best prebuilt variant this CPU runs with vector code; else, on a CPU that one of the
+      vector variants covers, a build for this machine into cache_root/kernels; else None (the scalar C path is
+      slower than torch's);
     - `native`: the build for this machine (-march=native), the opt-in rebuild;
-    - a variant's name (`x86_64_v3`, `generic`): that prebuilt library, whatever it runs (tests, comparisons);
+    - a variant's name (`x86_64_v3`, `aarch64_neon`, `generic`): that prebuilt library, whatever it runs (tests,
+      comparisons);
     - `0`: None."""
     mode = os.environ.get(DISABLE_ENV, "auto") or "auto"
     if mode == "0":
@@ -510,15 +519,14 @@ def load(cache_root: Path) -> CpuDot | None:
         log.warning("%s=%s is none of auto, native, 0, %s: taken as auto", DISABLE_ENV, mode, ", ".join(VARIANTS))
         mode = "auto"
     if mode == "auto":
-        for variant, needs in VARIANTS.items():
-            if not needs:  # the generic build: scalar C, slower than torch's kernels
-                continue
-            path = prebuilt(variant) if supports(variant) else None
+        vector = [variant for variant in MACHINES if supports(variant)]
+        for variant in vector:
+            path = prebuilt(variant)
             lib = open_library(path) if path is not None else None
             if lib is not None and lib.simd != "scalar":
                 log.info("CPU kernels: the prebuilt %s build (%s)", variant, lib.simd)
                 return lib
-        if not supports("x86_64_v3"):
+        if not vector:
             log.info("no vector build of the CPU kernels for this CPU (%s): using torch's kernels", platform.machine())
             return None
     path = build(cache_root)

@@ -15,35 +15,9 @@
 
 #include "cpu_dot.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define DFA_AVX2 1
-#endif
 
-typedef struct {  /* a weight in one of cpu_dot.c's layouts */
-    const void *q;  /* NULL: no such matrix */
-    const uint32_t *qh;
-    const float *d, *m;
-    int64_t group, bits, offset, n, k;
-} dfa_matrix;
-
-typedef struct {
-    dfa_matrix q_proj, k_proj, v_proj, o_proj, gate, up, down; /* v_proj.q NULL: the values are the raw keys */
-    /* norm weights as applied, offset + w, float32 */
-    const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, v_norm; /* v_norm: values RMS-normed, no weight */
-    float eps, scale, layer_scalar;
-} dfa_layer;
-
-typedef struct {
-    float *k, *v;                /* [slots, kv_heads, head_dim] */
-    int64_t slots;               /* the caches' capacity: write_slots and n_keys are checked against it */
-    const int64_t *write_slots;  /* [T]: where the new keys go */
-    const int64_t *key_pos;      /* [n_keys]: the position each slot holds (-1: empty); NULL: the slot index */
-    int64_t n_keys, window;      /* window 0: full attention */
-} dfa_kv;
-
-/* Four partial sums of 8 lanes, in a fixed order (dotf where the width is not a multiple of 32). */
+/* Four partial sums of 8 (AVX2) or 4 (NEON) lanes, in a fixed order (dotf where the width is not a multiple of
+ * 32 / 16). */
 static float dot(const float *a, const float *b, int64_t n) {
 #ifdef DFA_AVX2
     if (n % 32 == 0) {
@@ -60,6 +34,17 @@ static float dot(const float *a, const float *b, int64_t n) {
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         return _mm_cvtss_f32(h);
+    }
+#elif defined(DFA_NEON)
+    if (n % 16 == 0) {
+        float32x4_t s0 = vdupq_n_f32(0.0f), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t i = 0; i < n; i += 16) {
+            s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
+            s1 = vfmaq_f32(s1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
+            s2 = vfmaq_f32(s2, vld1q_f32(a + i + 8), vld1q_f32(b + i + 8));
+            s3 = vfmaq_f32(s3, vld1q_f32(a + i + 12), vld1q_f32(b + i + 12));
+        }
+        return vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
     }
 #endif
     return dotf(a, b, n);

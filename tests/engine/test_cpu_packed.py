@@ -4,6 +4,7 @@ fidelity against the exact path on the embedded model, and speculation that stay
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_agent.bench.fidelity import DECODE_STEP, compare, texts
+from dflash_agent.engine import memory_plan
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
+from dflash_agent.engine.memory_plan import checkpoint_weight_bytes, cpu_weights
 from dflash_agent.engine.packed_linear import (
     GEMM_ROWS,
     PLANE_TYPES,
@@ -27,6 +30,7 @@ from dflash_agent.engine.packed_linear import (
 from dflash_agent.engine.speculative import SpecConfig
 from dflash_agent.engine.tokenizer import Tokenizer
 from dflash_agent.engine.weights import EMBEDDED_DRAFTER, build_model, open_checkpoint, resolve_model_path
+from dflash_agent.kernels import cpu_dot as cpu_dot_module
 from dflash_agent.kernels.cpu_dot import DISABLE_ENV
 
 from .test_packed_linear import TYPES, pack
@@ -209,10 +213,43 @@ def test_the_cpu_default_is_the_packed_path_where_the_kernels_build():
         engine.close()
 
 
-def test_without_the_kernels_the_cpu_default_is_the_exact_path(torch_kernels):
+@pytest.fixture
+def no_vector_build(monkeypatch):
+    """A CPU that none of the vector builds covers (the generic scalar build is all it could run): auto mode."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_dot_module, "cpu_flags", lambda: frozenset({"fpu", "sse2"}))
+    cpu_dot.cache_clear()
+    yield
+    cpu_dot.cache_clear()
+
+
+def test_without_vector_kernels_the_cpu_default_is_what_fits_in_ram(no_vector_build, monkeypatch, caplog):
+    """weights="auto" there: dequantized where that fits in half the available RAM (its float32 GEMMs prefill
+    faster than torch's int4 / int8 kernels), else kept packed for torch's kernels, as a 31B model must be; the
+    log says which."""
+    assert cpu_dot() is None
+    ckpt = open_checkpoint(resolve_model_path("embedded"))
+    exact = checkpoint_weight_bytes(ckpt.tensors, torch.float32, packed=False)
+    packed = checkpoint_weight_bytes(ckpt.tensors, torch.float32, packed=True)
+    assert packed < exact / 2
+    assert cpu_weights(ckpt.tensors, torch.float32, c_kernels=True, available_bytes=1) == "packed"
+    assert cpu_weights(ckpt.tensors, torch.float32, c_kernels=False, available_bytes=4 * exact) == "exact"
+    assert cpu_weights(ckpt.tensors, torch.float32, c_kernels=False, available_bytes=exact) == "packed"
+
     engine = Engine.load("embedded", device="cpu", ctx_size=64, progress=False, spec=SpecConfig(enabled=False))
     try:
         head = engine.model.embed_tokens.weight
         assert not isinstance(head, PackedWeight) and head.dtype == torch.float32
+    finally:
+        engine.close()
+
+    monkeypatch.setattr(memory_plan, "available_ram_bytes", lambda: exact)
+    with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
+        engine = Engine.load("embedded", device="cpu", ctx_size=64, progress=False, spec=SpecConfig(enabled=False))
+    try:
+        assert "kept packed for torch's int4 / int8 kernels" in caplog.text
+        head = engine.model.embed_tokens.weight
+        assert isinstance(head, PackedWeight) and isinstance(head.cpu, CpuInt4 | CpuInt8)
+        assert len(_greedy(engine, engine.tokenizer.encode("def add(a, b):"), 8)) == 8
     finally:
         engine.close()

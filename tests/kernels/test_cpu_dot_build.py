@@ -49,6 +49,11 @@ def test_a_cpu_without_a_vector_variant_gets_torchs_kernels_and_says_so(tmp_path
 def test_variants_need_what_they_use():
     assert cpu_dot.supports("generic", frozenset())
     assert not cpu_dot.supports("x86_64_v3", frozenset({"avx", "avx2", "fma"}))  # no BMI2, F16C, ...
+    # an aarch64 CPU as /proc/cpuinfo lists it ("Features"); each vector variant only on its own machine
+    arm = frozenset({"fp", "asimd", "evtstrm", "aes", "crc32", "atomics", "asimddp"})
+    assert cpu_dot.supports("aarch64_neon", arm, machine="aarch64")
+    assert not cpu_dot.supports("aarch64_neon", arm, machine="x86_64")
+    assert not cpu_dot.supports("x86_64_v3", cpu_dot.VARIANTS["x86_64_v3"], machine="aarch64")
     if VECTOR:
         assert cpu_dot.supports("x86_64_v3", cpu_dot.VARIANTS["x86_64_v3"])
 

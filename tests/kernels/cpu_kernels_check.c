@@ -1,0 +1,253 @@
+/* Every entry point of the CPU kernels library on fixed pseudo-random inputs, for test_cpu_kernels_isa.py: built
+ * once per ISA (AVX2, NEON under qemu, the scalar reference with -DDFA_SCALAR, and under ASan + UBSan), each build's
+ * results are compared with the scalar build's. Within one build it checks what must hold exactly: a row's result
+ * does not depend on the rows computed with it, a NaN activation makes its row NaN, an infinite one leaves no
+ * finite output, and bad slots are refused before anything is written. Writes records (name [32 bytes], count
+ * [int64], float32[count]) to argv[1]; prints "FAIL ..." lines and exits 1 when a check fails. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_dot.h"
+
+#define THREADS 2
+
+static FILE *out;
+static int failures;
+static uint64_t state = 0x9E3779B97F4A7C15ULL;
+
+static void fail(const char *what, const char *detail) {
+    printf("FAIL %s: %s\n", what, detail);
+    failures++;
+}
+
+static void record(const char *name, const float *v, int64_t n) {
+    char padded[32] = {0};
+    const size_t len = strlen(name);
+    memcpy(padded, name, len < sizeof padded ? len : sizeof padded - 1);
+    fwrite(padded, 1, sizeof padded, out);
+    fwrite(&n, sizeof n, 1, out);
+    fwrite(v, sizeof(float), (size_t)n, out);
+}
+
+static uint32_t next(void) { /* xorshift64* */
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    return (uint32_t)((state * 0x2545F4914F6CDD1DULL) >> 32);
+}
+
+static float uniform(float lo, float hi) { return lo + (hi - lo) * (float)(next() >> 8) / 16777216.0f; }
+
+static float *floats(int64_t n, float lo, float hi) {
+    float *v = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) v[i] = uniform(lo, hi);
+    return v;
+}
+
+/* Activations with blocks of very different sizes, as a model's are. */
+static float *activations(int64_t M, int64_t K) {
+    float *x = malloc((size_t)(M * K) * sizeof(float));
+    for (int64_t i = 0; i < M * K; i++) x[i] = uniform(-1.0f, 1.0f) * (i / 32 % 3 == 0 ? 40.0f : 1.0f);
+    return x;
+}
+
+typedef struct {
+    const char *name;
+    int bits, offset, with_m;
+    int64_t group;
+} layout;
+
+static const layout LAYOUTS[] = {
+    {"u4", 4, 0, 1, 32}, {"u5_q5_0", 5, 16, 0, 32}, {"u5_q5_k", 5, 0, 1, 32},
+    {"s8", 8, 0, 0, 32}, {"s8_m", 8, 0, 1, 32},     {"s8_g16", 8, 0, 0, 16},
+};
+
+/* A random [N, K] weight in layout l: its tensors in one struct (freed with free_matrix). */
+static dfa_matrix matrix(const layout *l, int64_t N, int64_t K) {
+    const int64_t G = K / l->group;
+    dfa_matrix w = {0};
+    w.bits = l->bits, w.group = l->group, w.offset = l->offset, w.n = N, w.k = K;
+    if (l->bits == 8) {
+        int8_t *q = malloc((size_t)(N * K));
+        for (int64_t i = 0; i < N * K; i++) q[i] = (int8_t)(next() % 255 - 127);
+        w.q = q;
+    } else {
+        uint8_t *q = malloc((size_t)(N * K / 2));
+        for (int64_t i = 0; i < N * K / 2; i++) q[i] = (uint8_t)next();
+        w.q = q;
+        if (l->bits == 5) {
+            uint32_t *qh = malloc((size_t)(N * K / 32) * sizeof(uint32_t));
+            for (int64_t i = 0; i < N * K / 32; i++) qh[i] = next();
+            w.qh = qh;
+        }
+    }
+    w.d = floats(N * G, 0.001f, 0.02f);
+    w.m = l->with_m ? floats(N * G, -0.1f, 0.1f) : NULL;
+    return w;
+}
+
+static void free_matrix(dfa_matrix *w) {
+    free((void *)w->q);
+    free((void *)w->qh);
+    free((void *)w->d);
+    free((void *)w->m);
+}
+
+static int linear(const dfa_matrix *w, const float *x, int64_t M, float *y) {
+    return dfa_linear(x, M, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, w->m, w->group, w->n, y, THREADS);
+}
+
+static void check_quantize(void) {
+    const int64_t M = 5, K = 96;
+    float *x = activations(M, K), *xs = malloc((size_t)(2 * M * K / 32) * sizeof(float));
+    x[7] = 0.0f;
+    for (int i = 32; i < 64; i++) x[i] = 1e-30f * (float)(i - 40); /* a block too small for a float scale */
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    dfa_quantize(x, M, K, xq, xs, xs + M * K / 32, THREADS);
+    float *values = malloc((size_t)(M * K) * sizeof(float));
+    for (int64_t i = 0; i < M * K; i++) values[i] = (float)xq[i];
+    record("quantize.q", values, M * K);
+    record("quantize.scales", xs, 2 * M * K / 32);
+    free(x), free(xs), free(xq), free(values);
+}
+
+static void check_linear(const layout *l, int64_t K) {
+    const int64_t N = 9, M = 7; /* a tile of 4 rows and 3 rows alone */
+    char name[32];
+    dfa_matrix w = matrix(l, N, K);
+    float *x = activations(M, K), *y = malloc((size_t)(M * N) * sizeof(float)), row[9];
+    if (linear(&w, x, M, y)) fail(l->name, "dfa_linear failed");
+    for (int64_t r = 0; r < M; r++) {
+        linear(&w, x + r * K, 1, row);
+        if (memcmp(row, y + r * N, sizeof row)) fail(l->name, "a row alone differs from the row in a block");
+    }
+    snprintf(name, sizeof name, "linear.%s.%lld", l->name, (long long)K);
+    record(name, y, M * N);
+
+    /* row 0 holds a NaN, row 1 +inf, row 2 -inf (each in its own block of normal values) */
+    x[5] = NAN;
+    x[K + 40] = INFINITY;
+    x[2 * K + 70] = -INFINITY;
+    linear(&w, x, M, y);
+    for (int64_t n = 0; n < N; n++) {
+        if (!isnan(y[n])) fail(l->name, "a NaN activation gave a number");
+        if (isfinite(y[N + n]) || isfinite(y[2 * N + n])) fail(l->name, "an infinite activation gave a finite output");
+        for (int64_t r = 3; r < M; r++)
+            if (!isfinite(y[r * N + n])) fail(l->name, "a finite row beside a NaN one is not finite");
+    }
+    free_matrix(&w), free(x), free(y);
+}
+
+static void check_dequantize(void) {
+    const int64_t N = 6, K = 64, ids[3] = {4, 0, 5};
+    float *w = malloc((size_t)(N * K) * sizeof(float));
+    for (size_t i = 0; i < sizeof LAYOUTS / sizeof *LAYOUTS; i++) {
+        const layout *l = &LAYOUTS[i];
+        dfa_matrix m = matrix(l, N, K);
+        char name[32];
+        dfa_dequantize(m.q, (int)m.bits, m.qh, (int)m.offset, m.d, m.m, m.group, 3, K, ids, w, THREADS);
+        snprintf(name, sizeof name, "dequantize.%s", l->name);
+        record(name, w, 3 * K);
+        free_matrix(&m);
+    }
+    free(w);
+}
+
+static void check_argmax(void) {
+    const int64_t n = 100003;
+    float *x = floats(n, -5.0f, 5.0f), found[3];
+    x[77777] = 6.0f;
+    found[0] = (float)dfa_argmax(x, n, THREADS);
+    x[99999] = 6.0f; /* a tie: the first one */
+    found[1] = (float)dfa_argmax(x, n, THREADS);
+    x[12345] = NAN;
+    found[2] = (float)dfa_argmax(x, n, THREADS);
+    if (found[0] != 77777.0f || found[1] != 77777.0f || found[2] != 12345.0f) fail("argmax", "wrong index");
+    record("argmax", found, 3);
+    free(x);
+}
+
+static void check_norm_linear(void) {
+    const int64_t T = 3, K = 128, N = 10;
+    dfa_matrix w = matrix(&LAYOUTS[3], N, K);
+    float *x = activations(T, K), *norm = floats(K, 0.5f, 1.5f), y[30];
+    if (dfa_norm_linear(x, T, norm, 1e-6f, &w, y, THREADS)) fail("norm_linear", "failed");
+    record("norm_linear", y, T * N);
+    free_matrix(&w), free(x), free(norm);
+}
+
+/* One decoder layer (every layout among its matrices) decoding three rows over a cache of 67 keys (two chunks of
+ * keys), with full and with sliding attention; then the same rows one call each, which must give the same bits. */
+static void check_layer(int64_t window) {
+    enum { H = 64, HEADS = 2, KVH = 1, D = 32, I = 96, SLOTS = 80, PAST = 67, T = 3 };
+    dfa_matrix m[7] = {matrix(&LAYOUTS[0], HEADS * D, H), matrix(&LAYOUTS[1], KVH * D, H),
+                       matrix(&LAYOUTS[2], KVH * D, H),   matrix(&LAYOUTS[3], H, HEADS * D),
+                       matrix(&LAYOUTS[4], I, H),         matrix(&LAYOUTS[5], I, H),
+                       matrix(&LAYOUTS[0], H, I)};
+    float *norms[6];
+    for (int i = 0; i < 6; i++) norms[i] = floats(i < 4 ? H : D, 0.5f, 1.5f);
+    dfa_layer L = {m[0], m[1], m[2], m[3], m[4], m[5], m[6], norms[0], norms[1], norms[2], norms[3], norms[4],
+                   norms[5], H, HEADS, KVH, D, I, 1, 1e-6f, 1.0f, 0.7f};
+    float *k0 = floats(SLOTS * KVH * D, -1.0f, 1.0f), *v0 = floats(SLOTS * KVH * D, -1.0f, 1.0f);
+    float *k = malloc(sizeof(float) * SLOTS * KVH * D), *v = malloc(sizeof(float) * SLOTS * KVH * D);
+    float *x0 = activations(T, H), x[T * H], alone[T * H], inv_freq[D / 2], cos[T * D], sin[T * D];
+    for (int i = 0; i < D / 2; i++) inv_freq[i] = powf(10000.0f, -2.0f * (float)i / D);
+    int64_t pos[T], slots[T], groups[2] = {0, T};
+    for (int t = 0; t < T; t++) pos[t] = slots[t] = PAST + t;
+    dfa_rope_table(pos, T, inv_freq, D / 2, cos, sin);
+
+    memcpy(k, k0, sizeof(float) * SLOTS * KVH * D), memcpy(v, v0, sizeof(float) * SLOTS * KVH * D);
+    memcpy(x, x0, sizeof x);
+    dfa_kv kv = {k, v, SLOTS, slots, NULL, PAST + T, window};
+    const float *c[1] = {cos}, *s[1] = {sin};
+    float *capture[1] = {NULL};
+    if (dfa_layers_forward(&L, &kv, 1, x, T, pos, c, s, capture, groups, 1, THREADS)) fail("layer", "failed");
+    record(window ? "layer.sliding" : "layer.full", x, T * H);
+
+    memcpy(k, k0, sizeof(float) * SLOTS * KVH * D), memcpy(v, v0, sizeof(float) * SLOTS * KVH * D);
+    memcpy(alone, x0, sizeof alone);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t one[2] = {0, 1};
+        dfa_kv kv1 = {k, v, SLOTS, slots + t, NULL, PAST + t + 1, window};
+        const float *c1[1] = {cos + t * D}, *s1[1] = {sin + t * D};
+        dfa_layers_forward(&L, &kv1, 1, alone + t * H, 1, pos + t, c1, s1, capture, one, 1, THREADS);
+    }
+    if (memcmp(alone, x, sizeof x)) fail("layer", "rows decoded one at a time differ from the block's");
+
+    /* a write slot past the cache is refused, and nothing is written */
+    int64_t bad[T] = {PAST, PAST + 1, SLOTS};
+    dfa_kv outside = {k, v, SLOTS, bad, NULL, PAST + T, window};
+    memcpy(x, x0, sizeof x);
+    if (dfa_layers_forward(&L, &outside, 1, x, T, pos, c, s, capture, groups, 1, THREADS) != -2 ||
+        memcmp(x, x0, sizeof x))
+        fail("layer", "a write slot outside the cache was not refused untouched");
+
+    for (int i = 0; i < 7; i++) free_matrix(&m[i]);
+    for (int i = 0; i < 6; i++) free(norms[i]);
+    free(k0), free(v0), free(k), free(v), free(x0);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2 || !(out = fopen(argv[1], "wb"))) {
+        fprintf(stderr, "usage: %s RESULTS\n", argv[0]);
+        return 2;
+    }
+    const float simd = (float)dfa_simd();
+    record("simd", &simd, 1);
+    check_quantize();
+    for (size_t i = 0; i < sizeof LAYOUTS / sizeof *LAYOUTS; i++) {
+        check_linear(&LAYOUTS[i], 96); /* an odd number of blocks: the tail */
+        check_linear(&LAYOUTS[i], 256);
+    }
+    check_dequantize();
+    check_argmax();
+    check_norm_linear();
+    check_layer(0);
+    check_layer(16);
+    fclose(out);
+    printf("%d failed\n", failures);
+    return failures ? 1 : 0;
+}
