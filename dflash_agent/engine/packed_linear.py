@@ -187,6 +187,9 @@ U5_TYPES = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K})  # 
 # What makes the integers of `_int_groups` unsigned (u = q + offset) for the formats wider than 4 bits.
 _UNSIGNED_OFFSET = {GGMLQuantizationType.Q5_0: 16, GGMLQuantizationType.Q8_0: 128, GGMLQuantizationType.Q5_K: 0}
 PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
+# One float16 scale per block of 32 and no offsets m: cpu_dot reads the scales as float16, so these repack at the
+# file's own size (Q4_0 4.5 bits per weight, Q5_0 5.5, Q8_0 8.5); the K formats' scales are products of two.
+HALF_SCALE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0})
 
 
 def _planes(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> list[tuple]:
@@ -264,11 +267,16 @@ class CpuDotWeight:
         if k % GROUP:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
         bits = 4 if packed.qtype in U4_TYPES else 5 if packed.qtype in U5_TYPES else 8
-        offset = _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 0
+        q4_0 = packed.qtype == GGMLQuantizationType.Q4_0
+        offset = 8 if q4_0 else _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 0
         parts = []
         for blocks, _ in _row_slices(packed, dequantized=False):
             q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
-            parts.append(IntMatrix.pack(q if bits == 8 else q + offset, d, m, bits, group, offset))
+            if q4_0:  # m is -8 d: the 8 kept as the offset it is in the file
+                m = None
+            if packed.qtype in HALF_SCALE_TYPES:  # the file's own float16 scales, exactly
+                d = d.half()
+            parts.append(IntMatrix.pack(q if bits == 8 or q4_0 else q + offset, d, m, bits, group, offset))
         if len(parts) == 1:
             return cls(lib, parts[0])
 

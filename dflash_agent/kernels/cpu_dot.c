@@ -4,13 +4,14 @@
  * multiply-accumulate pair where float32 does 4). Each vector path has the scalar code as its reference (DFA_SCALAR).
  *
  * Weights (kernels.cpu_dot repacks GGUF blocks into these, exactly):
- *   u4: w = d q + m, q in 0..15, groups of 32 in 16 bytes: the group's runs of 8 values R0..R3 as bytes 0-7
- *       holding R0 in their low nibbles and R1 in their high ones, bytes 8-15 holding R2 and R3 likewise
- *       (one broadcast, shift and two in-lane unpacks give the values in order); d, m float [N, K/32].
+ *   u4: w = d (q - offset) (+ m), q in 0..15, groups of 32 in 16 bytes: the group's runs of 8 values R0..R3 as
+ *       bytes 0-7 holding R0 in their low nibbles and R1 in their high ones, bytes 8-15 holding R2 and R3 likewise
+ *       (one broadcast, shift and two in-lane unpacks give the values in order). (Q4_0: offset 8; Q4_K: m.)
  *   u5: w = d (q - offset) (+ m), q in 0..31, groups of 32: the low 4 bits as u4, the fifth bits in one uint32
- *       per group, bit k for value (R0, R2, R1, R3 in turn: the order of the unpacked nibbles) k;
- *       d (and m, or NULL) float [N, K/32]. (Q5_0: offset 16.)
- *   s8: w = d q (+ m), q int8, groups of G = 32 or 16; d (and m, or NULL) float [N, K/G].
+ *       per group, bit k for value (R0, R2, R1, R3 in turn: the order of the unpacked nibbles) k. (Q5_0: offset 16.)
+ *   s8: w = d q (+ m), q int8, groups of G = 32 or 16.
+ *   d [N, K/G] is float32, or (d16) float16 where the GGUF stores one float16 scale per block (Q4_0, Q5_0, Q8_0:
+ *   kept as the file has them, so these repack at the file's own size); m (or NULL) float32 [N, K/G].
  * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
  * (xs times the sum of xq over each block: the m terms need only these).
  * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded); activation rows
@@ -20,6 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_dot.h"
 
@@ -104,7 +106,8 @@ static inline float quantize_block(const float *v, int16_t *q, int *sum) {
     int32x4_t total = vdupq_n_s32(0);
     for (int j = 0; j < 8; j += 2) {
         /* round to nearest even, as nearbyintf and AVX2's cvtps do: every build quantizes to the same integers */
-        const int32x4_t i0 = vcvtnq_s32_f32(vmulq_n_f32(x[j], scale)), i1 = vcvtnq_s32_f32(vmulq_n_f32(x[j + 1], scale));
+        const int32x4_t i0 = vcvtnq_s32_f32(vmulq_n_f32(x[j], scale));
+        const int32x4_t i1 = vcvtnq_s32_f32(vmulq_n_f32(x[j + 1], scale));
         vst1q_s16(q + 4 * j, vcombine_s16(vqmovn_s32(i0), vqmovn_s32(i1)));
         total = vaddq_s32(total, vaddq_s32(i0, i1));
     }
@@ -170,6 +173,34 @@ static inline int fifth_bit(int v) {
     return ((run & 1) << 4) | ((run >> 1) << 3) | (v % 8);
 }
 
+/* A float16 as float32, exactly (every half is a float): F16C's vcvtph2ps, NEON's fcvt, or by its bits. */
+static inline float half_to_float(uint16_t h) {
+#if defined(DFA_AVX2)
+    return _cvtsh_ss(h);
+#elif defined(DFA_NEON)
+    __fp16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = h >> 10 & 0x1F, mantissa = h & 0x3FF;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
+        const float v = ldexpf((float)mantissa, -24);
+        return sign ? -v : v;
+    }
+    const uint32_t body = exponent == 0x1F ? 0x7F800000u : (exponent + 112) << 23; /* inf / NaN, or rebiased */
+    const uint32_t bits = sign | body | mantissa << 13;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+#endif
+}
+
+/* Scale i of a row: float32, or (d16) float16 as the GGUF stores the one scale of each Q4_0 / Q5_0 / Q8_0 block
+ * (d16 is a constant where inlined). */
+static inline __attribute__((always_inline)) float scale_at(const void *d, int d16, int64_t i) {
+    return d16 ? half_to_float(((const uint16_t *)d)[i]) : ((const float *)d)[i];
+}
+
 #ifdef DFA_AVX2
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -201,7 +232,7 @@ static inline __m256i fifth_bits(uint32_t bits) {
  * inlined): the group's 32 values as int16 in order, without a lane-crossing shuffle, minus the offset. */
 static inline __attribute__((always_inline)) void block_nibbles(__m256 acc[2][TILE], int a, int five,
                                                                 const uint8_t *qn, const uint32_t *qhn,
-                                                                const float *dn, __m256i offset,
+                                                                const void *dn, int d16, __m256i offset,
                                                                 const int16_t *xq, const float *xs, int64_t K,
                                                                 int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
@@ -211,13 +242,12 @@ static inline __attribute__((always_inline)) void block_nibbles(__m256 acc[2][TI
     if (five) v = _mm256_or_si256(v, fifth_bits(qhn[b]));
     __m256i lo = _mm256_unpacklo_epi8(v, _mm256_setzero_si256()); /* values 0..15 */
     __m256i hi = _mm256_unpackhi_epi8(v, _mm256_setzero_si256()); /* values 16..31 */
-    if (five) {
-        lo = _mm256_sub_epi16(lo, offset);
-        hi = _mm256_sub_epi16(hi, offset);
-    }
+    lo = _mm256_sub_epi16(lo, offset);
+    hi = _mm256_sub_epi16(hi, offset);
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), dn[b] * xs[(r0 + i) * B + b]);
+        ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)),
+             scale_at(dn, d16, b) * xs[(r0 + i) * B + b]);
     }
 }
 
@@ -225,7 +255,7 @@ static inline __attribute__((always_inline)) void block_nibbles(__m256 acc[2][TI
  * odd blocks accumulate separately, so two multiply-add chains run at once; the order is the same for every
  * `rows`, so a row's result never depends on the rows beside it. */
 static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
-                                                              const float *dn, int offset, const int16_t *xq,
+                                                              const void *dn, int d16, int offset, const int16_t *xq,
                                                               const float *xs, int64_t K, int64_t r0, int rows,
                                                               float *out) {
     const int64_t B = K / 32;
@@ -234,16 +264,16 @@ static inline __attribute__((always_inline)) void row_nibbles(int five, const ui
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
-        block_nibbles(acc, 0, five, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
-        block_nibbles(acc, 1, five, qn, qhn, dn, off, xq, xs, K, b + 1, r0, rows);
+        block_nibbles(acc, 0, five, qn, qhn, dn, d16, off, xq, xs, K, b, r0, rows);
+        block_nibbles(acc, 1, five, qn, qhn, dn, d16, off, xq, xs, K, b + 1, r0, rows);
     }
-    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, off, xq, xs, K, b, r0, rows);
+    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, d16, off, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 }
 
 /* Block b of an s8 row into the accumulators of parity a (a constant where inlined). */
 static inline __attribute__((always_inline)) void block_s8(__m256 acc[2][TILE], int a, const int8_t *qn,
-                                                           const float *dn, int64_t group, const int16_t *xq,
+                                                           const void *dn, int d16, int64_t group, const int16_t *xq,
                                                            const float *xs, int64_t K, int64_t b, int64_t r0,
                                                            int rows) {
     const int64_t B = K / 32;
@@ -254,15 +284,15 @@ static inline __attribute__((always_inline)) void block_s8(__m256 acc[2][TILE], 
         const float sx = xs[(r0 + i) * B + b];
         __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
         if (group == 32) {
-            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), dn[b] * sx);
+            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), scale_at(dn, d16, b) * sx);
         } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
-            ACC2(acc, 0, i, p0, dn[2 * b] * sx);
-            ACC2(acc, 1, i, p1, dn[2 * b + 1] * sx);
+            ACC2(acc, 0, i, p0, scale_at(dn, d16, 2 * b) * sx);
+            ACC2(acc, 1, i, p1, scale_at(dn, d16, 2 * b + 1) * sx);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const float *dn, int64_t group,
+static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const void *dn, int d16, int64_t group,
                                                          const int16_t *xq, const float *xs, int64_t K,
                                                          int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
@@ -270,10 +300,10 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
-        block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
-        block_s8(acc, 1, qn, dn, group, xq, xs, K, b + 1, r0, rows);
+        block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
+        block_s8(acc, 1, qn, dn, d16, group, xq, xs, K, b + 1, r0, rows);
     }
-    if (b < B) block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
+    if (b < B) block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 }
 #elif defined(DFA_NEON)
@@ -310,7 +340,7 @@ static inline uint8x16_t fifth_bits16(uint32_t bits) {
  * high nibbles R1, R3, so the values 0..31 in order are the halves of the two nibble vectors, widened. */
 static inline __attribute__((always_inline)) void block_nibbles(float32x4_t acc[2][TILE], int a, int five,
                                                                 const uint8_t *qn, const uint32_t *qhn,
-                                                                const float *dn, int offset, const int16_t *xq,
+                                                                const void *dn, int d16, int offset, const int16_t *xq,
                                                                 const float *xs, int64_t K, int64_t b, int64_t r0,
                                                                 int rows) {
     const int64_t B = K / 32;
@@ -324,14 +354,13 @@ static inline __attribute__((always_inline)) void block_nibbles(float32x4_t acc[
                       vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(high))),
                       vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(low))),
                       vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(high)))};
-    if (five)
-        for (int j = 0; j < 4; j++) w[j] = vsubq_s16(w[j], vdupq_n_s16((int16_t)offset));
+    for (int j = 0; j < 4; j++) w[j] = vsubq_s16(w[j], vdupq_n_s16((int16_t)offset));
     for (int i = 0; i < rows; i++)
-        ACC2(acc, a, i, dot32(w, xq + (r0 + i) * K + b * 32), dn[b] * xs[(r0 + i) * B + b]);
+        ACC2(acc, a, i, dot32(w, xq + (r0 + i) * K + b * 32), scale_at(dn, d16, b) * xs[(r0 + i) * B + b]);
 }
 
 static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
-                                                              const float *dn, int offset, const int16_t *xq,
+                                                              const void *dn, int d16, int offset, const int16_t *xq,
                                                               const float *xs, int64_t K, int64_t r0, int rows,
                                                               float *out) {
     const int64_t B = K / 32;
@@ -339,15 +368,15 @@ static inline __attribute__((always_inline)) void row_nibbles(int five, const ui
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = vdupq_n_f32(0.0f);
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
-        block_nibbles(acc, 0, five, qn, qhn, dn, offset, xq, xs, K, b, r0, rows);
-        block_nibbles(acc, 1, five, qn, qhn, dn, offset, xq, xs, K, b + 1, r0, rows);
+        block_nibbles(acc, 0, five, qn, qhn, dn, d16, offset, xq, xs, K, b, r0, rows);
+        block_nibbles(acc, 1, five, qn, qhn, dn, d16, offset, xq, xs, K, b + 1, r0, rows);
     }
-    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, offset, xq, xs, K, b, r0, rows);
+    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, d16, offset, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = vaddvq_f32(vaddq_f32(acc[0][i], acc[1][i]));
 }
 
 static inline __attribute__((always_inline)) void block_s8(float32x4_t acc[2][TILE], int a, const int8_t *qn,
-                                                           const float *dn, int64_t group, const int16_t *xq,
+                                                           const void *dn, int d16, int64_t group, const int16_t *xq,
                                                            const float *xs, int64_t K, int64_t b, int64_t r0,
                                                            int rows) {
     const int64_t B = K / 32;
@@ -358,15 +387,15 @@ static inline __attribute__((always_inline)) void block_s8(float32x4_t acc[2][TI
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
         const float sx = xs[(r0 + i) * B + b];
         if (group == 32) {
-            ACC2(acc, a, i, dot32(w, xb), dn[b] * sx);
+            ACC2(acc, a, i, dot32(w, xb), scale_at(dn, d16, b) * sx);
         } else { /* runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(w[0], w[1], xb), dn[2 * b] * sx);
-            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), dn[2 * b + 1] * sx);
+            ACC2(acc, 0, i, dot16(w[0], w[1], xb), scale_at(dn, d16, 2 * b) * sx);
+            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), scale_at(dn, d16, 2 * b + 1) * sx);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const float *dn, int64_t group,
+static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const void *dn, int d16, int64_t group,
                                                          const int16_t *xq, const float *xs, int64_t K,
                                                          int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
@@ -374,14 +403,14 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = vdupq_n_f32(0.0f);
     int64_t b = 0;
     for (; b + 2 <= B; b += 2) {
-        block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
-        block_s8(acc, 1, qn, dn, group, xq, xs, K, b + 1, r0, rows);
+        block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
+        block_s8(acc, 1, qn, dn, d16, group, xq, xs, K, b + 1, r0, rows);
     }
-    if (b < B) block_s8(acc, 0, qn, dn, group, xq, xs, K, b, r0, rows);
+    if (b < B) block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = vaddvq_f32(vaddq_f32(acc[0][i], acc[1][i]));
 }
 #else
-static void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn, const float *dn, int offset,
+static void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn, const void *dn, int d16, int offset,
                         const int16_t *xq, const float *xs, int64_t K, int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
     for (int i = 0; i < rows; i++) {
@@ -393,13 +422,13 @@ static void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn, const 
                 const int q = nibble(qn + b * 16, v) | (five ? (int)(qhn[b] >> fifth_bit(v) & 1) << 4 : 0);
                 s += (q - offset) * xr[b * 32 + v];
             }
-            acc += dn[b] * xs[(r0 + i) * B + b] * (float)s;
+            acc += scale_at(dn, d16, b) * xs[(r0 + i) * B + b] * (float)s;
         }
         out[i] = acc;
     }
 }
 
-static void row_s8(const int8_t *qn, const float *dn, int64_t group, const int16_t *xq, const float *xs,
+static void row_s8(const int8_t *qn, const void *dn, int d16, int64_t group, const int16_t *xq, const float *xs,
                    int64_t K, int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
     for (int i = 0; i < rows; i++) {
@@ -408,7 +437,7 @@ static void row_s8(const int8_t *qn, const float *dn, int64_t group, const int16
         for (int64_t g = 0; g < K / group; g++) {
             int32_t s = 0;
             for (int64_t j = 0; j < group; j++) s += qn[g * group + j] * xr[g * group + j];
-            acc += dn[g] * xs[(r0 + i) * B + g * group / 32] * (float)s;
+            acc += scale_at(dn, d16, g) * xs[(r0 + i) * B + g * group / 32] * (float)s;
         }
         out[i] = acc;
     }
@@ -420,114 +449,120 @@ static void row_s8(const int8_t *qn, const float *dn, int64_t group, const int16
 static inline __attribute__((always_inline)) void nibbles_row(int five, const int16_t *xq, const float *xs,
                                                               const float *xsum, int64_t M, int64_t K,
                                                               const uint8_t *q, const uint32_t *qh, int offset,
-                                                              const float *d, const float *m, int64_t N, float *y,
-                                                              int64_t n, int64_t ahead) {
-    const int64_t B = K / 32;
+                                                              const void *d, int d16, const float *m, int64_t N,
+                                                              float *y, int64_t n, int64_t ahead) {
+    const int64_t B = K / 32, dbytes = d16 ? 2 : 4;
     const uint8_t *qn = q + n * (K / 2);
     const uint32_t *qhn = five ? qh + n * B : NULL;
-    const float *dn = d + n * B, *mn = m ? m + n * B : NULL;
+    const char *dn = (const char *)d + n * B * dbytes;
+    const float *mn = m ? m + n * B : NULL;
     prefetch(qn + ahead * (K / 2), K / 2);
     if (five) prefetch(qhn + ahead * B, B * 4);
-    prefetch(dn + ahead * B, B * 4);
+    prefetch(dn + ahead * B * dbytes, B * dbytes);
     if (mn) prefetch(mn + ahead * B, B * 4);
     float out[TILE];
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE) {
-        row_nibbles(five, qn, qhn, dn, offset, xq, xs, K, r0, TILE, out);
+        row_nibbles(five, qn, qhn, dn, d16, offset, xq, xs, K, r0, TILE, out);
         for (int i = 0; i < TILE; i++)
             y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
     }
     for (; r0 < M; r0++) {
-        row_nibbles(five, qn, qhn, dn, offset, xq, xs, K, r0, 1, out);
+        row_nibbles(five, qn, qhn, dn, d16, offset, xq, xs, K, r0, 1, out);
         y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
     }
 }
 
-void dfa_matmul_u4(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                   const uint8_t *q, const float *d, const float *m, int64_t N, float *y, int threads) {
-    const int64_t ahead = rows_ahead(K / 2 + 8 * (K / 32));
-    if (M == 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) nibbles_row(0, xq, xs, xsum, 1, K, q, NULL, 0, d, m, N, y, n, ahead);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) nibbles_row(0, xq, xs, xsum, M, K, q, NULL, 0, d, m, N, y, n, ahead);
-    }
-}
+/* A u4 / u5 matrix: its rows split across the threads, with the row function inlined for each of the constants
+ * it branches on (4 / 5 bits, one activation row, float16 scales), so no block tests them. */
+#define NIBBLE_ROWS(five, rows, d16)                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
+        nibbles_row(five, xq, xs, xsum, rows, K, q, qh, offset, d, d16, m, N, y, n, ahead)
 
-void dfa_matmul_u5(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                   const uint8_t *q, const uint32_t *qh, int offset, const float *d, const float *m, int64_t N,
-                   float *y, int threads) {
-    const int64_t ahead = rows_ahead(K / 2 + 8 * (K / 32));
-    if (M == 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) nibbles_row(1, xq, xs, xsum, 1, K, q, qh, offset, d, m, N, y, n, ahead);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) nibbles_row(1, xq, xs, xsum, M, K, q, qh, offset, d, m, N, y, n, ahead);
+static void matmul_nibbles(int five, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                           const uint8_t *q, const uint32_t *qh, int offset, const void *d, int d16, const float *m,
+                           int64_t N, float *y, int threads) {
+    const int64_t B = K / 32, ahead = rows_ahead(K / 2 + ((five ? 4 : 0) + (d16 ? 2 : 4) + (m ? 4 : 0)) * B);
+    {
+        const int variant = (five ? 4 : 0) | (M == 1 ? 2 : 0) | (d16 ? 1 : 0);
+        switch (variant) {
+        case 0: NIBBLE_ROWS(0, M, 0); break;
+        case 1: NIBBLE_ROWS(0, M, 1); break;
+        case 2: NIBBLE_ROWS(0, 1, 0); break;
+        case 3: NIBBLE_ROWS(0, 1, 1); break;
+        case 4: NIBBLE_ROWS(1, M, 0); break;
+        case 5: NIBBLE_ROWS(1, M, 1); break;
+        case 6: NIBBLE_ROWS(1, 1, 0); break;
+        default: NIBBLE_ROWS(1, 1, 1); break;
+        }
     }
 }
 
 /* Weight row n of an s8 matrix against the M activation rows (group 32 or 16, constants where inlined). */
 static inline __attribute__((always_inline)) void s8_row(const int16_t *xq, const float *xs, const float *xsum,
-                                                         int64_t M, int64_t K, const int8_t *q, const float *d,
-                                                         const float *m, int64_t group, int64_t N, float *y,
+                                                         int64_t M, int64_t K, const int8_t *q, const void *d,
+                                                         int d16, const float *m, int64_t group, int64_t N, float *y,
                                                          int64_t n, int64_t ahead) {
-    const int64_t B = K / 32, G = K / group;
+    const int64_t B = K / 32, G = K / group, dbytes = d16 ? 2 : 4;
     const int8_t *qn = q + n * K;
-    const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
+    const char *dn = (const char *)d + n * G * dbytes;
+    const float *mn = m ? m + n * G : NULL;
     prefetch(qn + ahead * K, K);
-    prefetch(dn + ahead * G, G * 4);
+    prefetch(dn + ahead * G * dbytes, G * dbytes);
     if (mn) prefetch(mn + ahead * G, G * 4);
     float out[TILE];
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE) {
-        row_s8(qn, dn, group, xq, xs, K, r0, TILE, out);
+        row_s8(qn, dn, d16, group, xq, xs, K, r0, TILE, out);
         for (int i = 0; i < TILE; i++)
             y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
     }
     for (; r0 < M; r0++) {
-        row_s8(qn, dn, group, xq, xs, K, r0, 1, out);
+        row_s8(qn, dn, d16, group, xq, xs, K, r0, 1, out);
         y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
     }
 }
 
-void dfa_matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                   const int8_t *q, const float *d, const float *m, int64_t group, int64_t N, float *y,
-                   int threads) {
-    /* group is 32 or 16 (m only with 32): each its own loop, and M == 1 (decode) its own too */
-    const int64_t ahead = rows_ahead(K + 4 * (K / group));
-    if (group == 32 && M == 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, 1, K, q, d, m, 32, N, y, n, ahead);
-    } else if (group == 32) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, M, K, q, d, m, 32, N, y, n, ahead);
-    } else if (M == 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, 1, K, q, d, m, 16, N, y, n, ahead);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) s8_row(xq, xs, xsum, M, K, q, d, m, 16, N, y, n, ahead);
+#define S8_ROWS(group, rows, d16)                                                 \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
+        s8_row(xq, xs, xsum, rows, K, q, d, d16, m, group, N, y, n, ahead)
+
+static void matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const int8_t *q,
+                      const void *d, int d16, const float *m, int64_t group, int64_t N, float *y, int threads) {
+    /* group is 32 or 16 (m only with 32) */
+    const int64_t G = K / group, ahead = rows_ahead(K + (d16 ? 2 : 4) * G + (m ? 4 : 0) * G);
+    {
+        const int variant = (group == 16 ? 4 : 0) | (M == 1 ? 2 : 0) | (d16 ? 1 : 0);
+        switch (variant) {
+        case 0: S8_ROWS(32, M, 0); break;
+        case 1: S8_ROWS(32, M, 1); break;
+        case 2: S8_ROWS(32, 1, 0); break;
+        case 3: S8_ROWS(32, 1, 1); break;
+        case 4: S8_ROWS(16, M, 0); break;
+        case 5: S8_ROWS(16, M, 1); break;
+        case 6: S8_ROWS(16, 1, 0); break;
+        default: S8_ROWS(16, 1, 1); break;
+        }
     }
 }
 
-/* w [N, K] float32 = d q + m (u4, s8) or d (q - offset) + m (u5), exactly as the GGUF dequantization computes
+/* w [N, K] float32 = d (q - offset) + m, exactly as the GGUF dequantization computes
  * it (one product, one sum, no fused multiply-add: the build passes -ffp-contract=off): for blocks of many
  * activation rows (prefill), where a float32 GEMM on the dequantized rows beats the integer dot; and (ids [N],
  * else NULL: rows 0..N-1) the embedding rows of a step's tokens. */
-void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const float *d, const float *m,
+void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const void *d, int d16, const float *m,
                     int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads) {
     const int64_t G = K / group;
 #pragma omp parallel for num_threads(threads) schedule(static) if (N > 1)
     for (int64_t i = 0; i < N; i++) {
         const int64_t n = ids ? ids[i] : i;
-        const float *dn = d + n * G, *mn = m ? m + n * G : NULL;
+        const char *dn = (const char *)d + n * G * (d16 ? 2 : 4);
+        const float *mn = m ? m + n * G : NULL;
         float *wn = w + i * K;
         if (bits == 8) {
             const int8_t *qn = (const int8_t *)q + n * K;
             for (int64_t k = 0; k < K; k++) {
-                const float v = dn[k / group] * (float)qn[k];
+                const float v = scale_at(dn, d16, k / group) * (float)qn[k];
                 wn[k] = mn ? v + mn[k / group] : v;
             }
             continue;
@@ -536,7 +571,7 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
         for (int64_t b = 0; b < K / 32; b++)
             for (int v = 0; v < 32; v++) {
                 const int u = nibble(qn + b * 16, v) | (bits == 5 ? (int)(qh[n * (K / 32) + b] >> fifth_bit(v) & 1) << 4 : 0);
-                const float a = dn[b] * (float)(u - offset);
+                const float a = scale_at(dn, d16, b) * (float)(u - offset);
                 wn[b * 32 + v] = mn ? a + mn[b] : a;
             }
     }
@@ -544,17 +579,17 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 
 /* y [M, N] = x [M, K] float32 @ w^T in one call (decode, verification): the activations are quantized into a
  * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. bits 4, 5
- * or 8 picks the layout (qh and offset: u5 only). Returns 0, or -1 when the scratch could not be had (y is then
+ * or 8 picks the layout (qh: u5 only). Returns 0, or -1 when the scratch could not be had (y is then
  * unwritten), as dfa_norm_linear and dfa_layers_forward do. */
 int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
-               const float *d, const float *m, int64_t group, int64_t N, float *y, int threads) {
+               const void *d, int d16, const float *m, int64_t group, int64_t N, float *y, int threads) {
     const int64_t B = K / 32;
     int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
     float *xs = (float *)malloc((size_t)(2 * M * B) * sizeof(float));
     const int status = xq && xs ? 0 : -1;
     if (status == 0) {
         dfa_quantize(x, M, K, xq, xs, xs + M * B, threads);
-        dfa_matmul(xq, xs, xs + M * B, M, K, q, bits, qh, offset, d, m, group, N, y, threads);
+        dfa_matmul(xq, xs, xs + M * B, M, K, q, bits, qh, offset, d, d16, m, group, N, y, threads);
     }
     free(xq);
     free(xs);
@@ -562,14 +597,12 @@ int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, co
 }
 
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
-                const uint32_t *qh, int offset, const float *d, const float *m, int64_t group, int64_t N, float *y,
-                int threads) {
-    if (bits == 4)
-        dfa_matmul_u4(xq, xs, xsum, M, K, (const uint8_t *)q, d, m, N, y, threads);
-    else if (bits == 5)
-        dfa_matmul_u5(xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, m, N, y, threads);
+                const uint32_t *qh, int offset, const void *d, int d16, const float *m, int64_t group, int64_t N,
+                float *y, int threads) {
+    if (bits == 8)
+        matmul_s8(xq, xs, xsum, M, K, (const int8_t *)q, d, d16, m, group, N, y, threads);
     else
-        dfa_matmul_s8(xq, xs, xsum, M, K, (const int8_t *)q, d, m, group, N, y, threads);
+        matmul_nibbles(bits == 5, xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, d16, m, N, y, threads);
 }
 
 /* The index of the first largest of x[0..n), a NaN counting as larger than any number (torch.argmax's rule):

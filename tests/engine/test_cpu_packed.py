@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
 from dflash_agent.bench.fidelity import DECODE_STEP, compare, texts
 from dflash_agent.engine import memory_plan
@@ -17,6 +18,7 @@ from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.memory_plan import checkpoint_weight_bytes, cpu_weights
 from dflash_agent.engine.packed_linear import (
     GEMM_ROWS,
+    HALF_SCALE_TYPES,
     PLANE_TYPES,
     U4_TYPES,
     U5_TYPES,
@@ -76,6 +78,25 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     assert torch.equal(weight.cpu._dequantized(0, 96), packed.dequantize())
     ids = torch.tensor([[5, 95, 0], [5, 17, 64]])  # an embedding lookup reads the repacked rows, exactly
     assert torch.equal(weight[ids], packed.dequantize()[ids])
+
+
+def test_repacked_bytes_per_weight_against_the_gguf(capsys):
+    """What the C kernels hold per weight beside what the file holds. The formats with one float16 scale per block
+    (Q4_0, Q5_0, Q8_0) keep it as float16 and repack at the file's own size; the K formats still hold float32
+    products of their super- and sub-scales (Q4_K 6.0 bits against 4.5, Q6_K 10.0 against 6.56)."""
+    if cpu_dot() is None:
+        pytest.skip("no C compiler: the CPU dot kernels cannot be built")
+    rng = np.random.default_rng(0)
+    n, k = 64, 1024
+    for qtype in TYPES:
+        weight = PackedWeight(pack(rng.standard_normal((n, k)).astype(np.float32), qtype, rng), torch.float32)
+        weight.repack_for_cpu()
+        block, size = GGML_QUANT_SIZES[qtype]
+        ours, file = 8 * weight.cpu.nbytes / (n * k), 8 * size / block
+        with capsys.disabled():
+            print(f"\n{qtype.name}: repacked {ours:.2f} bits per weight, GGUF {file:.2f} ({ours / file:.3f}x)", end="")
+        if qtype in HALF_SCALE_TYPES:
+            assert ours <= file * 1.02, qtype.name
 
 
 def test_a_packed_weight_refuses_an_input_of_another_width():

@@ -56,14 +56,29 @@ static float *activations(int64_t M, int64_t K) {
 
 typedef struct {
     const char *name;
-    int bits, offset, with_m;
+    int bits, offset, with_m, d16;
     int64_t group;
 } layout;
 
 static const layout LAYOUTS[] = {
-    {"u4", 4, 0, 1, 32}, {"u5_q5_0", 5, 16, 0, 32}, {"u5_q5_k", 5, 0, 1, 32},
-    {"s8", 8, 0, 0, 32}, {"s8_m", 8, 0, 1, 32},     {"s8_g16", 8, 0, 0, 16},
+    {"u4_q4_k", 4, 0, 1, 0, 32}, {"u4_q4_0", 4, 8, 0, 1, 32}, {"u5_q5_0", 5, 16, 0, 1, 32},
+    {"u5_q5_k", 5, 0, 1, 0, 32}, {"s8_q8_0", 8, 0, 0, 1, 32}, {"s8_m", 8, 0, 1, 0, 32},
+    {"s8_g16", 8, 0, 0, 0, 16},
 };
+
+/* A float as float16 bits (round to nearest even; tiny values flush to subnormals), for the d16 scales. */
+static uint16_t to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)(x >> 16 & 0x8000);
+    const float a = fabsf(f);
+    if (a < 6.103515625e-05f) return sign | (uint16_t)lrintf(a * 16777216.0f); /* subnormal: units of 2^-24 */
+    int e;
+    const float m = frexpf(a, &e); /* a = m 2^e, m in [0.5, 1) */
+    uint32_t mant = (uint32_t)lrintf((m * 2.0f - 1.0f) * 1024.0f), exp = (uint32_t)(e - 1 + 15);
+    if (mant == 1024) mant = 0, exp++;
+    return sign | (uint16_t)(exp << 10 | mant);
+}
 
 /* A random [N, K] weight in layout l: its tensors in one struct (freed with free_matrix). */
 static dfa_matrix matrix(const layout *l, int64_t N, int64_t K) {
@@ -84,7 +99,18 @@ static dfa_matrix matrix(const layout *l, int64_t N, int64_t K) {
             w.qh = qh;
         }
     }
-    w.d = floats(N * G, 0.001f, 0.02f);
+    float *d = floats(N * G, 0.001f, 0.02f);
+    w.d16 = l->d16;
+    if (l->d16) { /* float16 scales, a negative one and a subnormal one among them */
+        uint16_t *h = malloc((size_t)(N * G) * sizeof(uint16_t));
+        d[0] = -d[0];
+        d[1] = 3e-6f;
+        for (int64_t i = 0; i < N * G; i++) h[i] = to_half(d[i]);
+        free(d);
+        w.d = h;
+    } else {
+        w.d = d;
+    }
     w.m = l->with_m ? floats(N * G, -0.1f, 0.1f) : NULL;
     return w;
 }
@@ -97,7 +123,8 @@ static void free_matrix(dfa_matrix *w) {
 }
 
 static int linear(const dfa_matrix *w, const float *x, int64_t M, float *y) {
-    return dfa_linear(x, M, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, w->m, w->group, w->n, y, THREADS);
+    return dfa_linear(x, M, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, (int)w->d16, w->m, w->group, w->n,
+                      y, THREADS);
 }
 
 static void check_quantize(void) {
@@ -148,7 +175,7 @@ static void check_dequantize(void) {
         const layout *l = &LAYOUTS[i];
         dfa_matrix m = matrix(l, N, K);
         char name[32];
-        dfa_dequantize(m.q, (int)m.bits, m.qh, (int)m.offset, m.d, m.m, m.group, 3, K, ids, w, THREADS);
+        dfa_dequantize(m.q, (int)m.bits, m.qh, (int)m.offset, m.d, (int)m.d16, m.m, m.group, 3, K, ids, w, THREADS);
         snprintf(name, sizeof name, "dequantize.%s", l->name);
         record(name, w, 3 * K);
         free_matrix(&m);
@@ -172,7 +199,7 @@ static void check_argmax(void) {
 
 static void check_norm_linear(void) {
     const int64_t T = 3, K = 128, N = 10;
-    dfa_matrix w = matrix(&LAYOUTS[3], N, K);
+    dfa_matrix w = matrix(&LAYOUTS[4], N, K);
     float *x = activations(T, K), *norm = floats(K, 0.5f, 1.5f), y[30];
     if (dfa_norm_linear(x, T, norm, 1e-6f, &w, y, THREADS)) fail("norm_linear", "failed");
     record("norm_linear", y, T * N);
@@ -185,8 +212,8 @@ static void check_layer(int64_t window) {
     enum { H = 64, HEADS = 2, KVH = 1, D = 32, I = 96, SLOTS = 80, PAST = 67, T = 3 };
     dfa_matrix m[7] = {matrix(&LAYOUTS[0], HEADS * D, H), matrix(&LAYOUTS[1], KVH * D, H),
                        matrix(&LAYOUTS[2], KVH * D, H),   matrix(&LAYOUTS[3], H, HEADS * D),
-                       matrix(&LAYOUTS[4], I, H),         matrix(&LAYOUTS[5], I, H),
-                       matrix(&LAYOUTS[0], H, I)};
+                       matrix(&LAYOUTS[4], I, H),         matrix(&LAYOUTS[6], I, H),
+                       matrix(&LAYOUTS[5], H, I)};
     float *norms[6];
     for (int i = 0; i < 6; i++) norms[i] = floats(i < 4 ? H : D, 0.5f, 1.5f);
     dfa_layer L = {m[0], m[1], m[2], m[3], m[4], m[5], m[6], norms[0], norms[1], norms[2], norms[3], norms[4],

@@ -60,22 +60,27 @@ def test_activations_are_int16_per_block_of_32(lib):
         lib.quantize(torch.randn(2, 40))
 
 
-def _layout(bits: int, group: int, with_m: bool, offset: int = 0, n: int = 37, k: int = 256):
-    """A random IntMatrix of a layout and the float32 weight it stands for."""
-    g = torch.Generator().manual_seed(bits * 100 + group + with_m)
+def _layout(bits: int, group: int, with_m: bool, offset: int = 0, half: bool = False, n: int = 37, k: int = 256):
+    """A random IntMatrix of a layout and the float32 weight it stands for; half: float16 scales (as Q4_0 / Q5_0 /
+    Q8_0 store them), negative, subnormal and zero ones among them."""
+    g = torch.Generator().manual_seed(bits * 100 + group + with_m + offset + half)
     if bits == 8:
         values = torch.randint(-128, 128, (n, k), generator=g)
     else:
         values = torch.randint(0, 1 << bits, (n, k), generator=g)
     d = torch.rand(n, k // group, generator=g)
+    if half:
+        d = (d - 0.25).half()
+        d[0, :4] = torch.tensor([6e-8, -3e-6, 6.1e-5, 0.0])  # float16 subnormals, the smallest normal, zero
     m = torch.randn(n, k // group, generator=g) if with_m else None
-    w = ((values - offset).float().view(n, -1, group) * d[..., None]
+    w = ((values - offset).float().view(n, -1, group) * d.float()[..., None]
          + (0 if m is None else m[..., None])).view(n, k)
     return cpu_dot.IntMatrix.pack(values, d, m, bits, group, offset), w
 
 
-LAYOUTS = {"u4": (4, 32, True), "u5 Q5_0": (5, 32, False, 16), "u5 Q5_K": (5, 32, True),
-           "s8 m": (8, 32, True), "s8 16": (8, 16, False)}
+LAYOUTS = {"u4 Q4_K": (4, 32, True), "u4 Q4_0": (4, 32, False, 8, True), "u5 Q5_0": (5, 32, False, 16, True),
+           "u5 Q5_K": (5, 32, True), "s8 Q8_0": (8, 32, False, 0, True), "s8 m": (8, 32, True),
+           "s8 16": (8, 16, False)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -98,8 +103,10 @@ def test_layouts_are_checked():
     q, d = torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1)
     with pytest.raises(ValueError, match="fifth bits"):
         cpu_dot.IntMatrix(q, d, None, bits=5)
-    with pytest.raises(ValueError, match="offset in m"):
-        cpu_dot.IntMatrix(q, d, None, bits=4)
+    with pytest.raises(ValueError, match="float16 without offsets"):
+        cpu_dot.IntMatrix(q, d.half(), torch.ones(2, 1), bits=4)
+    with pytest.raises(ValueError, match="no offset"):
+        cpu_dot.IntMatrix(torch.zeros(2, 32, dtype=torch.int8), d, None, bits=8, offset=3)
     with pytest.raises(ValueError, match="groups of 16"):
         cpu_dot.IntMatrix(q, torch.ones(2, 2), torch.ones(2, 2), bits=8, group=16)
 
