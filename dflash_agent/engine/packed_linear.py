@@ -188,8 +188,11 @@ U5_TYPES = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K})  # 
 _UNSIGNED_OFFSET = {GGMLQuantizationType.Q5_0: 16, GGMLQuantizationType.Q8_0: 128, GGMLQuantizationType.Q5_K: 0}
 PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
 # One float16 scale per block of 32 and no offsets m: cpu_dot reads the scales as float16, so these repack at the
-# file's own size (Q4_0 4.5 bits per weight, Q5_0 5.5, Q8_0 8.5); the K formats' scales are products of two.
+# file's own size (Q4_0 4.5 bits per weight, Q5_0 5.5, Q8_0 8.5).
 HALF_SCALE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0})
+# Super-blocks of 256 whose 16-byte header (float16 d and dmin, 6-bit scales and mins) cpu_dot decodes itself: these
+# repack at the file's size too (Q4_K 4.5 bits per weight, Q5_K 5.5). Q6_K's 6-bit weights take a byte each.
+HEADER_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K})
 
 
 def _planes(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> list[tuple]:
@@ -276,6 +279,9 @@ class CpuDotWeight:
                 m = None
             if packed.qtype in HALF_SCALE_TYPES:  # the file's own float16 scales, exactly
                 d = d.half()
+            elif packed.qtype in HEADER_TYPES:  # each super-block's 16-byte header as the file has it
+                size = GGML_QUANT_SIZES[packed.qtype][1]
+                d, m = blocks.reshape(blocks.shape[0], -1, size)[:, :, :16].reshape(blocks.shape[0], -1), None
             parts.append(IntMatrix.pack(q if bits == 8 or q4_0 else q + offset, d, m, bits, group, offset))
         if len(parts) == 1:
             return cls(lib, parts[0])

@@ -10,8 +10,10 @@
  *   u5: w = d (q - offset) (+ m), q in 0..31, groups of 32: the low 4 bits as u4, the fifth bits in one uint32
  *       per group, bit k for value (R0, R2, R1, R3 in turn: the order of the unpacked nibbles) k. (Q5_0: offset 16.)
  *   s8: w = d q (+ m), q int8, groups of G = 32 or 16.
- *   d [N, K/G] is float32, or (d16) float16 where the GGUF stores one float16 scale per block (Q4_0, Q5_0, Q8_0:
- *   kept as the file has them, so these repack at the file's own size); m (or NULL) float32 [N, K/G].
+ *   d, the scales (dfa_matrix.scales): DFA_SCALES_F32, float32 [N, K/G]; DFA_SCALES_F16, float16 [N, K/G] where
+ *   the GGUF stores one float16 scale per block (Q4_0, Q5_0, Q8_0); DFA_SCALES_K (u4 / u5 with groups of 32, no m),
+ *   the 16-byte header of each Q4_K / Q5_K super-block of 256 as the file has it, [N, K/256, 16] (k_scales). Kept
+ *   as the file stores them, a layout repacks at the file's own size. m (or NULL): float32 [N, K/G].
  * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
  * (xs times the sum of xq over each block: the m terms need only these).
  * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded); activation rows
@@ -195,14 +197,63 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* Scale i of a row: float32, or (d16) float16 as the GGUF stores the one scale of each Q4_0 / Q5_0 / Q8_0 block
- * (d16 is a constant where inlined). */
-static inline __attribute__((always_inline)) float scale_at(const void *d, int d16, int64_t i) {
-    return d16 ? half_to_float(((const uint16_t *)d)[i]) : ((const float *)d)[i];
+/* Scale i of a row stored as float32 or float16 (scales DFA_SCALES_F32 / F16, a constant where inlined). */
+static inline __attribute__((always_inline)) float scale_at(const void *d, int scales, int64_t i) {
+    return scales == DFA_SCALES_F16 ? half_to_float(((const uint16_t *)d)[i]) : ((const float *)d)[i];
 }
 
-#ifdef DFA_AVX2
-static inline float hsum(__m256 v) {
+/* The scales d and offsets m of the 8 groups of 32 in one Q4_K / Q5_K super-block, from its 16-byte header as
+ * the GGUF stores it (float16 d and dmin, then 6-bit scales and mins packed in 12 bytes: ggml's get_scale_min_k4):
+ * d_j = d sc_j and m_j = -dmin mn_j, the float32 products the file's dequantization forms. */
+static inline void k_scales(const uint8_t *header, float d[8], float m[8]) {
+    const float super = half_to_float((uint16_t)(header[0] | header[1] << 8));
+    const float super_min = half_to_float((uint16_t)(header[2] | header[3] << 8));
+    /* bytes 0-3: scales 0-3 in their low 6 bits, the top 2 bits of scales 4-7; bytes 4-7 the same for the mins;
+     * bytes 8-11: the low 4 bits of scales 4-7 and of mins 4-7. Four bytes at a time (little-endian), then the
+     * 8 + 8 products in vector registers (a scalar loop here cost a Q4_K row 25% of its time). */
+    uint32_t u[3], packed[4];
+    memcpy(u, header + 4, sizeof u);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x03030303u;
+    packed[0] = u[0] & low6;                               /* scales 0-3 */
+    packed[1] = (u[2] & low4) | (u[0] >> 6 & top2) << 4;   /* scales 4-7 */
+    packed[2] = u[1] & low6;                               /* mins 0-3 */
+    packed[3] = (u[2] >> 4 & low4) | (u[1] >> 6 & top2) << 4; /* mins 4-7 */
+#if defined(DFA_AVX2)
+    const __m128i sm = _mm_loadu_si128((const __m128i *)packed);
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(super_min), mins), _mm256_set1_ps(-0.0f)));
+#elif defined(DFA_NEON)
+    const uint8x16_t sm = vld1q_u8((const uint8_t *)packed);
+    const uint16x8_t scales = vmovl_u8(vget_low_u8(sm)), mins = vmovl_u8(vget_high_u8(sm));
+    vst1q_f32(d, vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_low_u16(scales))), super));
+    vst1q_f32(d + 4, vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_high_u16(scales))), super));
+    vst1q_f32(m, vnegq_f32(vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_low_u16(mins))), super_min)));
+    vst1q_f32(m + 4, vnegq_f32(vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_high_u16(mins))), super_min)));
+#else
+    uint8_t sm[16];
+    memcpy(sm, packed, sizeof sm);
+    for (int j = 0; j < 8; j++) {
+        d[j] = super * (float)sm[j];
+        m[j] = -(super_min * (float)sm[8 + j]);
+    }
+#endif
+}
+
+/* Each ISA's accumulators (ACC: two chains per activation row, even and odd blocks) and block kernels:
+ * block_nibbles adds block b of a u4 (five 0) / u5 (five 1) row, block_s8 of an s8 row, times its scale sd (s8
+ * groups of 16: sd for the first run, sd1 for the second) and the activations' block scale, into the accumulators
+ * of parity a (five, a, group and rows are constants where inlined). */
+#if defined(DFA_AVX2)
+typedef __m256 ACC;
+static inline ACC acc_zero(void) { return _mm256_setzero_ps(); }
+/* acc += the 8 products m[j] x[j] (a super-block's min terms) */
+static inline ACC acc_mins(ACC acc, const float m[8], const float *x) {
+    return _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_loadu_ps(x), acc);
+}
+
+static inline float acc_sum(ACC a, ACC b) {
+    const __m256 v = _mm256_add_ps(a, b);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -214,8 +265,7 @@ static inline __m256i dot16(__m256i w16, const int16_t *x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)x));
 }
 
-/* acc[a][i] += p (8 int32 lanes) * s: accumulators of even (a = 0) and odd (a = 1) blocks, two independent
- * multiply-add chains per row. */
+/* acc[a][i] += p (8 int32 lanes) * s */
 #define ACC2(acc, a, i, p, s) \
     acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[a][i])
 
@@ -228,11 +278,9 @@ static inline __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
 }
 
-/* Block b of a u4 (five 0) or u5 (five 1) row into the accumulators of parity a (both constants where
- * inlined): the group's 32 values as int16 in order, without a lane-crossing shuffle, minus the offset. */
-static inline __attribute__((always_inline)) void block_nibbles(__m256 acc[2][TILE], int a, int five,
-                                                                const uint8_t *qn, const uint32_t *qhn,
-                                                                const void *dn, int d16, __m256i offset,
+/* The group's 32 values as int16 in order, without a lane-crossing shuffle, minus the offset. */
+static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int five, const uint8_t *qn,
+                                                                const uint32_t *qhn, float sd, int offset,
                                                                 const int16_t *xq, const float *xs, int64_t K,
                                                                 int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
@@ -240,73 +288,42 @@ static inline __attribute__((always_inline)) void block_nibbles(__m256 acc[2][TI
     __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qn + b * 16)));
     v = _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi8(0x0F));
     if (five) v = _mm256_or_si256(v, fifth_bits(qhn[b]));
-    __m256i lo = _mm256_unpacklo_epi8(v, _mm256_setzero_si256()); /* values 0..15 */
-    __m256i hi = _mm256_unpackhi_epi8(v, _mm256_setzero_si256()); /* values 16..31 */
-    lo = _mm256_sub_epi16(lo, offset);
-    hi = _mm256_sub_epi16(hi, offset);
+    const __m256i off = _mm256_set1_epi16((short)offset);
+    const __m256i lo = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, _mm256_setzero_si256()), off); /* values 0..15 */
+    const __m256i hi = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, _mm256_setzero_si256()), off); /* 16..31 */
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)),
-             scale_at(dn, d16, b) * xs[(r0 + i) * B + b]);
+        ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), sd * xs[(r0 + i) * B + b]);
     }
 }
 
-/* One u4 / u5 weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0. Even and
- * odd blocks accumulate separately, so two multiply-add chains run at once; the order is the same for every
- * `rows`, so a row's result never depends on the rows beside it. */
-static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
-                                                              const void *dn, int d16, int offset, const int16_t *xq,
-                                                              const float *xs, int64_t K, int64_t r0, int rows,
-                                                              float *out) {
-    const int64_t B = K / 32;
-    const __m256i off = _mm256_set1_epi16((short)offset);
-    __m256 acc[2][TILE];
-    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-        block_nibbles(acc, 0, five, qn, qhn, dn, d16, off, xq, xs, K, b, r0, rows);
-        block_nibbles(acc, 1, five, qn, qhn, dn, d16, off, xq, xs, K, b + 1, r0, rows);
-    }
-    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, d16, off, xq, xs, K, b, r0, rows);
-    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
-}
-
-/* Block b of an s8 row into the accumulators of parity a (a constant where inlined). */
-static inline __attribute__((always_inline)) void block_s8(__m256 acc[2][TILE], int a, const int8_t *qn,
-                                                           const void *dn, int d16, int64_t group, const int16_t *xq,
+static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd,
+                                                           float sd1, int64_t group, const int16_t *xq,
                                                            const float *xs, int64_t K, int64_t b, int64_t r0,
                                                            int rows) {
     const int64_t B = K / 32;
-    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
-    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
         const float sx = xs[(r0 + i) * B + b];
-        __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
+        const __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
         if (group == 32) {
-            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), scale_at(dn, d16, b) * sx);
+            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), sd * sx);
         } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
-            ACC2(acc, 0, i, p0, scale_at(dn, d16, 2 * b) * sx);
-            ACC2(acc, 1, i, p1, scale_at(dn, d16, 2 * b + 1) * sx);
+            ACC2(acc, 0, i, p0, sd * sx);
+            ACC2(acc, 1, i, p1, sd1 * sx);
         }
     }
 }
-
-static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const void *dn, int d16, int64_t group,
-                                                         const int16_t *xq, const float *xs, int64_t K,
-                                                         int64_t r0, int rows, float *out) {
-    const int64_t B = K / 32;
-    __m256 acc[2][TILE];
-    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-        block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
-        block_s8(acc, 1, qn, dn, d16, group, xq, xs, K, b + 1, r0, rows);
-    }
-    if (b < B) block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
-    for (int i = 0; i < rows; i++) out[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
-}
 #elif defined(DFA_NEON)
+typedef float32x4_t ACC;
+static inline ACC acc_zero(void) { return vdupq_n_f32(0.0f); }
+static inline ACC acc_mins(ACC acc, const float m[8], const float *x) {
+    return vfmaq_f32(vfmaq_f32(acc, vld1q_f32(m), vld1q_f32(x)), vld1q_f32(m + 4), vld1q_f32(x + 4));
+}
+static inline float acc_sum(ACC a, ACC b) { return vaddvq_f32(vaddq_f32(a, b)); }
+
 /* 32 int16 weights w[0..3] (8 each) against 32 int16 activations: 4 int32 lanes of sums, each of 8 products of at
  * most 2^15 * 2^7 (no overflow). */
 static inline int32x4_t dot32(const int16x8_t w[4], const int16_t *x) {
@@ -336,13 +353,12 @@ static inline uint8x16_t fifth_bits16(uint32_t bits) {
     return vandq_u8(vtstq_u8(v, vld1q_u8(select)), vdupq_n_u8(16));
 }
 
-/* Block b of a u4 / u5 row into the accumulators of parity a: the 16 bytes' low nibbles are runs R0, R2 and their
- * high nibbles R1, R3, so the values 0..31 in order are the halves of the two nibble vectors, widened. */
-static inline __attribute__((always_inline)) void block_nibbles(float32x4_t acc[2][TILE], int a, int five,
-                                                                const uint8_t *qn, const uint32_t *qhn,
-                                                                const void *dn, int d16, int offset, const int16_t *xq,
-                                                                const float *xs, int64_t K, int64_t b, int64_t r0,
-                                                                int rows) {
+/* The 16 bytes' low nibbles are runs R0, R2 and their high nibbles R1, R3, so the values 0..31 in order are the
+ * halves of the two nibble vectors, widened. */
+static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int five, const uint8_t *qn,
+                                                                const uint32_t *qhn, float sd, int offset,
+                                                                const int16_t *xq, const float *xs, int64_t K,
+                                                                int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
     const uint8x16_t raw = vld1q_u8(qn + b * 16);
     uint8x16_t low = vandq_u8(raw, vdupq_n_u8(0x0F)), high = vshrq_n_u8(raw, 4); /* R0 R2 | R1 R3 */
@@ -350,33 +366,17 @@ static inline __attribute__((always_inline)) void block_nibbles(float32x4_t acc[
         low = vorrq_u8(low, fifth_bits16(qhn[b]));
         high = vorrq_u8(high, fifth_bits16(qhn[b] >> 16));
     }
-    int16x8_t w[4] = {vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(low))),
-                      vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(high))),
-                      vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(low))),
-                      vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(high)))};
-    for (int j = 0; j < 4; j++) w[j] = vsubq_s16(w[j], vdupq_n_s16((int16_t)offset));
+    const int16x8_t off = vdupq_n_s16((int16_t)offset);
+    const int16x8_t w[4] = {vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(low))), off),
+                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(high))), off),
+                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(low))), off),
+                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(high))), off)};
     for (int i = 0; i < rows; i++)
-        ACC2(acc, a, i, dot32(w, xq + (r0 + i) * K + b * 32), scale_at(dn, d16, b) * xs[(r0 + i) * B + b]);
+        ACC2(acc, a, i, dot32(w, xq + (r0 + i) * K + b * 32), sd * xs[(r0 + i) * B + b]);
 }
 
-static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
-                                                              const void *dn, int d16, int offset, const int16_t *xq,
-                                                              const float *xs, int64_t K, int64_t r0, int rows,
-                                                              float *out) {
-    const int64_t B = K / 32;
-    float32x4_t acc[2][TILE];
-    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = vdupq_n_f32(0.0f);
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-        block_nibbles(acc, 0, five, qn, qhn, dn, d16, offset, xq, xs, K, b, r0, rows);
-        block_nibbles(acc, 1, five, qn, qhn, dn, d16, offset, xq, xs, K, b + 1, r0, rows);
-    }
-    if (b < B) block_nibbles(acc, 0, five, qn, qhn, dn, d16, offset, xq, xs, K, b, r0, rows);
-    for (int i = 0; i < rows; i++) out[i] = vaddvq_f32(vaddq_f32(acc[0][i], acc[1][i]));
-}
-
-static inline __attribute__((always_inline)) void block_s8(float32x4_t acc[2][TILE], int a, const int8_t *qn,
-                                                           const void *dn, int d16, int64_t group, const int16_t *xq,
+static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd,
+                                                           float sd1, int64_t group, const int16_t *xq,
                                                            const float *xs, int64_t K, int64_t b, int64_t r0,
                                                            int rows) {
     const int64_t B = K / 32;
@@ -387,71 +387,126 @@ static inline __attribute__((always_inline)) void block_s8(float32x4_t acc[2][TI
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
         const float sx = xs[(r0 + i) * B + b];
         if (group == 32) {
-            ACC2(acc, a, i, dot32(w, xb), scale_at(dn, d16, b) * sx);
+            ACC2(acc, a, i, dot32(w, xb), sd * sx);
         } else { /* runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(w[0], w[1], xb), scale_at(dn, d16, 2 * b) * sx);
-            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), scale_at(dn, d16, 2 * b + 1) * sx);
+            ACC2(acc, 0, i, dot16(w[0], w[1], xb), sd * sx);
+            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), sd1 * sx);
         }
     }
-}
-
-static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const void *dn, int d16, int64_t group,
-                                                         const int16_t *xq, const float *xs, int64_t K,
-                                                         int64_t r0, int rows, float *out) {
-    const int64_t B = K / 32;
-    float32x4_t acc[2][TILE];
-    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = vdupq_n_f32(0.0f);
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-        block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
-        block_s8(acc, 1, qn, dn, d16, group, xq, xs, K, b + 1, r0, rows);
-    }
-    if (b < B) block_s8(acc, 0, qn, dn, d16, group, xq, xs, K, b, r0, rows);
-    for (int i = 0; i < rows; i++) out[i] = vaddvq_f32(vaddq_f32(acc[0][i], acc[1][i]));
 }
 #else
-static void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn, const void *dn, int d16, int offset,
-                        const int16_t *xq, const float *xs, int64_t K, int64_t r0, int rows, float *out) {
+/* The scalar reference: each block's integer dot exactly, then one multiply-add per block. */
+typedef float ACC;
+static inline ACC acc_zero(void) { return 0.0f; }
+static inline ACC acc_mins(ACC acc, const float m[8], const float *x) {
+    for (int j = 0; j < 8; j++) acc += m[j] * x[j];
+    return acc;
+}
+static inline float acc_sum(ACC a, ACC b) { return a + b; }
+
+static inline void block_nibbles(ACC acc[2][TILE], int a, int five, const uint8_t *qn, const uint32_t *qhn, float sd,
+                                 int offset, const int16_t *xq, const float *xs, int64_t K, int64_t b, int64_t r0,
+                                 int rows) {
     const int64_t B = K / 32;
+    int w[32];
+    for (int v = 0; v < 32; v++)
+        w[v] = (nibble(qn + b * 16, v) | (five ? (int)(qhn[b] >> fifth_bit(v) & 1) << 4 : 0)) - offset;
     for (int i = 0; i < rows; i++) {
-        const int16_t *xr = xq + (r0 + i) * K;
-        float acc = 0.0f;
-        for (int64_t b = 0; b < B; b++) {
-            int32_t s = 0;
-            for (int v = 0; v < 32; v++) {
-                const int q = nibble(qn + b * 16, v) | (five ? (int)(qhn[b] >> fifth_bit(v) & 1) << 4 : 0);
-                s += (q - offset) * xr[b * 32 + v];
-            }
-            acc += scale_at(dn, d16, b) * xs[(r0 + i) * B + b] * (float)s;
-        }
-        out[i] = acc;
+        const int16_t *xb = xq + (r0 + i) * K + b * 32;
+        int32_t s = 0;
+        for (int v = 0; v < 32; v++) s += w[v] * xb[v];
+        acc[a][i] += sd * xs[(r0 + i) * B + b] * (float)s;
     }
 }
 
-static void row_s8(const int8_t *qn, const void *dn, int d16, int64_t group, const int16_t *xq, const float *xs,
-                   int64_t K, int64_t r0, int rows, float *out) {
+static inline void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd, float sd1, int64_t group,
+                            const int16_t *xq, const float *xs, int64_t K, int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
     for (int i = 0; i < rows; i++) {
-        const int16_t *xr = xq + (r0 + i) * K;
-        float acc = 0.0f;
-        for (int64_t g = 0; g < K / group; g++) {
-            int32_t s = 0;
-            for (int64_t j = 0; j < group; j++) s += qn[g * group + j] * xr[g * group + j];
-            acc += scale_at(dn, d16, g) * xs[(r0 + i) * B + g * group / 32] * (float)s;
+        const int16_t *xb = xq + (r0 + i) * K + b * 32;
+        const float sx = xs[(r0 + i) * B + b];
+        int32_t s0 = 0, s1 = 0;
+        for (int v = 0; v < 16; v++) {
+            s0 += qn[b * 32 + v] * xb[v];
+            s1 += qn[b * 32 + 16 + v] * xb[16 + v];
         }
-        out[i] = acc;
+        if (group == 32) {
+            acc[a][i] += sd * sx * (float)(s0 + s1);
+        } else {
+            acc[0][i] += sd * sx * (float)s0;
+            acc[1][i] += sd1 * sx * (float)s1;
+        }
     }
 }
 #endif
+
+/* One u4 / u5 weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0, its offsets
+ * m excluded (the caller adds them) but for K-format headers, whose min terms are summed here, a super-block at a
+ * time. Even and odd blocks accumulate separately, so two multiply-add chains run at once; the order is the same
+ * for every `rows`, so a row's result never depends on the rows beside it. */
+static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
+                                                              const void *dn, int scales, int offset,
+                                                              const int16_t *xq, const float *xs, const float *xsum,
+                                                              int64_t K, int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    ACC acc[2][TILE], mins[TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = mins[i] = acc_zero();
+    if (scales == DFA_SCALES_K) {
+        for (int64_t s = 0; s < B / 8; s++) {
+            float kd[8], km[8];
+            k_scales((const uint8_t *)dn + s * 16, kd, km);
+            for (int i = 0; i < rows; i++) mins[i] = acc_mins(mins[i], km, xsum + (r0 + i) * B + s * 8);
+            for (int j = 0; j < 8; j += 2) {
+                block_nibbles(acc, 0, five, qn, qhn, kd[j], offset, xq, xs, K, s * 8 + j, r0, rows);
+                block_nibbles(acc, 1, five, qn, qhn, kd[j + 1], offset, xq, xs, K, s * 8 + j + 1, r0, rows);
+            }
+        }
+    } else {
+        int64_t b = 0;
+        for (; b + 2 <= B; b += 2) {
+            block_nibbles(acc, 0, five, qn, qhn, scale_at(dn, scales, b), offset, xq, xs, K, b, r0, rows);
+            block_nibbles(acc, 1, five, qn, qhn, scale_at(dn, scales, b + 1), offset, xq, xs, K, b + 1, r0, rows);
+        }
+        if (b < B) block_nibbles(acc, 0, five, qn, qhn, scale_at(dn, scales, b), offset, xq, xs, K, b, r0, rows);
+    }
+    for (int i = 0; i < rows; i++) out[i] = acc_sum(acc[0][i], acc[1][i]) + acc_sum(mins[i], acc_zero());
+}
+
+static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const void *dn, int scales, int64_t group,
+                                                         const int16_t *xq, const float *xs, int64_t K,
+                                                         int64_t r0, int rows, float *out) {
+    const int64_t B = K / 32;
+    ACC acc[2][TILE];
+    for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = acc_zero();
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+        if (group == 32) {
+            block_s8(acc, 0, qn, scale_at(dn, scales, b), 0.0f, 32, xq, xs, K, b, r0, rows);
+            block_s8(acc, 1, qn, scale_at(dn, scales, b + 1), 0.0f, 32, xq, xs, K, b + 1, r0, rows);
+        } else {
+            block_s8(acc, 0, qn, scale_at(dn, scales, 2 * b), scale_at(dn, scales, 2 * b + 1), 16, xq, xs, K, b, r0,
+                     rows);
+            block_s8(acc, 0, qn, scale_at(dn, scales, 2 * b + 2), scale_at(dn, scales, 2 * b + 3), 16, xq, xs, K,
+                     b + 1, r0, rows);
+        }
+    }
+    if (b < B)
+        block_s8(acc, 0, qn, scale_at(dn, scales, group == 32 ? b : 2 * b),
+                 group == 32 ? 0.0f : scale_at(dn, scales, 2 * b + 1), group, xq, xs, K, b, r0, rows);
+    for (int i = 0; i < rows; i++) out[i] = acc_sum(acc[0][i], acc[1][i]);
+}
+
+/* Bytes of scales per block of 32 (one float32, one float16, or a 16-byte K header per 8 blocks). */
+static inline int64_t scale_bytes(int scales) { return scales == DFA_SCALES_F32 ? 4 : 2; }
 
 /* Weight row n of a u4 / u5 matrix (five 0 / 1) against the M activation rows. Inlined with M == 1 as its own
  * loop, a decode step's matmul compiles to a loop free of the tiles' bookkeeping (a third fewer instructions). */
 static inline __attribute__((always_inline)) void nibbles_row(int five, const int16_t *xq, const float *xs,
                                                               const float *xsum, int64_t M, int64_t K,
                                                               const uint8_t *q, const uint32_t *qh, int offset,
-                                                              const void *d, int d16, const float *m, int64_t N,
+                                                              const void *d, int scales, const float *m, int64_t N,
                                                               float *y, int64_t n, int64_t ahead) {
-    const int64_t B = K / 32, dbytes = d16 ? 2 : 4;
+    const int64_t B = K / 32, dbytes = scale_bytes(scales);
     const uint8_t *qn = q + n * (K / 2);
     const uint32_t *qhn = five ? qh + n * B : NULL;
     const char *dn = (const char *)d + n * B * dbytes;
@@ -463,47 +518,44 @@ static inline __attribute__((always_inline)) void nibbles_row(int five, const in
     float out[TILE];
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE) {
-        row_nibbles(five, qn, qhn, dn, d16, offset, xq, xs, K, r0, TILE, out);
+        row_nibbles(five, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, TILE, out);
         for (int i = 0; i < TILE; i++)
             y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
     }
     for (; r0 < M; r0++) {
-        row_nibbles(five, qn, qhn, dn, d16, offset, xq, xs, K, r0, 1, out);
+        row_nibbles(five, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, 1, out);
         y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
     }
 }
 
 /* A u4 / u5 matrix: its rows split across the threads, with the row function inlined for each of the constants
- * it branches on (4 / 5 bits, one activation row, float16 scales), so no block tests them. */
-#define NIBBLE_ROWS(five, rows, d16)                                              \
+ * it branches on (4 / 5 bits, one activation row, the scales' format), so no block tests them. */
+#define NIBBLE_ROWS(five, rows, scales)                                                                \
     _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
-        nibbles_row(five, xq, xs, xsum, rows, K, q, qh, offset, d, d16, m, N, y, n, ahead)
+        nibbles_row(five, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y, n, ahead)
+#define NIBBLE_SCALES(five, rows)                                      \
+    do {                                                               \
+        if (scales == DFA_SCALES_K) NIBBLE_ROWS(five, rows, DFA_SCALES_K);   \
+        else if (scales == DFA_SCALES_F16) NIBBLE_ROWS(five, rows, DFA_SCALES_F16); \
+        else NIBBLE_ROWS(five, rows, DFA_SCALES_F32);                  \
+    } while (0)
 
 static void matmul_nibbles(int five, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                           const uint8_t *q, const uint32_t *qh, int offset, const void *d, int d16, const float *m,
-                           int64_t N, float *y, int threads) {
-    const int64_t B = K / 32, ahead = rows_ahead(K / 2 + ((five ? 4 : 0) + (d16 ? 2 : 4) + (m ? 4 : 0)) * B);
-    {
-        const int variant = (five ? 4 : 0) | (M == 1 ? 2 : 0) | (d16 ? 1 : 0);
-        switch (variant) {
-        case 0: NIBBLE_ROWS(0, M, 0); break;
-        case 1: NIBBLE_ROWS(0, M, 1); break;
-        case 2: NIBBLE_ROWS(0, 1, 0); break;
-        case 3: NIBBLE_ROWS(0, 1, 1); break;
-        case 4: NIBBLE_ROWS(1, M, 0); break;
-        case 5: NIBBLE_ROWS(1, M, 1); break;
-        case 6: NIBBLE_ROWS(1, 1, 0); break;
-        default: NIBBLE_ROWS(1, 1, 1); break;
-        }
-    }
+                           const uint8_t *q, const uint32_t *qh, int offset, const void *d, int scales,
+                           const float *m, int64_t N, float *y, int threads) {
+    const int64_t B = K / 32, ahead = rows_ahead(K / 2 + ((five ? 4 : 0) + scale_bytes(scales) + (m ? 4 : 0)) * B);
+    if (five && M == 1) NIBBLE_SCALES(1, 1);
+    else if (five) NIBBLE_SCALES(1, M);
+    else if (M == 1) NIBBLE_SCALES(0, 1);
+    else NIBBLE_SCALES(0, M);
 }
 
 /* Weight row n of an s8 matrix against the M activation rows (group 32 or 16, constants where inlined). */
 static inline __attribute__((always_inline)) void s8_row(const int16_t *xq, const float *xs, const float *xsum,
                                                          int64_t M, int64_t K, const int8_t *q, const void *d,
-                                                         int d16, const float *m, int64_t group, int64_t N, float *y,
-                                                         int64_t n, int64_t ahead) {
-    const int64_t B = K / 32, G = K / group, dbytes = d16 ? 2 : 4;
+                                                         int scales, const float *m, int64_t group, int64_t N,
+                                                         float *y, int64_t n, int64_t ahead) {
+    const int64_t B = K / 32, G = K / group, dbytes = scale_bytes(scales);
     const int8_t *qn = q + n * K;
     const char *dn = (const char *)d + n * G * dbytes;
     const float *mn = m ? m + n * G : NULL;
@@ -513,67 +565,68 @@ static inline __attribute__((always_inline)) void s8_row(const int16_t *xq, cons
     float out[TILE];
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE) {
-        row_s8(qn, dn, d16, group, xq, xs, K, r0, TILE, out);
+        row_s8(qn, dn, scales, group, xq, xs, K, r0, TILE, out);
         for (int i = 0; i < TILE; i++)
             y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
     }
     for (; r0 < M; r0++) {
-        row_s8(qn, dn, d16, group, xq, xs, K, r0, 1, out);
+        row_s8(qn, dn, scales, group, xq, xs, K, r0, 1, out);
         y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
     }
 }
 
-#define S8_ROWS(group, rows, d16)                                                 \
+#define S8_ROWS(group, rows, scales)                                                                   \
     _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
-        s8_row(xq, xs, xsum, rows, K, q, d, d16, m, group, N, y, n, ahead)
+        s8_row(xq, xs, xsum, rows, K, q, d, scales, m, group, N, y, n, ahead)
+#define S8_SCALES(group, rows)                                                     \
+    do {                                                                           \
+        if (scales == DFA_SCALES_F16) S8_ROWS(group, rows, DFA_SCALES_F16); \
+        else S8_ROWS(group, rows, DFA_SCALES_F32);                                 \
+    } while (0)
 
 static void matmul_s8(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const int8_t *q,
-                      const void *d, int d16, const float *m, int64_t group, int64_t N, float *y, int threads) {
-    /* group is 32 or 16 (m only with 32) */
-    const int64_t G = K / group, ahead = rows_ahead(K + (d16 ? 2 : 4) * G + (m ? 4 : 0) * G);
-    {
-        const int variant = (group == 16 ? 4 : 0) | (M == 1 ? 2 : 0) | (d16 ? 1 : 0);
-        switch (variant) {
-        case 0: S8_ROWS(32, M, 0); break;
-        case 1: S8_ROWS(32, M, 1); break;
-        case 2: S8_ROWS(32, 1, 0); break;
-        case 3: S8_ROWS(32, 1, 1); break;
-        case 4: S8_ROWS(16, M, 0); break;
-        case 5: S8_ROWS(16, M, 1); break;
-        case 6: S8_ROWS(16, 1, 0); break;
-        default: S8_ROWS(16, 1, 1); break;
-        }
-    }
+                      const void *d, int scales, const float *m, int64_t group, int64_t N, float *y, int threads) {
+    /* group is 32 or 16 (m only with 32); scales float32 or float16 */
+    const int64_t G = K / group, ahead = rows_ahead(K + scale_bytes(scales) * G + (m ? 4 : 0) * G);
+    if (group == 16 && M == 1) S8_SCALES(16, 1);
+    else if (group == 16) S8_SCALES(16, M);
+    else if (M == 1) S8_SCALES(32, 1);
+    else S8_SCALES(32, M);
 }
 
 /* w [N, K] float32 = d (q - offset) + m, exactly as the GGUF dequantization computes
  * it (one product, one sum, no fused multiply-add: the build passes -ffp-contract=off): for blocks of many
  * activation rows (prefill), where a float32 GEMM on the dequantized rows beats the integer dot; and (ids [N],
  * else NULL: rows 0..N-1) the embedding rows of a step's tokens. */
-void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const void *d, int d16, const float *m,
-                    int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads) {
+void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const void *d, int scales,
+                    const float *m, int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads) {
     const int64_t G = K / group;
 #pragma omp parallel for num_threads(threads) schedule(static) if (N > 1)
     for (int64_t i = 0; i < N; i++) {
         const int64_t n = ids ? ids[i] : i;
-        const char *dn = (const char *)d + n * G * (d16 ? 2 : 4);
+        const char *dn = (const char *)d + n * G * scale_bytes(scales);
         const float *mn = m ? m + n * G : NULL;
         float *wn = w + i * K;
         if (bits == 8) {
             const int8_t *qn = (const int8_t *)q + n * K;
             for (int64_t k = 0; k < K; k++) {
-                const float v = scale_at(dn, d16, k / group) * (float)qn[k];
+                const float v = scale_at(dn, scales, k / group) * (float)qn[k];
                 wn[k] = mn ? v + mn[k / group] : v;
             }
             continue;
         }
         const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
-        for (int64_t b = 0; b < K / 32; b++)
+        float kd[8], km[8];
+        for (int64_t b = 0; b < K / 32; b++) {
+            if (scales == DFA_SCALES_K && b % 8 == 0) k_scales((const uint8_t *)dn + b / 8 * 16, kd, km);
+            const float sd = scales == DFA_SCALES_K ? kd[b % 8] : scale_at(dn, scales, b);
+            const float *min = scales == DFA_SCALES_K ? &km[b % 8] : mn ? &mn[b] : NULL;
             for (int v = 0; v < 32; v++) {
                 const int u = nibble(qn + b * 16, v) | (bits == 5 ? (int)(qh[n * (K / 32) + b] >> fifth_bit(v) & 1) << 4 : 0);
-                const float a = scale_at(dn, d16, b) * (float)(u - offset);
-                wn[b * 32 + v] = mn ? a + mn[b] : a;
+                const float a = sd * (float)(u - offset);
+                wn[b * 32 + v] = min ? a + *min : a;
             }
+        }
     }
 }
 
@@ -582,14 +635,14 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
  * or 8 picks the layout (qh: u5 only). Returns 0, or -1 when the scratch could not be had (y is then
  * unwritten), as dfa_norm_linear and dfa_layers_forward do. */
 int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
-               const void *d, int d16, const float *m, int64_t group, int64_t N, float *y, int threads) {
+               const void *d, int scales, const float *m, int64_t group, int64_t N, float *y, int threads) {
     const int64_t B = K / 32;
     int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
     float *xs = (float *)malloc((size_t)(2 * M * B) * sizeof(float));
     const int status = xq && xs ? 0 : -1;
     if (status == 0) {
         dfa_quantize(x, M, K, xq, xs, xs + M * B, threads);
-        dfa_matmul(xq, xs, xs + M * B, M, K, q, bits, qh, offset, d, d16, m, group, N, y, threads);
+        dfa_matmul(xq, xs, xs + M * B, M, K, q, bits, qh, offset, d, scales, m, group, N, y, threads);
     }
     free(xq);
     free(xs);
@@ -597,12 +650,12 @@ int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, co
 }
 
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
-                const uint32_t *qh, int offset, const void *d, int d16, const float *m, int64_t group, int64_t N,
+                const uint32_t *qh, int offset, const void *d, int scales, const float *m, int64_t group, int64_t N,
                 float *y, int threads) {
     if (bits == 8)
-        matmul_s8(xq, xs, xsum, M, K, (const int8_t *)q, d, d16, m, group, N, y, threads);
+        matmul_s8(xq, xs, xsum, M, K, (const int8_t *)q, d, scales, m, group, N, y, threads);
     else
-        matmul_nibbles(bits == 5, xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, d16, m, N, y, threads);
+        matmul_nibbles(bits == 5, xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, scales, m, N, y, threads);
 }
 
 /* The index of the first largest of x[0..n), a NaN counting as larger than any number (torch.argmax's rule):

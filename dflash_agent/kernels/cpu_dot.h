@@ -15,17 +15,20 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 4
+#define DFA_ABI_VERSION 5
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
-/* y [M, N] = xq @ w^T for a weight of `bits` 4, 5 or 8 (qh: 5 only; d float32, or float16 where d16) */
+/* How a layout's scales d are stored (see cpu_dot.c): float32, float16, or Q4_K / Q5_K super-block headers. */
+enum { DFA_SCALES_F32 = 0, DFA_SCALES_F16 = 1, DFA_SCALES_K = 2 };
+
+/* y [M, N] = xq @ w^T for a weight of `bits` 4, 5 or 8 (qh: 5 only; d stored as `scales` says) */
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
-                const uint32_t *qh, int offset, const void *d, int d16, const float *m, int64_t group, int64_t N,
+                const uint32_t *qh, int offset, const void *d, int scales, const float *m, int64_t group, int64_t N,
                 float *y, int threads);
 
 /* x [M, K] float32 quantized and multiplied in one call; 0, or -1 when its scratch could not be had */
 int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
-               const void *d, int d16, const float *m, int64_t group, int64_t N, float *y, int threads);
+               const void *d, int scales, const float *m, int64_t group, int64_t N, float *y, int threads);
 
 /* Which vector code this build runs: 2 AVX2, 1 NEON, 0 scalar. */
 int dfa_simd(void);
@@ -34,17 +37,17 @@ int64_t dfa_abi(int which);
 const char *dfa_source_digest(void);
 
 /* w [N, K] float32 from a layout (ids: the rows to take, else NULL for all N) */
-void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const void *d, int d16, const float *m,
-                    int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads);
+void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const void *d, int scales,
+                    const float *m, int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads);
 /* the index of the first largest of x[0..n), NaN largest (torch.argmax's rule) */
 int64_t dfa_argmax(const float *x, int64_t n, int threads);
 
 typedef struct {  /* a weight in one of cpu_dot.c's layouts */
     const void *q;  /* NULL: no such matrix */
     const uint32_t *qh;
-    const void *d;   /* float32, or float16 where d16 */
+    const void *d;   /* stored as `scales` says (DFA_SCALES_*) */
     const float *m;
-    int64_t group, bits, offset, n, k, d16;
+    int64_t group, bits, offset, n, k, scales;
 } dfa_matrix;
 
 typedef struct {

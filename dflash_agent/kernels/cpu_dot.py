@@ -44,7 +44,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 4  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 5  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
 # F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
 # generic build (the scalar C, DFA_SCALAR: the reference the vector builds are tested against; torch's kernels beat it).
@@ -57,6 +57,8 @@ VARIANTS: dict[str, frozenset[str]] = {
 # The machines (platform.machine(), lower case) each vector variant is built for.
 MACHINES = {"x86_64_v3": ("x86_64", "amd64"), "aarch64_neon": ("aarch64", "arm64")}
 SIMD = {0: "scalar", 1: "neon", 2: "avx2"}  # dfa_simd()
+# cpu_dot.h's DFA_SCALES_*, by the dtype of an IntMatrix's d: float32, float16, K-quant super-block headers
+SCALES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _WEIGHT = [_P, ctypes.c_int, _P, ctypes.c_int, _P, ctypes.c_int, _P, _I, _I]
@@ -65,7 +67,7 @@ _SIGNATURES = {
     "dfa_abi": ([ctypes.c_int], _I),
     "dfa_source_digest": ([], ctypes.c_char_p),
     "dfa_quantize": ([_P, _I, _I, _P, _P, _P, ctypes.c_int], None),
-    # a weight's arguments (IntMatrix.args): q, bits, qh, offset, d, d16, m, group, N
+    # a weight's arguments (IntMatrix.args): q, bits, qh, offset, d, scales, m, group, N
     "dfa_matmul": ([_P, _P, _P, _I, _I, *_WEIGHT, _P, ctypes.c_int], None),
     "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, ctypes.c_int],
                        None),
@@ -80,8 +82,10 @@ _SIGNATURES = {
 @dataclass(frozen=True)
 class IntMatrix:
     """A weight [N, K] in one of cpu_dot.c's layouts (`pack` builds them), groups of `group` inputs with scales
-    d [N, K / group] (float32, or float16 as the GGUF stores the scales of its Q4_0 / Q5_0 / Q8_0 blocks) and
-    offsets m (float32 [N, K / group], or None):
+    scales d, stored as the GGUF stores them where the kernels read that (`scales`): float32 [N, K / group];
+    float16 [N, K / group] (the one scale of each Q4_0 / Q5_0 / Q8_0 block); or uint8 [N, K / 256 * 16], the 16-byte
+    header of each Q4_K / Q5_K super-block (float16 d and dmin, 6-bit scales and mins: w = d sc q - dmin mn per
+    group of 32; 4 or 5 bits, no m). Offsets m: float32 [N, K / group], or None:
     - bits 4: q [N, K / 2] uint8, 16 bytes per group of 32 (see cpu_dot.c), w = d (q - offset) + m;
     - bits 5: q as for 4 bits holding the low 4 bits, qh [N, K / 32] int32 holding the fifth, w = d (q - offset) + m;
     - bits 8: q [N, K] int8, w = d q + m, groups of 32, or 16 without m."""
@@ -99,8 +103,13 @@ class IntMatrix:
             raise ValueError(f"no {self.bits}-bit layout {'with' if self.qh is not None else 'without'} fifth bits")
         if self.group not in (16, 32) or (self.group == 16 and (self.bits != 8 or self.m is not None)):
             raise ValueError("groups of 16 are an 8-bit layout without offsets")
-        if self.d.dtype not in (torch.float32, torch.float16) or (self.d.dtype == torch.float16 and self.m is not None):
-            raise ValueError(f"scales d are float32, or float16 without offsets m, not {self.d.dtype}")
+        if self.d.dtype not in SCALES or (self.d.dtype != torch.float32 and self.m is not None):
+            raise ValueError(f"scales d are float32, or float16 or K-quant headers (uint8) without offsets m, not "
+                             f"{self.d.dtype}")
+        if self.d.dtype == torch.uint8 and (self.bits == 8 or self.group != 32 or self.k % 256
+                                            or self.d.shape != (self.n, self.k // 256 * 16)):
+            raise ValueError(f"K-quant headers scale 4- or 5-bit rows of a multiple of 256 values, 16 bytes each, got "
+                             f"{self.bits} bits, {self.k} values, headers {tuple(self.d.shape)}")
         if self.bits == 8 and self.offset:
             raise ValueError("the 8-bit layout is signed: no offset")
 
@@ -151,17 +160,18 @@ class IntMatrix:
         return self._mapped(lambda t: t[start:end])
 
     @property
-    def d16(self) -> bool:
-        return self.d.dtype == torch.float16
+    def scales(self) -> int:
+        """How d is stored: cpu_dot.h's DFA_SCALES_F32 / F16 / K."""
+        return SCALES[self.d.dtype]
 
     def args(self) -> tuple:
-        """(q, bits, qh, offset, d, d16, m, group, N): the weight as cpu_dot.c's entry points take it."""
-        return (self.q.data_ptr(), self.bits, _ptr(self.qh), self.offset, self.d.data_ptr(), self.d16, _ptr(self.m),
-                self.group, self.n)
+        """(q, bits, qh, offset, d, scales, m, group, N): the weight as cpu_dot.c's entry points take it."""
+        return (self.q.data_ptr(), self.bits, _ptr(self.qh), self.offset, self.d.data_ptr(), self.scales,
+                _ptr(self.m), self.group, self.n)
 
     def struct(self) -> Matrix:
         return Matrix(self.q.data_ptr(), _ptr(self.qh), self.d.data_ptr(), _ptr(self.m), self.group, self.bits,
-                      self.offset, self.n, self.k, self.d16)
+                      self.offset, self.n, self.k, self.scales)
 
 
 class HugePageArena:
@@ -219,7 +229,7 @@ class Matrix(ctypes.Structure):
     """cpu_layer.c's dfa_matrix: a weight as cpu_dot's matmuls take it (q NULL: absent)."""
 
     _fields_ = [("q", _P), ("qh", _P), ("d", _P), ("m", _P), ("group", _I), ("bits", _I), ("offset", _I), ("n", _I),
-                ("k", _I), ("d16", _I)]
+                ("k", _I), ("scales", _I)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -369,7 +379,7 @@ class CpuDot:
             if rows and not 0 <= min(wanted) <= max(wanted) < w.n:  # C reads past no array
                 raise IndexError(f"row {max(wanted) if max(wanted) >= w.n else min(wanted)} of a matrix of {w.n}")
         out = torch.empty(rows, w.k)
-        self.lib.dfa_dequantize(w.q.data_ptr(), w.bits, _ptr(w.qh), w.offset, w.d.data_ptr(), w.d16, _ptr(w.m),
+        self.lib.dfa_dequantize(w.q.data_ptr(), w.bits, _ptr(w.qh), w.offset, w.d.data_ptr(), w.scales, _ptr(w.m),
                                 w.group, rows, w.k, _ptr(ids), out.data_ptr(), torch.get_num_threads())
         return out
 

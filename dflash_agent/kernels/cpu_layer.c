@@ -119,7 +119,7 @@ static void quantize(const float *x, int64_t T, int64_t K, int16_t *xq, float *x
 }
 
 static void matmul(const dfa_matrix *w, const int16_t *xq, const float *xs, int64_t T, float *y, int threads) {
-    dfa_matmul(xq, xs, xs + T * (w->k / 32), T, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, (int)w->d16,
+    dfa_matmul(xq, xs, xs + T * (w->k / 32), T, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, (int)w->scales,
                w->m, w->group, w->n, y, threads);
 }
 

@@ -56,17 +56,20 @@ static float *activations(int64_t M, int64_t K) {
 
 typedef struct {
     const char *name;
-    int bits, offset, with_m, d16;
+    int bits, offset, with_m, scales;
     int64_t group;
 } layout;
 
-static const layout LAYOUTS[] = {
-    {"u4_q4_k", 4, 0, 1, 0, 32}, {"u4_q4_0", 4, 8, 0, 1, 32}, {"u5_q5_0", 5, 16, 0, 1, 32},
-    {"u5_q5_k", 5, 0, 1, 0, 32}, {"s8_q8_0", 8, 0, 0, 1, 32}, {"s8_m", 8, 0, 1, 0, 32},
-    {"s8_g16", 8, 0, 0, 0, 16},
+enum { Q4_K_F32, Q4_0, Q5_0, Q5_K_F32, Q8_0, S8_M, S8_G16, Q4_K, Q5_K, N_LAYOUTS };
+static const layout LAYOUTS[N_LAYOUTS] = {
+    [Q4_K_F32] = {"u4_m", 4, 0, 1, DFA_SCALES_F32, 32},  [Q4_0] = {"u4_q4_0", 4, 8, 0, DFA_SCALES_F16, 32},
+    [Q5_0] = {"u5_q5_0", 5, 16, 0, DFA_SCALES_F16, 32}, [Q5_K_F32] = {"u5_m", 5, 0, 1, DFA_SCALES_F32, 32},
+    [Q8_0] = {"s8_q8_0", 8, 0, 0, DFA_SCALES_F16, 32},  [S8_M] = {"s8_m", 8, 0, 1, DFA_SCALES_F32, 32},
+    [S8_G16] = {"s8_g16", 8, 0, 0, DFA_SCALES_F32, 16}, [Q4_K] = {"u4_q4_k", 4, 0, 0, DFA_SCALES_K, 32},
+    [Q5_K] = {"u5_q5_k", 5, 0, 0, DFA_SCALES_K, 32},
 };
 
-/* A float as float16 bits (round to nearest even; tiny values flush to subnormals), for the d16 scales. */
+/* A float as float16 bits (round to nearest even; tiny values become subnormals), for float16 scales. */
 static uint16_t to_half(float f) {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
@@ -100,8 +103,18 @@ static dfa_matrix matrix(const layout *l, int64_t N, int64_t K) {
         }
     }
     float *d = floats(N * G, 0.001f, 0.02f);
-    w.d16 = l->d16;
-    if (l->d16) { /* float16 scales, a negative one and a subnormal one among them */
+    w.scales = l->scales;
+    if (l->scales == DFA_SCALES_K) { /* each super-block's header: float16 d and dmin, 12 bytes of 6-bit scales */
+        uint8_t *h = malloc((size_t)(N * K / 256 * 16));
+        for (int64_t s = 0; s < N * K / 256; s++) {
+            const uint16_t super = to_half(uniform(1e-4f, 1e-3f)), super_min = to_half(uniform(1e-4f, 2e-3f));
+            memcpy(h + s * 16, &super, 2);
+            memcpy(h + s * 16 + 2, &super_min, 2);
+            for (int j = 4; j < 16; j++) h[s * 16 + j] = (uint8_t)next();
+        }
+        free(d);
+        w.d = h;
+    } else if (l->scales == DFA_SCALES_F16) { /* a negative scale and a subnormal one among them */
         uint16_t *h = malloc((size_t)(N * G) * sizeof(uint16_t));
         d[0] = -d[0];
         d[1] = 3e-6f;
@@ -123,8 +136,8 @@ static void free_matrix(dfa_matrix *w) {
 }
 
 static int linear(const dfa_matrix *w, const float *x, int64_t M, float *y) {
-    return dfa_linear(x, M, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, (int)w->d16, w->m, w->group, w->n,
-                      y, THREADS);
+    return dfa_linear(x, M, w->k, w->q, (int)w->bits, w->qh, (int)w->offset, w->d, (int)w->scales, w->m, w->group,
+                      w->n, y, THREADS);
 }
 
 static void check_quantize(void) {
@@ -169,13 +182,14 @@ static void check_linear(const layout *l, int64_t K) {
 }
 
 static void check_dequantize(void) {
-    const int64_t N = 6, K = 64, ids[3] = {4, 0, 5};
+    const int64_t N = 6, K = 256, ids[3] = {4, 0, 5};
     float *w = malloc((size_t)(N * K) * sizeof(float));
-    for (size_t i = 0; i < sizeof LAYOUTS / sizeof *LAYOUTS; i++) {
+    for (int i = 0; i < N_LAYOUTS; i++) {
         const layout *l = &LAYOUTS[i];
         dfa_matrix m = matrix(l, N, K);
         char name[32];
-        dfa_dequantize(m.q, (int)m.bits, m.qh, (int)m.offset, m.d, (int)m.d16, m.m, m.group, 3, K, ids, w, THREADS);
+        dfa_dequantize(m.q, (int)m.bits, m.qh, (int)m.offset, m.d, (int)m.scales, m.m, m.group, 3, K, ids, w,
+                       THREADS);
         snprintf(name, sizeof name, "dequantize.%s", l->name);
         record(name, w, 3 * K);
         free_matrix(&m);
@@ -199,7 +213,7 @@ static void check_argmax(void) {
 
 static void check_norm_linear(void) {
     const int64_t T = 3, K = 128, N = 10;
-    dfa_matrix w = matrix(&LAYOUTS[4], N, K);
+    dfa_matrix w = matrix(&LAYOUTS[Q8_0], N, K);
     float *x = activations(T, K), *norm = floats(K, 0.5f, 1.5f), y[30];
     if (dfa_norm_linear(x, T, norm, 1e-6f, &w, y, THREADS)) fail("norm_linear", "failed");
     record("norm_linear", y, T * N);
@@ -209,11 +223,11 @@ static void check_norm_linear(void) {
 /* One decoder layer (every layout among its matrices) decoding three rows over a cache of 67 keys (two chunks of
  * keys), with full and with sliding attention; then the same rows one call each, which must give the same bits. */
 static void check_layer(int64_t window) {
-    enum { H = 64, HEADS = 2, KVH = 1, D = 32, I = 96, SLOTS = 80, PAST = 67, T = 3 };
-    dfa_matrix m[7] = {matrix(&LAYOUTS[0], HEADS * D, H), matrix(&LAYOUTS[1], KVH * D, H),
-                       matrix(&LAYOUTS[2], KVH * D, H),   matrix(&LAYOUTS[3], H, HEADS * D),
-                       matrix(&LAYOUTS[4], I, H),         matrix(&LAYOUTS[6], I, H),
-                       matrix(&LAYOUTS[5], H, I)};
+    enum { H = 256, HEADS = 2, KVH = 1, D = 32, I = 96, SLOTS = 80, PAST = 67, T = 3 };
+    dfa_matrix m[7] = {matrix(&LAYOUTS[Q4_K], HEADS * D, H), matrix(&LAYOUTS[Q5_K], KVH * D, H),
+                       matrix(&LAYOUTS[Q5_0], KVH * D, H),   matrix(&LAYOUTS[Q4_0], H, HEADS * D),
+                       matrix(&LAYOUTS[Q8_0], I, H),         matrix(&LAYOUTS[S8_G16], I, H),
+                       matrix(&LAYOUTS[S8_M], H, I)};
     float *norms[6];
     for (int i = 0; i < 6; i++) norms[i] = floats(i < 4 ? H : D, 0.5f, 1.5f);
     dfa_layer L = {m[0], m[1], m[2], m[3], m[4], m[5], m[6], norms[0], norms[1], norms[2], norms[3], norms[4],
@@ -265,9 +279,10 @@ int main(int argc, char **argv) {
     const float simd = (float)dfa_simd();
     record("simd", &simd, 1);
     check_quantize();
-    for (size_t i = 0; i < sizeof LAYOUTS / sizeof *LAYOUTS; i++) {
-        check_linear(&LAYOUTS[i], 96); /* an odd number of blocks: the tail */
-        check_linear(&LAYOUTS[i], 256);
+    for (int i = 0; i < N_LAYOUTS; i++) {
+        const int super = LAYOUTS[i].scales == DFA_SCALES_K; /* rows of whole super-blocks of 256 */
+        check_linear(&LAYOUTS[i], super ? 256 : 96); /* 96: an odd number of blocks, the tail */
+        check_linear(&LAYOUTS[i], super ? 768 : 256);
     }
     check_dequantize();
     check_argmax();

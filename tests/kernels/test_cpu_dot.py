@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from gguf.quants import Q4_K
 
 from dflash_agent.kernels import cpu_dot
 
@@ -60,27 +62,40 @@ def test_activations_are_int16_per_block_of_32(lib):
         lib.quantize(torch.randn(2, 40))
 
 
-def _layout(bits: int, group: int, with_m: bool, offset: int = 0, half: bool = False, n: int = 37, k: int = 256):
-    """A random IntMatrix of a layout and the float32 weight it stands for; half: float16 scales (as Q4_0 / Q5_0 /
-    Q8_0 store them), negative, subnormal and zero ones among them."""
-    g = torch.Generator().manual_seed(bits * 100 + group + with_m + offset + half)
+def _layout(bits: int, group: int, with_m: bool, offset: int = 0, scales: str = "f32", n: int = 37, k: int = 512):
+    """A random IntMatrix of a layout and the float32 weight it stands for. scales "f16": float16 scales (as Q4_0 /
+    Q5_0 / Q8_0 store them), negative, subnormal and zero ones among them; "k": Q4_K / Q5_K super-block headers,
+    the weight from gguf-py's own reading of their 6-bit scales and mins."""
+    g = torch.Generator().manual_seed(bits * 100 + group + with_m + offset + len(scales))
     if bits == 8:
         values = torch.randint(-128, 128, (n, k), generator=g)
     else:
         values = torch.randint(0, 1 << bits, (n, k), generator=g)
     d = torch.rand(n, k // group, generator=g)
-    if half:
+    m = torch.randn(n, k // group, generator=g) if with_m else None
+    if scales == "f16":
         d = (d - 0.25).half()
         d[0, :4] = torch.tensor([6e-8, -3e-6, 6.1e-5, 0.0])  # float16 subnormals, the smallest normal, zero
-    m = torch.randn(n, k // group, generator=g) if with_m else None
+    elif scales == "k":
+        supers = torch.rand(n * k // 256, 2, generator=g).mul(1e-3).half()
+        header = torch.cat([supers.view(torch.uint8).view(-1, 4),
+                            torch.randint(0, 256, (n * k // 256, 12), generator=g, dtype=torch.uint8)], 1)
+        block = np.zeros((n * k // 256, 144), np.uint8)  # a Q4_K block: the header, then 128 bytes of weights
+        block[:, :16] = header.numpy()
+        sc, mn = Q4_K.get_scale_min(block[:, 4:16])
+        gguf_d, gguf_min = (block[:, i:i + 2].view(np.float16).astype(np.float32) for i in (0, 2))
+        d = header.reshape(n, -1)
+        w = (values.float().view(n, -1, 8, 32) * torch.from_numpy((gguf_d * sc).reshape(n, -1, 8, 1))
+             - torch.from_numpy((gguf_min * mn).reshape(n, -1, 8, 1))).reshape(n, k)
+        return cpu_dot.IntMatrix.pack(values, d, None, bits, group, offset), w
     w = ((values - offset).float().view(n, -1, group) * d.float()[..., None]
          + (0 if m is None else m[..., None])).view(n, k)
     return cpu_dot.IntMatrix.pack(values, d, m, bits, group, offset), w
 
 
-LAYOUTS = {"u4 Q4_K": (4, 32, True), "u4 Q4_0": (4, 32, False, 8, True), "u5 Q5_0": (5, 32, False, 16, True),
-           "u5 Q5_K": (5, 32, True), "s8 Q8_0": (8, 32, False, 0, True), "s8 m": (8, 32, True),
-           "s8 16": (8, 16, False)}
+LAYOUTS = {"u4 m": (4, 32, True), "u4 Q4_0": (4, 32, False, 8, "f16"), "u4 Q4_K": (4, 32, False, 0, "k"),
+           "u5 Q5_0": (5, 32, False, 16, "f16"), "u5 m": (5, 32, True), "u5 Q5_K": (5, 32, False, 0, "k"),
+           "s8 Q8_0": (8, 32, False, 0, "f16"), "s8 m": (8, 32, True), "s8 16": (8, 16, False)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -103,8 +118,10 @@ def test_layouts_are_checked():
     q, d = torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1)
     with pytest.raises(ValueError, match="fifth bits"):
         cpu_dot.IntMatrix(q, d, None, bits=5)
-    with pytest.raises(ValueError, match="float16 without offsets"):
+    with pytest.raises(ValueError, match="without offsets m, not torch.float16"):
         cpu_dot.IntMatrix(q, d.half(), torch.ones(2, 1), bits=4)
+    with pytest.raises(ValueError, match="K-quant headers scale 4- or 5-bit rows of a multiple of 256"):
+        cpu_dot.IntMatrix(q, torch.zeros(2, 16, dtype=torch.uint8), None, bits=4)  # rows of 32 values
     with pytest.raises(ValueError, match="no offset"):
         cpu_dot.IntMatrix(torch.zeros(2, 32, dtype=torch.int8), d, None, bits=8, offset=3)
     with pytest.raises(ValueError, match="groups of 16"):
@@ -197,7 +214,7 @@ def test_a_block_too_small_for_a_float32_scale_still_quantizes(each_build):
 def test_shapes_dtypes_and_devices_are_checked_before_c_reads_them(lib):
     """C reads through bare pointers: a width that is not the matrix's read past the activations (or the norm),
     which the address sanitizer reported as heap-buffer-overflows."""
-    matrix, w = _layout(8, 32, True)  # k = 256
+    matrix, w = _layout(8, 32, True, k=256)
     narrow, head = torch.randn(1, 64), matrix.struct()
     for call in (lambda: lib.linear(narrow, matrix), lambda: lib.linear(torch.randn(256), matrix),
                  lambda: lib.matmul(lib.quantize(narrow), matrix), lambda: lib.norm_linear(narrow, torch.ones(256),
