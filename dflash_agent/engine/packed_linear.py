@@ -12,9 +12,11 @@ Anything else that would need the data (`.float()`, `.to()`, arithmetic) raises 
 silently expanding gigabytes.
 
 CPU repacking (the fast default on the CPU), once at load:
-- `CpuDotWeight`, kernels.cpu_dot's C kernels (built on first use with the machine's C compiler): every
-  format is rewritten as the integers and scales it stores (`_int_groups`: w = d q + m per group of 32, or
-  16 for Q6_K), bit for bit; Q4_0 / Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, the others take a byte per weight.
+- `CpuDotWeight`, kernels.cpu_dot's C kernels (built when the package installs): every format is rewritten
+  as the integers it stores (`_int_groups`: w = d q + m per group of 32, or 16 for Q6_K), bit for bit; Q4_0 /
+  Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, the others take a byte per weight. The scales stay as the file has them
+  where the kernels read that (HALF_SCALE_TYPES' float16 ones, HEADER_TYPES' super-block headers), so those
+  formats repack at the file's own size; Q6_K's are float32 products per group of 16.
   Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
   so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
   computed alone (verify steps give what decode steps give, which keeps speculation lossless).

@@ -69,17 +69,26 @@ def test_every_build_agrees_vector_ones_bit_for_bit(tmp_path, monkeypatch):
         assert libs[mode] is not None, mode
     assert libs["generic"].simd == "scalar" and libs["native"].path.parent == tmp_path / "kernels"
     gen = torch.Generator().manual_seed(7)
-    for bits, group, with_m, offset in ((4, 32, True, 0), (5, 32, False, 16), (5, 32, True, 0), (8, 32, True, 0),
-                                        (8, 16, False, 0)):
+    # (bits, group, offsets m, offset, scales): float32, float16 or K-quant super-block headers
+    for bits, group, with_m, offset, scales in ((4, 32, True, 0, "f32"), (4, 32, False, 8, "f16"),
+                                                (4, 32, False, 0, "k"), (5, 32, False, 16, "f16"),
+                                                (5, 32, True, 0, "f32"), (5, 32, False, 0, "k"), (8, 32, True, 0, "f32"),
+                                                (8, 32, False, 0, "f16"), (8, 16, False, 0, "f32")):
         n, k = 67, 512
         values = torch.randint(-128, 128, (n, k), generator=gen) if bits == 8 else \
             torch.randint(0, 1 << bits, (n, k), generator=gen)
         m = torch.randn(n, k // group, generator=gen) if with_m else None
-        w = cpu_dot.IntMatrix.pack(values, torch.rand(n, k // group, generator=gen), m, bits, group, offset)
+        d = torch.rand(n, k // group, generator=gen)
+        if scales == "k":  # random headers: float16 d and dmin small, 6-bit scales and mins anything
+            d = torch.randint(0, 256, (n, k // 256, 16), generator=gen, dtype=torch.uint8)
+            d[:, :, 1] &= 0x13
+            d[:, :, 3] &= 0x13
+            d = d.reshape(n, -1)
+        w = cpu_dot.IntMatrix.pack(values, d.half() if scales == "f16" else d, m, bits, group, offset)
         for rows in (1, 4, 9):
             x = torch.randn(rows, k, generator=gen)
             y = {mode: lib.matmul(lib.quantize(x), w) for mode, lib in libs.items()}
-            assert torch.equal(y["x86_64_v3"], y["native"]), (bits, group, rows)
+            assert torch.equal(y["x86_64_v3"], y["native"]), (bits, group, scales, rows)
             torch.testing.assert_close(y["generic"], y["native"], rtol=1e-5, atol=1e-5 * float(y["native"].abs().max()))
 
 
