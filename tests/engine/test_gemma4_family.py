@@ -7,23 +7,17 @@ import torch
 
 from dflash_agent.engine.config import ModelConfig
 from dflash_agent.engine.weights import build_model, open_checkpoint
+from tests.engine.test_model_vs_transformers import VOCAB, gemma4_config
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 128
 PROMPT_LEN = 21  # longer than the sliding window below
 
 
 def moe_config():
     """26B-A4B's layout, shrunk: every layer a dense MLP plus 8 experts, 2 per token."""
-    return transformers.Gemma4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"] * 2,
-        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
-        max_position_embeddings=256,
-    )
+    return gemma4_config(intermediate_size=48, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                         moe_intermediate_size=32)
 
 
 def ple_config():

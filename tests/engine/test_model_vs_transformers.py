@@ -35,14 +35,16 @@ def gemma3_config():
     )
 
 
-def gemma4_config():
-    return transformers.Gemma4TextConfig(
+def gemma4_config(**overrides):
+    """A tiny dense Gemma 4 (overrides: other fields, as test_gemma4_family's MoE layout sets)."""
+    fields = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"] * 2,
         max_position_embeddings=256,
     )
+    return transformers.Gemma4TextConfig(**(fields | overrides))
 
 
 def save_reference(kind: str, path: Path):
