@@ -102,7 +102,7 @@ def _matmul_launches(model: str, config: ModelConfig,
             x = torch.empty(m, k, dtype=DTYPE, device=meta)
             raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
             y = torch.empty(m, n, dtype=DTYPE, device=meta)
-            launch = quant_matmul_launch(x, raw, qtype, y)
+            launch = quant_matmul_launch(x, raw, qtype, y).launch
             short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
             yield phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
 

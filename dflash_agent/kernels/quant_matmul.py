@@ -5,11 +5,15 @@ straddles two rows. The reference is engine.quant.dequantize (bit-exact against 
 F.linear; every weight this kernel dequantizes has exactly the reference's float32 value.
 
 One kernel, three launch shapes (`launch_shape`):
-- decode, 1 row: BLOCK_M = 1, a GEMV whose products are plain float32 FMAs (tensor cores need 16 rows);
+- decode, 1 row: BLOCK_M = 1, a GEMV whose products are plain float32 FMAs (tensor cores need 16 rows). It
+  keeps each block's (or sub-block's) scale and offset out of the inner products: d * sum(q * x) - d * 8 *
+  sum(x) for Q4_0, so a value costs an unpack, a convert and one FMA;
 - verification, <= 16 rows: one 16-row tile, tl.dot;
 - prefill, many rows: 64 x 64 tiles, tl.dot.
 Decode and verification read every weight byte once per call, which is what makes them run at the
-memory-bandwidth roofline rather than at the tensor cores' rate.
+memory-bandwidth roofline rather than at the tensor cores' rate. They reach it only with enough loads in flight:
+where the output tiles alone are too few programs to fill the GPU (a down projection has 4x fewer rows than
+inputs), K is split between programs (`split_k`) that write float32 partial sums, added after the kernel.
 
 The packed fields of a block are read in "planes" of bytes that are contiguous in memory (for Q4_0 the
 low and the high nibbles of the same 16 bytes). A dot product does not care about element order, so each
@@ -23,6 +27,7 @@ registers, spills and shared memory against launch_shape's budgets.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,30 +59,51 @@ class LaunchShape:
     blocks: int
 
 
-def launch_shape(m: int) -> LaunchShape:
-    """Tile sizes by number of activation rows (unmeasured on a GPU: none here), held to the compile budgets of
-    `dflash-agent bench --kernels` on sm_86 / 89 / 90 / 120: the decode GEMV at <= 80 registers per thread
-    (six 4-warp programs per SM), nothing spilled anywhere, shared memory within 80 KB.
+# Programs a launch should have per SM before K is split: ~16 programs of 1-2 warps keep enough weight loads in
+# flight on an H200 (measured: a Q4_0 [5376, 21504] GEMV went from 245 to 1054 GB/s split 4 ways)
+PROGRAMS_PER_SM = 16
+MAX_SPLIT = 8
+RTX_SMS = 128  # an RTX 4090: the SM count the compile report plans for, having no device to ask
 
-    The GEMV takes 256 values of a simple format per step (more loads in flight per iteration); the tl.dot
-    tiles take 128, because the dequantized [BLOCK_N, values] float32 tile beside the tensor-core operands is
-    what spilled at 256 (Q4_0 / Q8_0 prefill).
+
+def launch_shape(m: int, qtype: GGMLQuantizationType) -> LaunchShape:
+    """Tile sizes by number of activation rows, held to the compile budgets of `dflash-agent bench --kernels` on
+    sm_86 / 89 / 90 / 120 (nothing spilled, shared memory within 80 KB).
+
+    The GEMV's shapes are the fastest of a sweep on an H200 (`BLOCK_N` 8-64 x 1-8 warps x split 1-8, Triton
+    3.6): 8 rows a 1-warp program for the simple formats, 16 rows a 2-warp program for the K-quants (their
+    sub-block scales are per-row scalars). The tl.dot tiles take 128 values of a simple format per step, because
+    the dequantized [BLOCK_N, values] float32 tile beside the tensor-core operands is what spilled at 256 (Q4_0 /
+    Q8_0 prefill).
     """
     if m <= DECODE_ROWS:
-        return LaunchShape(1, 16, 4, 8)
+        if GGML_QUANT_SIZES[qtype][0] == 256:
+            return LaunchShape(1, 16, 2, 1)
+        return LaunchShape(1, 8, 1, 8)
     if m <= VERIFY_ROWS:
-        return LaunchShape(16, 32, 4, 4)
+        # Q6_K's tile spilled 8-16 bytes a thread with 4 warps on sm_90 / sm_120 once K could be split
+        return LaunchShape(16, 32, 8 if qtype == _T.Q6_K else 4, 4)
     return LaunchShape(64, 64, 8, 4)
 
 
+def split_k(programs: int, steps: int, sms: int) -> int:
+    """How many ways to split K's `steps` so `programs` output tiles fill `sms` SMs (a power of two that divides
+    the steps, at most MAX_SPLIT)."""
+    split = 1
+    while programs * split < PROGRAMS_PER_SM * sms and split < MAX_SPLIT and steps % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @triton.jit
-def _accumulate(acc, x, w, ONE_ROW: tl.constexpr, DOT: tl.constexpr):
+def _accumulate(acc, x, w, DOT: tl.constexpr):
     # acc [BM, BN] float32 += x [BM, BK] @ w[BN, BK]^T; w holds the exact float32 dequantized values
-    if ONE_ROW:
-        acc += tl.sum(x.to(tl.float32) * w, axis=1)[None, :]
-    else:
-        acc = tl.dot(x.to(DOT), tl.trans(w.to(DOT)), acc, input_precision="ieee")
-    return acc
+    return tl.dot(x.to(DOT), tl.trans(w.to(DOT)), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -94,21 +120,21 @@ def _half(h_rows, offset):
 
 @triton.jit
 def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               ONE_ROW: tl.constexpr, DOT: tl.constexpr):
+               DOT: tl.constexpr):
     # 18-byte blocks: fp16 d, then 16 bytes whose low nibbles are values 0..15 and high nibbles 16..31
     i = tl.arange(0, 16)
     q = tl.load(w_rows[:, None, None] + (blk * 18 + 2)[None, :, None] + i[None, None, :])
     d = _half(h_rows, blk[None, :] * 9)[:, :, None]
     k = tl.reshape(blk[:, None] * 32 + i[None, :], (NB * 16,))
     lo = tl.reshape(((q & 15).to(tl.float32) - 8.0) * d, (BN, NB * 16))
-    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), lo, ONE_ROW, DOT)
+    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), lo, DOT)
     hi = tl.reshape(((q >> 4).to(tl.float32) - 8.0) * d, (BN, NB * 16))
-    return _accumulate(acc, _load_x(x_rows, m_ok, k + 16), hi, ONE_ROW, DOT)
+    return _accumulate(acc, _load_x(x_rows, m_ok, k + 16), hi, DOT)
 
 
 @triton.jit
 def _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               ONE_ROW: tl.constexpr, DOT: tl.constexpr):
+               DOT: tl.constexpr):
     # 22-byte blocks: fp16 d, 4 bytes whose bit j is the 5th bit of value j, then Q4_0's 16 nibble bytes
     i = tl.arange(0, 16)
     base = w_rows[:, None, None] + (blk * 22)[None, :, None]
@@ -120,22 +146,22 @@ def _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.
     k = tl.reshape(blk[:, None] * 32 + i[None, :], (NB * 16,))
     q_lo = (q & 15) | (((qh_lo >> bit) & 1) << 4)
     lo = tl.reshape((q_lo.to(tl.float32) - 16.0) * d, (BN, NB * 16))
-    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), lo, ONE_ROW, DOT)
+    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), lo, DOT)
     q_hi = (q >> 4) | (((qh_hi >> bit) & 1) << 4)
     hi = tl.reshape((q_hi.to(tl.float32) - 16.0) * d, (BN, NB * 16))
-    return _accumulate(acc, _load_x(x_rows, m_ok, k + 16), hi, ONE_ROW, DOT)
+    return _accumulate(acc, _load_x(x_rows, m_ok, k + 16), hi, DOT)
 
 
 @triton.jit
 def _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               ONE_ROW: tl.constexpr, DOT: tl.constexpr):
+               DOT: tl.constexpr):
     # 34-byte blocks: fp16 d, then 32 int8 values
     i = tl.arange(0, 32)
     q = tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :])
     d = _half(h_rows, blk[None, :] * 17)[:, :, None]
     w = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * d, (BN, NB * 32))
     k = tl.reshape(blk[:, None] * 32 + i[None, :], (NB * 32,))
-    return _accumulate(acc, _load_x(x_rows, m_ok, k), w, ONE_ROW, DOT)
+    return _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
 
 
 @triton.jit
@@ -153,8 +179,7 @@ def _k_scale_min(scales, S: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, ONE_ROW: tl.constexpr,
-                DOT: tl.constexpr):
+def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, DOT: tl.constexpr):
     # Super-block b of each row. Q4_K (144 bytes): fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes;
     # sub-block s = 2g + h (g < 4) holds values 32s..32s+31 in the h-th nibbles of bytes 32g..32g+31. Q5_K
     # (176 bytes) adds 32 bytes before the nibbles whose bit s is the 5th bit of value i of sub-block s.
@@ -176,12 +201,12 @@ def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, O
                 q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
             w = q_h.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
             k = b * 256 + (g * 64 + h * 32) + i
-            acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, ONE_ROW, DOT)
+            acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
     return acc
 
 
 @triton.jit
-def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, ONE_ROW: tl.constexpr, DOT: tl.constexpr):
+def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, DOT: tl.constexpr):
     # 210 bytes: 128 low-nibble bytes ql, 64 bytes of 2-bit highs qh, 16 int8 scales, fp16 d.
     # Value j = 128g + 64h + 32u + i (g, h, u < 2, i < 32): low = nibble h of ql[64g + 32u + i],
     # high = bits 2(2h + u) of qh[32g + i], scale = scales[j // 16]; value = d * scale * (q - 32).
@@ -201,21 +226,106 @@ def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, ONE_ROW: tl.constexpr, DOT:
                 q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
                 w = (q.to(tl.float32) - 32.0) * (d * sc)
                 k = b * 256 + (g * 128 + h * 64 + u * 32) + i
-                acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, ONE_ROW, DOT)
+                acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
     return acc
 
 
-# M varies with every prompt chunk and speculative block: not specializing on it (== 1, divisible by 16)
-# keeps one compiled kernel per launch shape instead of a recompile for each kind of M.
-@triton.jit(do_not_specialize=["M"])
+# The GEMV's steps: x is one row ([values] float32 at x_ptr), acc [BN] float32. Each (sub-)block's scale and
+# offset multiply its sums, not its values.
+@triton.jit
+def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
+    i = tl.arange(0, 16)
+    q = tl.load(w_rows[:, None, None] + (blk * 18 + 2)[None, :, None] + i[None, None, :])
+    d = _half(h_rows, blk[None, :] * 9)
+    x_lo = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+    x_hi = tl.load(x_ptr + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
+    qx = tl.sum((q & 15).to(tl.float32) * x_lo[None, :, :] + (q >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
+    xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
+    return acc + tl.sum(d * (qx - 8.0 * xs[None, :]), axis=1)
+
+
+@triton.jit
+def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
+    i = tl.arange(0, 16)
+    base = w_rows[:, None, None] + (blk * 22)[None, :, None]
+    q = tl.load(base + 6 + i[None, None, :])
+    bit = (i % 8)[None, None, :]
+    q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
+    q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
+    d = _half(h_rows, blk[None, :] * 11)
+    x_lo = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+    x_hi = tl.load(x_ptr + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
+    qx = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :] + q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
+    xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
+    return acc + tl.sum(d * (qx - 16.0 * xs[None, :]), axis=1)
+
+
+@triton.jit
+def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
+    i = tl.arange(0, 32)
+    q = tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :])
+    d = _half(h_rows, blk[None, :] * 17)
+    x = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+    qx = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
+    return acc + tl.sum(d * qx, axis=1)
+
+
+@triton.jit
+def _q45_k_gemv(acc, w_rows, h_rows, x_ptr, b, FIVE_BITS: tl.constexpr):
+    # the layout of _q45_k_step; a sub-block adds d * sc * sum(q * x) - dmin * mn * sum(x)
+    TS: tl.constexpr = 176 if FIVE_BITS else 144
+    QS: tl.constexpr = 48 if FIVE_BITS else 16
+    i = tl.arange(0, 32)
+    base = w_rows + b * TS
+    d = tl.load(h_rows + b * (TS // 2)).to(tl.float32)
+    dmin = tl.load(h_rows + b * (TS // 2) + 1).to(tl.float32)
+    if FIVE_BITS:
+        qh = tl.load(base[:, None] + 16 + i[None, :])
+    for g in tl.static_range(4):
+        q = tl.load(base[:, None] + (QS + g * 32) + i[None, :])
+        for h in tl.static_range(2):
+            sc, mn = _k_scale_min(base + 4, 2 * g + h)
+            q_h = (q >> (4 * h)) & 15
+            if FIVE_BITS:
+                q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
+            x = tl.load(x_ptr + b * 256 + (g * 64 + h * 32) + i).to(tl.float32)
+            acc += d * sc * tl.sum(q_h.to(tl.float32) * x[None, :], axis=1) - dmin * mn * tl.sum(x)
+    return acc
+
+
+@triton.jit
+def _q6_k_gemv(acc, w_rows, h_rows, x_ptr, b, BN: tl.constexpr):
+    # the layout of _q6_k_step; each 16 values add d * scale * (sum(q * x) - 32 * sum(x))
+    i = tl.arange(0, 32)
+    two = tl.arange(0, 2)
+    base = w_rows + b * 210
+    d = tl.load(h_rows + b * 105 + 104).to(tl.float32)
+    for g in tl.static_range(2):
+        qh = tl.load(base[:, None] + (128 + g * 32) + i[None, :])
+        for u in tl.static_range(2):
+            ql = tl.load(base[:, None] + (g * 64 + u * 32) + i[None, :])
+            for h in tl.static_range(2):
+                sc = tl.load(base[:, None] + (192 + g * 8 + h * 4 + u * 2) + two[None, :])
+                q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
+                x = tl.load(x_ptr + b * 256 + (g * 128 + h * 64 + u * 32) + i).to(tl.float32)
+                qx = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (BN, 2, 16)), axis=2)
+                xs = tl.sum(tl.reshape(x, (2, 16)), axis=1)
+                acc += d * tl.sum(sc.to(tl.int8, bitcast=True).to(tl.float32) * (qx - 32.0 * xs[None, :]), axis=1)
+    return acc
+
+
+# M varies with every prompt chunk and speculative block, STEPS with the split: not specializing on them (== 1,
+# divisible by 16) keeps one compiled kernel per launch shape instead of a recompile for each.
+@triton.jit(do_not_specialize=["M", "STEPS"])
 def _quant_matmul_kernel(
     x_ptr, w_ptr, h_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, row_bytes,
-    FORMAT: tl.constexpr, BLOCK_VALUES: tl.constexpr, NB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    M, N, stride_xm, stride_ym, stride_ys, row_bytes, STEPS,
+    FORMAT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
 ):
+    # program (n, m, s) writes rows m, columns n of y's split s: the products over K steps s*STEPS..(s+1)*STEPS-1
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     # Rows past N read row 0 (always in bounds) and are dropped at the store: no masks on weight loads.
@@ -224,24 +334,42 @@ def _quant_matmul_kernel(
     h_rows = h_ptr + n_safe * (row_bytes // 2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    x_rows = x_ptr + m.to(tl.int64) * stride_xm
-    ONE_ROW: tl.constexpr = BLOCK_M == 1
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(K // (NB * BLOCK_VALUES)):
-        blk = step * NB + tl.arange(0, NB)
-        if FORMAT == 0:
-            acc = _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, ONE_ROW, DOT)
-        elif FORMAT == 1:
-            acc = _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, ONE_ROW, DOT)
-        elif FORMAT == 2:
-            acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, ONE_ROW, DOT)
-        elif FORMAT == 3:
-            acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, ONE_ROW, DOT)
-        elif FORMAT == 4:
-            acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, ONE_ROW, DOT)
-        else:
-            acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, ONE_ROW, DOT)
-    y = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
+    first = pid_s * STEPS
+    if BLOCK_M == 1:
+        gemv = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for step in range(first, first + STEPS):
+            blk = step * NB + tl.arange(0, NB)
+            if FORMAT == 0:
+                gemv = _q4_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
+            elif FORMAT == 1:
+                gemv = _q5_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
+            elif FORMAT == 2:
+                gemv = _q8_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
+            elif FORMAT == 3:
+                gemv = _q45_k_gemv(gemv, w_rows, h_rows, x_ptr, step, False)
+            elif FORMAT == 4:
+                gemv = _q45_k_gemv(gemv, w_rows, h_rows, x_ptr, step, True)
+            else:
+                gemv = _q6_k_gemv(gemv, w_rows, h_rows, x_ptr, step, BLOCK_N)
+        acc = gemv[None, :]
+    else:
+        x_rows = x_ptr + m.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(first, first + STEPS):
+            blk = step * NB + tl.arange(0, NB)
+            if FORMAT == 0:
+                acc = _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, DOT)
+            elif FORMAT == 1:
+                acc = _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, DOT)
+            elif FORMAT == 2:
+                acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, DOT)
+            elif FORMAT == 3:
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, DOT)
+            elif FORMAT == 4:
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, DOT)
+            else:
+                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, DOT)
+    y = y_ptr + pid_s.to(tl.int64) * stride_ys + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -255,6 +383,18 @@ def _blocks_per_step(qtype: GGMLQuantizationType, k: int, most: int) -> int:
     return nb
 
 
+@dataclass(frozen=True)
+class QuantMatmulLaunch:
+    launch: Launch
+    y: torch.Tensor  # [M, N], written by the kernel when K is not split
+    partials: torch.Tensor | None  # [split, M, N] float32 when it is: y is their sum
+
+    def __call__(self) -> None:
+        self.launch()
+        if self.partials is not None:
+            self.y.copy_(self.partials.sum(dim=0))
+
+
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., out_features] in x's dtype, where `raw` holds W [out_features, K] as packed
     GGUF blocks (uint8, contiguous, on x's device)."""
@@ -263,16 +403,17 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out_features, device=x.device, dtype=x.dtype)
-    launch = quant_matmul_launch(x2, raw, qtype, y)
-    if launch is not None:
-        launch()
+    plan = quant_matmul_launch(x2, raw, qtype, y)
+    if plan is not None:
+        plan()
     return y.reshape(*x.shape[:-1], out_features)
 
 
 def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
-                        y: torch.Tensor) -> Launch | None:
-    """The launch writing y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking the operands; None
-    when M = 0. Shared by `quant_matmul` and the compile report (meta tensors are enough for the latter)."""
+                        y: torch.Tensor) -> QuantMatmulLaunch | None:
+    """The launch (and the buffers it writes) for y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking
+    the operands; None when M = 0. Shared by `quant_matmul` and the compile report (meta tensors are enough for
+    the latter, which plans for an RTX 4090's SMs)."""
     if qtype not in _CODES:
         supported = ", ".join(t.name for t in sorted(SUPPORTED_TYPES, key=lambda t: t.value))
         raise ValueError(f"no packed matmul kernel for {qtype.name} (supported: {supported})")
@@ -289,12 +430,22 @@ def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizat
         raise ValueError(f"weight on {raw.device}, activations on {x.device}")
     if m == 0:
         return None
-    shape = launch_shape(m)
-    grid = (triton.cdiv(out_features, shape.block_n), triton.cdiv(m, shape.block_m))
+    shape = launch_shape(m, qtype)
+    nb = _blocks_per_step(qtype, k, shape.blocks)
+    steps = k // (nb * block)
+    tiles = triton.cdiv(out_features, shape.block_n) * triton.cdiv(m, shape.block_m)
+    split = 1 if m > VERIFY_ROWS else split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
+    partials = None
+    if split > 1:
+        partials = torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    out = y if partials is None else partials
+    grid = (triton.cdiv(out_features, shape.block_n), triton.cdiv(m, shape.block_m), split)
     # The fp16 scales are read through a half view of the same bytes (every scale sits at an even offset).
-    return Launch(
+    launch = Launch(
         _quant_matmul_kernel, grid,
-        (x, raw, raw.view(torch.float16), y, m, out_features, k, x.stride(0), y.stride(0), row_bytes),
-        dict(FORMAT=_CODES[qtype], BLOCK_VALUES=block, NB=_blocks_per_step(qtype, k, shape.blocks),
-             BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype), num_warps=shape.num_warps),
+        (x, raw, raw.view(torch.float16), out, m, out_features, x.stride(0), out.stride(-2),
+         out.stride(0) if partials is not None else 0, row_bytes, steps // split),
+        dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
+             num_warps=shape.num_warps),
     )
+    return QuantMatmulLaunch(launch, y, partials)

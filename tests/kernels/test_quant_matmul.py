@@ -90,9 +90,23 @@ def test_bad_inputs(kernels) -> None:
         qm.quant_matmul(torch.randn(1, K).double(), raw, T.Q4_0, N)
 
 
+def test_split_k_fills_the_sms_with_splits_that_divide_k(kernels) -> None:
+    qm = kernels.load("quant_matmul")
+    assert qm.split_k(programs=2688, steps=21, sms=132) == 1  # a gate projection fills an H200 as it is
+    assert qm.split_k(programs=672, steps=84, sms=132) == 4  # a down projection: 4 x 672 programs
+    assert qm.split_k(programs=6, steps=21, sms=132) == 1  # 21 steps split no way evenly
+    assert qm.split_k(programs=1, steps=1024, sms=132) == qm.MAX_SPLIT
+    # the tests' shapes take both paths: N = 48 decode rows split K = 512 in two, K = 160 not at all
+    x = torch.empty(1, K, device="meta")
+    plan = qm.quant_matmul_launch(x, torch.empty(N * K // 32 * 18, dtype=torch.uint8, device="meta"), T.Q4_0,
+                                  torch.empty(1, N, device="meta"))
+    assert plan.partials is not None and plan.partials.shape == (2, 1, N) and plan.launch.grid[2] == 2
+
+
 def test_launch_shapes(kernels) -> None:
     qm = kernels.load("quant_matmul")
-    assert qm.launch_shape(1).block_m == 1
-    assert qm.launch_shape(2).block_m == qm.launch_shape(16).block_m == 16
-    assert qm.launch_shape(17).block_m == 64
+    for qtype in TYPES:
+        assert qm.launch_shape(1, qtype).block_m == 1
+        assert qm.launch_shape(2, qtype).block_m == qm.launch_shape(16, qtype).block_m == 16
+        assert qm.launch_shape(17, qtype).block_m == 64
     assert set(TYPES) == set(qm.SUPPORTED_TYPES)
