@@ -9,8 +9,8 @@ tensors of the shapes the engine passes them:
   its own, as the model launches them) at each quantization (bench.synthetic.quant_types,
   plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), the CUDA-graph buckets up to the
   drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
-  target's embedding, block - 1 rows). The drafter's own matrices are QuantLinear (torch dequantize + F.linear),
-  not Triton.
+  target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0 blocks) launch
+  the same Q4_0 kernels at its block's rows.
 - attention: each layer kind of the target (sliding head_dim 256 over its ring, full head_dim 512 over the
   cache) with bf16 and q8 KV, at the same rows, where the engine routes them to the kernel (model._plan: sliding
   layers only for blocks within the ring's slack), at a context within one key chunk and a long one (so both the

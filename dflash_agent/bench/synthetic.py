@@ -361,7 +361,11 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     measured = [c for c in contexts if block_size <= c <= ctx_size] or [ctx_size]
     target_bytes = synthetic_weight_bytes(config, quant, dtype)
     drafter_plan = DrafterPlan(dconfig, draft_quant)
+    # before anything is built: its two 1 GiB buffers once made the peak memory 0.9 GiB over the plan
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    log.info("copy bandwidth %.0f GB/s", bandwidth / 1e9)
     if cuda:
+        torch.cuda.empty_cache()
         plan = fit_context(torch.cuda.mem_get_info(device)[0], config, target_bytes, requested=ctx_size,
                            dtype=dtype, drafter=drafter_plan)
         torch.cuda.reset_peak_memory_stats(device)
@@ -377,8 +381,6 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     cache = target.new_cache(ctx_size)
     dcache = drafter.new_cache(ctx_size)
     loaded = sum(b.packed.nbytes if isinstance(b, PackedWeight) else b.nbytes for b in target.buffers())
-    bandwidth = copy_bandwidth(device, copy_bytes)
-    log.info("copy bandwidth %.0f GB/s", bandwidth / 1e9)
 
     one = torch.zeros(1, dtype=torch.long, device=device)
     block = torch.zeros(block_size, dtype=torch.long, device=device)

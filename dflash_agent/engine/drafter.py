@@ -22,7 +22,7 @@ from torch import nn
 
 from ..kernels.attention import cache_attention, grouped_attention
 from .errors import DrafterError
-from .model import RMSNorm, rope_tables, rotate
+from .model import RMSNorm, rope_tables
 from .quant_linear import quantize_linear_weights
 
 log = logging.getLogger(__name__)
@@ -207,12 +207,12 @@ class DrafterAttention(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = ctx.shape[0]
-        k = rotate(self.k_norm(self.k_proj(ctx).view(T, -1, self.head_dim)), cos, sin)
+        k = self.k_norm(self.k_proj(ctx).view(T, -1, self.head_dim), cos, sin)
         return k, self.v_proj(ctx).view(T, -1, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: DraftLayerPlan) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
-        q = rotate(self.q_norm(self.q_proj(x).view(T, self.num_heads, d)), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, d), cos, sin)
         k, v = self.context_kv(x, cos, sin)
         return self.o_proj(plan.attend(q, k, v, d**-0.5).reshape(T, self.num_heads * d))
 

@@ -118,9 +118,8 @@ def _linear_bytes(out_features: int, in_features: int, quant: str | None, dtype_
         return out_features * in_features * dtype_bytes
     if quant == "q8":
         return out_features * in_features + out_features * dtype_bytes
-    if quant == "q4":
-        groups = -(-in_features // GROUP)
-        return out_features * groups * (GROUP // 2) + out_features * groups * dtype_bytes
+    if quant == "q4":  # Q4_0 blocks: a float16 scale and 16 bytes a group
+        return out_features * -(-in_features // GROUP) * (GROUP // 2 + 2)
     raise OptionError(f"unknown drafter quantization {quant!r} (q8, q4)")
 
 
@@ -210,8 +209,9 @@ def plan_memory(
     if drafter is not None:
         items["drafter KV"] = slots * drafter_kv_bytes(drafter.config, ctx_size, dtype)
     items |= workspace_bytes(config, ctx_size, dtype, drafter.config if drafter is not None else None)
-    if drafter is not None and drafter.quant is not None:
-        # engine.quant_linear expands one quantized matrix at a time to the compute dtype; fc is the largest
+    if drafter is not None and drafter.quant == "q8":
+        # engine.quant_linear expands one q8 matrix at a time to the compute dtype (q4 ones only off CUDA, where
+        # this plan's budget is the RAM); fc is the largest
         c = drafter.config
         items["workspace: drafter matrix expansion"] = (
             c.hidden_size * len(c.target_layer_ids) * config.hidden_size * dtype.itemsize)

@@ -43,9 +43,18 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.register_buffer("weight", torch.empty(dim) if with_weight else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None) -> torch.Tensor:
+        """With cos / sin [T, d], x is [..., T, heads, d] and the normed rows are rotated (`rotate`) too."""
+        # the kernel has no backward: training (the drafter trainer trains its norms) stays in PyTorch
+        if triton_runs(x) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight is not None
+                                                                 and self.weight.requires_grad)):
+            from ..kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.offset, cos, sin)
         weight = None if self.weight is None else self.offset + self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
+        y = F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
+        return y if cos is None else rotate(y, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,14 +98,14 @@ class Attention(nn.Module):
         """x [..., T, hidden] (a leading batch dimension needs a batched kv and an SDPA plan). `shared` carries the
         keys each layer attended over to the layers that share them (KV-sharing models only)."""
         lead, d = x.shape[:-1], self.spec.head_dim
-        q = rotate(self.q_norm(self.q_proj(x).view(*lead, self.num_heads, d)), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(*lead, self.num_heads, d), cos, sin)
         if self.k_proj is None:
             assert shared is not None and self.spec.kv_source is not None
             keys = shared[self.spec.kv_source]
         else:
             k_raw = self.k_proj(x).view(*lead, -1, d)
             v = k_raw if self.v_proj is None else self.v_proj(x).view(*lead, -1, d)
-            k = rotate(self.k_norm(k_raw), cos, sin)
+            k = self.k_norm(k_raw, cos, sin)
             if self.v_norm is not None:
                 v = self.v_norm(v)
             keys = plan.store(kv, k, v)

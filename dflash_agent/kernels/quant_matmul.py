@@ -67,22 +67,24 @@ RTX_SMS = 128  # an RTX 4090: the SM count the compile report plans for, having 
 
 
 def launch_shape(m: int, qtype: GGMLQuantizationType) -> LaunchShape:
-    """Tile sizes by number of activation rows, held to the compile budgets of `dflash-agent bench --kernels` on
-    sm_86 / 89 / 90 / 120 (nothing spilled, shared memory within 80 KB).
+    """Tile sizes by number of activation rows: the fastest of a sweep on an H200 (Triton 3.6; `BLOCK_N` x warps x
+    split) held to the compile budgets of `dflash-agent bench --kernels` on sm_86 / 89 / 90 / 120 (nothing spilled,
+    shared memory within 80 KB).
 
-    The GEMV's shapes are the fastest of a sweep on an H200 (`BLOCK_N` 8-64 x 1-8 warps x split 1-8, Triton
-    3.6): 8 rows a 1-warp program for the simple formats, 16 rows a 2-warp program for the K-quants (their
-    sub-block scales are per-row scalars). The tl.dot tiles take 128 values of a simple format per step, because
-    the dequantized [BLOCK_N, values] float32 tile beside the tensor-core operands is what spilled at 256 (Q4_0 /
-    Q8_0 prefill).
+    - decode: 8 rows a 1-warp program for the simple formats, 16 for the K-quants (whose sub-block scales are
+      per-row scalars): 0.9-1.6 TB/s for Q4_0, Q4_K and Q8_0, 0.64-0.86 for Q6_K;
+    - verification: 16 x 64 tiles, 4 warps. Q6_K keeps 16 x 32 and 8 warps: with 4 warps its tile spills 8-16
+      bytes a thread on sm_90 / sm_120 (it measured 447 GB/s against 344 with 8 warps on the H200, but the RTX
+      cards it is for are not here to measure);
+    - prefill: 64 x 64 tiles, 8 warps; 128 values of a simple format per step, because the dequantized
+      [BLOCK_N, values] float32 tile beside the tensor-core operands is what spilled at 256.
     """
     if m <= DECODE_ROWS:
         if GGML_QUANT_SIZES[qtype][0] == 256:
-            return LaunchShape(1, 16, 2, 1)
+            return LaunchShape(1, 16, 1, 1)
         return LaunchShape(1, 8, 1, 8)
     if m <= VERIFY_ROWS:
-        # Q6_K's tile spilled 8-16 bytes a thread with 4 warps on sm_90 / sm_120 once K could be split
-        return LaunchShape(16, 32, 8 if qtype == _T.Q6_K else 4, 4)
+        return LaunchShape(16, 32, 8, 4) if qtype == _T.Q6_K else LaunchShape(16, 64, 4, 4)
     return LaunchShape(64, 64, 8, 4)
 
 
@@ -118,50 +120,51 @@ def _half(h_rows, offset):
     return tl.load(h_rows[:, None] + offset).to(tl.float32)
 
 
+# The tl.dot tiles' steps take a simple format one block at a time: [BLOCK_N, 16 or 32] tiles straight from the
+# loads. Taking NB blocks as one [BLOCK_N, NB, 16] load reshaped to [BLOCK_N, NB * 16] made Triton move the tile
+# through shared memory: on an H200 a 16-row Q4_0 matmul ran at 270-340 GB/s that way and 600-940 GB/s this way
+# (Q8_0 550-630 -> 1120-1260; a 512-row prefill tile 3x faster).
 @triton.jit
-def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               DOT: tl.constexpr):
+def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: tl.constexpr):
     # 18-byte blocks: fp16 d, then 16 bytes whose low nibbles are values 0..15 and high nibbles 16..31
     i = tl.arange(0, 16)
-    q = tl.load(w_rows[:, None, None] + (blk * 18 + 2)[None, :, None] + i[None, None, :])
-    d = _half(h_rows, blk[None, :] * 9)[:, :, None]
-    k = tl.reshape(blk[:, None] * 32 + i[None, :], (NB * 16,))
-    lo = tl.reshape(((q & 15).to(tl.float32) - 8.0) * d, (BN, NB * 16))
-    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), lo, DOT)
-    hi = tl.reshape(((q >> 4).to(tl.float32) - 8.0) * d, (BN, NB * 16))
-    return _accumulate(acc, _load_x(x_rows, m_ok, k + 16), hi, DOT)
+    for j in tl.static_range(NB):
+        b = step * NB + j
+        q = tl.load(w_rows[:, None] + (b * 18 + 2) + i[None, :])
+        d = tl.load(h_rows + b * 9).to(tl.float32)[:, None]
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), ((q & 15).to(tl.float32) - 8.0) * d, DOT)
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), ((q >> 4).to(tl.float32) - 8.0) * d, DOT)
+    return acc
 
 
 @triton.jit
-def _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               DOT: tl.constexpr):
+def _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: tl.constexpr):
     # 22-byte blocks: fp16 d, 4 bytes whose bit j is the 5th bit of value j, then Q4_0's 16 nibble bytes
     i = tl.arange(0, 16)
-    base = w_rows[:, None, None] + (blk * 22)[None, :, None]
-    q = tl.load(base + 6 + i[None, None, :])
-    qh_lo = tl.load(base + 2 + (i // 8)[None, None, :])
-    qh_hi = tl.load(base + 4 + (i // 8)[None, None, :])
-    bit = (i % 8)[None, None, :]
-    d = _half(h_rows, blk[None, :] * 11)[:, :, None]
-    k = tl.reshape(blk[:, None] * 32 + i[None, :], (NB * 16,))
-    q_lo = (q & 15) | (((qh_lo >> bit) & 1) << 4)
-    lo = tl.reshape((q_lo.to(tl.float32) - 16.0) * d, (BN, NB * 16))
-    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), lo, DOT)
-    q_hi = (q >> 4) | (((qh_hi >> bit) & 1) << 4)
-    hi = tl.reshape((q_hi.to(tl.float32) - 16.0) * d, (BN, NB * 16))
-    return _accumulate(acc, _load_x(x_rows, m_ok, k + 16), hi, DOT)
+    bit = (i % 8)[None, :]
+    for j in tl.static_range(NB):
+        b = step * NB + j
+        base = w_rows[:, None] + b * 22
+        q = tl.load(base + 6 + i[None, :])
+        q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, :]) >> bit) & 1) << 4)
+        q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, :]) >> bit) & 1) << 4)
+        d = tl.load(h_rows + b * 11).to(tl.float32)[:, None]
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), (q_lo.to(tl.float32) - 16.0) * d, DOT)
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), (q_hi.to(tl.float32) - 16.0) * d, DOT)
+    return acc
 
 
 @triton.jit
-def _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB: tl.constexpr, BN: tl.constexpr,
-               DOT: tl.constexpr):
+def _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: tl.constexpr):
     # 34-byte blocks: fp16 d, then 32 int8 values
     i = tl.arange(0, 32)
-    q = tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :])
-    d = _half(h_rows, blk[None, :] * 17)[:, :, None]
-    w = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * d, (BN, NB * 32))
-    k = tl.reshape(blk[:, None] * 32 + i[None, :], (NB * 32,))
-    return _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
+    for j in tl.static_range(NB):
+        b = step * NB + j
+        q = tl.load(w_rows[:, None] + (b * 34 + 2) + i[None, :])
+        d = tl.load(h_rows + b * 17).to(tl.float32)[:, None]
+        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), w, DOT)
+    return acc
 
 
 @triton.jit
@@ -356,13 +359,12 @@ def _quant_matmul_kernel(
         x_rows = x_ptr + m.to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(first, first + STEPS):
-            blk = step * NB + tl.arange(0, NB)
             if FORMAT == 0:
-                acc = _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, DOT)
+                acc = _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
             elif FORMAT == 1:
-                acc = _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, DOT)
+                acc = _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
             elif FORMAT == 2:
-                acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, blk, NB, BLOCK_N, DOT)
+                acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
             elif FORMAT == 3:
                 acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, DOT)
             elif FORMAT == 4:

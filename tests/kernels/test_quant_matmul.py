@@ -110,3 +110,21 @@ def test_launch_shapes(kernels) -> None:
         assert qm.launch_shape(2, qtype).block_m == qm.launch_shape(16, qtype).block_m == 16
         assert qm.launch_shape(17, qtype).block_m == 64
     assert set(TYPES) == set(qm.SUPPORTED_TYPES)
+
+
+def test_quant_linear_q4_is_q4_0_blocks_and_runs_on_the_kernel(kernels) -> None:
+    """The drafter's q4 weights are GGUF Q4_0 blocks (gguf-py reads them back as QuantLinear does), within half a
+    step of the weights, and where Triton runs QuantLinear multiplies them without expanding them."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from dflash_agent.engine.quant_linear import QuantLinear
+
+    w = torch.randn(N, K)
+    layer = QuantLinear(w, "q4")
+    expanded = layer.dequantize()
+    assert torch.equal(expanded, torch.from_numpy(gguf_dequantize(layer.qweight.numpy(), T.Q4_0)))
+    steps = layer.qweight.view(N, -1, 18)[..., :2].contiguous().view(torch.float16).float()  # [N, groups, 1]
+    assert ((expanded - w).view(N, -1, 32).abs() <= steps * 0.5 * (1 + 2.0**-10)).all()
+    x = torch.randn(3, K)
+    y = layer.to(kernels.device)(x.to(kernels.device)).cpu()
+    check(y, x, expanded)
