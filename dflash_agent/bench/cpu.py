@@ -41,15 +41,11 @@ class BenchResult:
     repeats: int
     ours: Speed  # packed weights (the CPU default)
     exact: Speed  # dequantized float32 weights (--weights exact)
-    transformers: Speed
+    transformers: Speed | None  # None: transformers cannot load this model (a Gemma 4 GGUF, say)
     llama_cpp: Speed | None = None  # None: no llama.cpp build was found
     llama_cpp_note: str = ""
     llama_cpp_decode_after_prompt: float | None = None  # tg at a depth of prompt_tokens, where ours decodes
-
-    @property
-    def ratios(self) -> Speed:
-        """Ours against transformers."""
-        return _ratio(self.ours, self.transformers)
+    transformers_note: str = ""
 
 
 def _ratio(a: Speed, b: Speed) -> Speed:
@@ -118,11 +114,25 @@ def _theirs(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]
     return first, (decode_tokens - 1) / max(total - first, 1e-9)
 
 
+def _transformers_reference(path: Path, dtype: torch.dtype):
+    """transformers' model of the same file, or (None, why) where it cannot load it: its GGUF loader knows fewer
+    architectures than the engine (no Gemma 4), and that column is a reference, not the benchmark."""
+    from transformers import AutoModelForCausalLM
+
+    log.info("loading the transformers reference from %s", path)
+    try:
+        if path.is_dir():
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), ""
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval(), ""
+    except Exception as exc:  # any failure of the reference's loader leaves its column out, said in the report
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("no transformers column: it cannot load %s (%s)", path.name, why)
+        return None, f"no transformers column: transformers cannot load {path.name} ({why})"
+
+
 def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens: int = 64,
                   repeats: int = 3, dtype: str = "float32", llama_cpp: str | None = None,
                   threads: int | None = None) -> BenchResult:
-    from transformers import AutoModelForCausalLM
-
     llama_bench = llama_cpp_binary(llama_cpp)
     # Every round prefills the same prompt: without the prefix cache, so each one is measured in full;
     # and decodes plainly, as transformers does (bench --spec measures speculation).
@@ -133,11 +143,7 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
     engine = engines["packed"]
     torch_dtype = engine.model.dtype
     path = resolve_model_path(model)
-    log.info("loading the transformers reference from %s", path)
-    if path.is_dir():
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    else:
-        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
+    reference, reference_note = _transformers_reference(path, torch_dtype)
     prompt = code_prompt(engine, prompt_tokens)
     threads = torch.get_num_threads()
     samples: dict[str, list] = {"packed": [], "exact": [], "transformers": [], "llama.cpp": [],
@@ -149,7 +155,8 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
     for i in range(repeats + 1):  # the first round warms every contender up and is not counted
         log.info("round %d/%d", i, repeats)
         round_ = {w: _ours(e, prompt, decode_tokens) for w, e in engines.items()}
-        round_["transformers"] = _theirs(reference, prompt, decode_tokens)
+        if reference is not None:
+            round_["transformers"] = _theirs(reference, prompt, decode_tokens)
         if llama_bench and is_gguf:
             prefill, decode, after_prompt = _llama_cpp(llama_bench, path, len(prompt), decode_tokens, threads)
             round_["llama.cpp"] = (prefill, decode)
@@ -167,7 +174,9 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
     return BenchResult(
         model=str(path.name), device="cpu", dtype=str(torch_dtype).removeprefix("torch."), threads=threads,
         prompt_tokens=len(prompt), decode_tokens=decode_tokens, repeats=repeats,
-        ours=speed(samples["packed"]), exact=speed(samples["exact"]), transformers=speed(samples["transformers"]),
+        ours=speed(samples["packed"]), exact=speed(samples["exact"]),
+        transformers=speed(samples["transformers"]) if samples["transformers"] else None,
+        transformers_note=reference_note,
         llama_cpp=speed(samples["llama.cpp"]) if samples["llama.cpp"] else None, llama_cpp_note=note,
         llama_cpp_decode_after_prompt=(speed(samples["llama.cpp after prompt"]).decode_tok_s
                                        if samples["llama.cpp after prompt"] else None),
@@ -181,20 +190,20 @@ def report(result: BenchResult, out: Path | None) -> None:
     table = Table(title=f"{result.model} on {result.device}, {result.dtype} activations, {result.threads} threads, "
                         f"prompt {result.prompt_tokens} tokens, decode {result.decode_tokens}, medians of "
                         f"{result.repeats}")
-    contenders = {"dflash-agent (packed)": result.ours, "dflash-agent (exact)": result.exact,
-                  "transformers": result.transformers}
-    if result.llama_cpp is not None:
-        contenders["llama.cpp"] = result.llama_cpp
+    contenders = {"dflash-agent (packed)": result.ours, "dflash-agent (exact)": result.exact}
+    baselines = {"exact": result.exact}
+    for name, speed in (("transformers", result.transformers), ("llama.cpp", result.llama_cpp)):
+        if speed is not None:
+            contenders[name] = baselines[name] = speed
     table.add_column("")
     for name in contenders:
         table.add_column(name, justify="right")
-    for name in ("x exact", "x transformers") + (("x llama.cpp",) if result.llama_cpp else ()):
-        table.add_column(f"packed {name}", justify="right")
-    baselines = [result.exact, result.transformers] + ([result.llama_cpp] if result.llama_cpp else [])
+    for name in baselines:
+        table.add_column(f"packed x {name}", justify="right")
     for field, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
         mine = getattr(result.ours, field)
         table.add_row(label, *(f"{getattr(s, field):.1f}" for s in contenders.values()),
-                      *(f"{mine / getattr(b, field):.2f}x" for b in baselines))
+                      *(f"{mine / getattr(b, field):.2f}x" for b in baselines.values()))
     console = Console()
     console.print(table)
     if result.llama_cpp_decode_after_prompt:
@@ -202,11 +211,14 @@ def report(result: BenchResult, out: Path | None) -> None:
         console.print(f"llama.cpp's tg is measured from an empty context; at the depth of the prompt, where ours "
                       f"decodes (tg @ d{result.prompt_tokens}), it is {after:.1f} tok/s: packed "
                       f"{result.ours.decode_tok_s / after:.2f}x")
-    if result.llama_cpp_note:
-        console.print(f"note: {result.llama_cpp_note}")
+    for note in (result.transformers_note, result.llama_cpp_note):
+        if note:
+            console.print(f"note: {note}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        ratios = {"vs_exact": asdict(_ratio(result.ours, result.exact)), "vs_transformers": asdict(result.ratios)}
+        ratios = {"vs_exact": asdict(_ratio(result.ours, result.exact))}
+        if result.transformers:
+            ratios["vs_transformers"] = asdict(_ratio(result.ours, result.transformers))
         if result.llama_cpp:
             ratios["vs_llama_cpp"] = asdict(_ratio(result.ours, result.llama_cpp))
         if result.llama_cpp_decode_after_prompt:

@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from dflash_agent.bench.cpu import _llama_cpp, llama_cpp_binary, report, run_cpu_bench
+from dflash_agent.bench.cpu import (
+    BenchResult,
+    Speed,
+    _llama_cpp,
+    _transformers_reference,
+    llama_cpp_binary,
+    report,
+    run_cpu_bench,
+)
 from dflash_agent.engine.weights import resolve_model_path
 
 
@@ -20,6 +28,29 @@ def test_bench_runs_and_writes_json(tmp_path, monkeypatch):
     assert data["transformers"]["decode_tok_s"] > 0
     assert set(data["ratios"]) == {"vs_exact", "vs_transformers"}
     assert data["llama_cpp"] is None and "LLAMA_CPP_BIN" in data["llama_cpp_note"]
+
+
+def test_a_model_transformers_cannot_load_leaves_its_column_out(tmp_path, monkeypatch, capsys):
+    """transformers' GGUF loader knows no Gemma 4: the bench of such a file reports ours and says why the
+    reference column is missing, instead of failing."""
+    import torch
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise ValueError("GGUF model with architecture gemma4 is not supported yet.")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    reference, note = _transformers_reference(tmp_path / "gemma-4.gguf", torch.float32)
+    assert reference is None and "cannot load gemma-4.gguf (GGUF model with architecture gemma4" in note
+    ours = Speed(100.0, 40.0)
+    result = BenchResult(model="gemma-4.gguf", device="cpu", dtype="float32", threads=2, prompt_tokens=8,
+                         decode_tokens=3, repeats=1, ours=ours, exact=Speed(50.0, 10.0), transformers=None,
+                         transformers_note=note)
+    out = tmp_path / "cpu.json"
+    report(result, out)
+    data = json.loads(out.read_text())
+    assert data["transformers"] is None and data["ratios"] == {"vs_exact": {"prefill_tok_s": 2.0, "decode_tok_s": 4.0}}
+    assert "no transformers column" in capsys.readouterr().out
 
 
 def test_llama_cpp_dir_without_llama_bench(tmp_path):
