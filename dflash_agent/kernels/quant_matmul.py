@@ -2,7 +2,8 @@
 
 W is [N, K] in ggml's layout: each row is K / block_size blocks of type_size bytes, and no block
 straddles two rows. The reference is engine.quant.dequantize (bit-exact against gguf-py) followed by
-F.linear; every weight this kernel dequantizes has exactly the reference's float32 value.
+F.linear; every weight the tl.dot tiles dequantize has exactly the reference's float32 value (the GEMV multiplies
+the scales in after summing, a rounding difference within the same float32 bound).
 
 One kernel, three launch shapes (`launch_shape`):
 - decode, 1 row: BLOCK_M = 1, a GEMV whose products are plain float32 FMAs (tensor cores need 16 rows). It
@@ -60,7 +61,7 @@ class LaunchShape:
 
 
 # Programs a launch should have per SM before K is split: ~16 programs of 1-2 warps keep enough weight loads in
-# flight on an H200 (measured: a Q4_0 [5376, 21504] GEMV went from 245 to 1054 GB/s split 4 ways)
+# flight on an H200 (measured: a Q4_0 [5376, 21504] GEMV went from 621 to 1054 GB/s split 4 ways)
 PROGRAMS_PER_SM = 16
 MAX_SPLIT = 8
 RTX_SMS = 128  # an RTX 4090: the SM count the compile report plans for, having no device to ask

@@ -21,3 +21,17 @@ def test_gpu_check_takes_no_other_benchmark():
     done = subprocess.run([sys.executable, "-m", "dflash_agent", "bench", "--gpu-check", "--spec"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "--gpu-check takes only --out" in done.stderr
+
+
+def test_gpu_tests_name_every_kernel_test_that_runs_on_cuda():
+    """Each listed file exists, and every kernel test module that takes the `kernels` fixture (run on CUDA when
+    there is a GPU) is listed."""
+    from pathlib import Path
+
+    from dflash_agent.bench.gpu_check import GPU_TESTS
+
+    repo = Path(__file__).resolve().parents[2]
+    assert all((repo / t).exists() for t in GPU_TESTS)
+    on_cuda = {f"tests/kernels/{p.name}" for p in (repo / "tests/kernels").glob("test_*.py")
+               if "(kernels" in p.read_text()}
+    assert on_cuda and on_cuda <= set(GPU_TESTS)
