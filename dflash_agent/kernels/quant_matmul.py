@@ -183,11 +183,13 @@ def _k_scale_min(scales, S: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, DOT: tl.constexpr):
+def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, GEMV: tl.constexpr,
+                DOT: tl.constexpr):
     # Super-block b of each row. Q4_K (144 bytes): fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes;
     # sub-block s = 2g + h (g < 4) holds values 32s..32s+31 in the h-th nibbles of bytes 32g..32g+31. Q5_K
     # (176 bytes) adds 32 bytes before the nibbles whose bit s is the 5th bit of value i of sub-block s.
-    # One 32-value sub-block at a time: the fewest values live at once (registers, not spills).
+    # One 32-value sub-block at a time: the fewest values live at once (registers, not spills). The GEMV (x_rows
+    # the pointer to x's one row, acc [BN]) adds d * sc * sum(q * x) - dmin * mn * sum(x) a sub-block.
     TS: tl.constexpr = 176 if FIVE_BITS else 144
     QS: tl.constexpr = 48 if FIVE_BITS else 16
     i = tl.arange(0, 32)
@@ -203,39 +205,51 @@ def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, D
             q_h = (q >> (4 * h)) & 15
             if FIVE_BITS:
                 q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
-            w = q_h.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
             k = b * 256 + (g * 64 + h * 32) + i
-            acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
+            if GEMV:
+                x = tl.load(x_rows + k).to(tl.float32)
+                acc += d * sc * tl.sum(q_h.to(tl.float32) * x[None, :], axis=1) - dmin * mn * tl.sum(x)
+            else:
+                w = q_h.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
+                acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
     return acc
 
 
 @triton.jit
-def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, DOT: tl.constexpr):
+def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, GEMV: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
     # 210 bytes: 128 low-nibble bytes ql, 64 bytes of 2-bit highs qh, 16 int8 scales, fp16 d.
     # Value j = 128g + 64h + 32u + i (g, h, u < 2, i < 32): low = nibble h of ql[64g + 32u + i],
     # high = bits 2(2h + u) of qh[32g + i], scale = scales[j // 16]; value = d * scale * (q - 32).
-    # One 32-value run at a time, as in _q45_k_step.
+    # One 32-value run at a time, as in _q45_k_step. The GEMV adds d * scale * (sum(q * x) - 32 * sum(x)) for
+    # each 16 values.
     i = tl.arange(0, 32)
     base = w_rows + b * 210
-    d = tl.load(h_rows + b * 105 + 104).to(tl.float32)[:, None]
+    d = tl.load(h_rows + b * 105 + 104).to(tl.float32)
     for g in tl.static_range(2):
         qh = tl.load(base[:, None] + (128 + g * 32) + i[None, :])
         for u in tl.static_range(2):
             ql = tl.load(base[:, None] + (g * 64 + u * 32) + i[None, :])
             for h in tl.static_range(2):
                 at = base + (192 + g * 8 + h * 4 + u * 2)  # the run's two scales: values i < 16, i >= 16
-                sc_lo = tl.load(at).to(tl.int8, bitcast=True).to(tl.float32)
-                sc_hi = tl.load(at + 1).to(tl.int8, bitcast=True).to(tl.float32)
-                sc = tl.where((i < 16)[None, :], sc_lo[:, None], sc_hi[:, None])
                 q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
-                w = (q.to(tl.float32) - 32.0) * (d * sc)
                 k = b * 256 + (g * 128 + h * 64 + u * 32) + i
-                acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
+                if GEMV:
+                    sc = tl.load(at[:, None] + tl.arange(0, 2)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+                    x = tl.load(x_rows + k).to(tl.float32)
+                    qx = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (BN, 2, 16)), axis=2)
+                    xs = tl.sum(tl.reshape(x, (2, 16)), axis=1)
+                    acc += d * tl.sum(sc * (qx - 32.0 * xs[None, :]), axis=1)
+                else:
+                    sc_lo = tl.load(at).to(tl.int8, bitcast=True).to(tl.float32)
+                    sc_hi = tl.load(at + 1).to(tl.int8, bitcast=True).to(tl.float32)
+                    sc = tl.where((i < 16)[None, :], sc_lo[:, None], sc_hi[:, None])
+                    w = (q.to(tl.float32) - 32.0) * (d[:, None] * sc)
+                    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
     return acc
 
 
-# The GEMV's steps: x is one row ([values] float32 at x_ptr), acc [BN] float32. Each (sub-)block's scale and
-# offset multiply its sums, not its values.
+# The simple formats' GEMV steps: x is one row ([values] at x_ptr), acc [BN] float32. Each block's scale and
+# offset multiply its sums, not its values (the K-quants' steps above have a GEMV mode of their own).
 @triton.jit
 def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
     i = tl.arange(0, 16)
@@ -274,50 +288,6 @@ def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
     return acc + tl.sum(d * qx, axis=1)
 
 
-@triton.jit
-def _q45_k_gemv(acc, w_rows, h_rows, x_ptr, b, FIVE_BITS: tl.constexpr):
-    # the layout of _q45_k_step; a sub-block adds d * sc * sum(q * x) - dmin * mn * sum(x)
-    TS: tl.constexpr = 176 if FIVE_BITS else 144
-    QS: tl.constexpr = 48 if FIVE_BITS else 16
-    i = tl.arange(0, 32)
-    base = w_rows + b * TS
-    d = tl.load(h_rows + b * (TS // 2)).to(tl.float32)
-    dmin = tl.load(h_rows + b * (TS // 2) + 1).to(tl.float32)
-    if FIVE_BITS:
-        qh = tl.load(base[:, None] + 16 + i[None, :])
-    for g in tl.static_range(4):
-        q = tl.load(base[:, None] + (QS + g * 32) + i[None, :])
-        for h in tl.static_range(2):
-            sc, mn = _k_scale_min(base + 4, 2 * g + h)
-            q_h = (q >> (4 * h)) & 15
-            if FIVE_BITS:
-                q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
-            x = tl.load(x_ptr + b * 256 + (g * 64 + h * 32) + i).to(tl.float32)
-            acc += d * sc * tl.sum(q_h.to(tl.float32) * x[None, :], axis=1) - dmin * mn * tl.sum(x)
-    return acc
-
-
-@triton.jit
-def _q6_k_gemv(acc, w_rows, h_rows, x_ptr, b, BN: tl.constexpr):
-    # the layout of _q6_k_step; each 16 values add d * scale * (sum(q * x) - 32 * sum(x))
-    i = tl.arange(0, 32)
-    two = tl.arange(0, 2)
-    base = w_rows + b * 210
-    d = tl.load(h_rows + b * 105 + 104).to(tl.float32)
-    for g in tl.static_range(2):
-        qh = tl.load(base[:, None] + (128 + g * 32) + i[None, :])
-        for u in tl.static_range(2):
-            ql = tl.load(base[:, None] + (g * 64 + u * 32) + i[None, :])
-            for h in tl.static_range(2):
-                sc = tl.load(base[:, None] + (192 + g * 8 + h * 4 + u * 2) + two[None, :])
-                q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
-                x = tl.load(x_ptr + b * 256 + (g * 128 + h * 64 + u * 32) + i).to(tl.float32)
-                qx = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (BN, 2, 16)), axis=2)
-                xs = tl.sum(tl.reshape(x, (2, 16)), axis=1)
-                acc += d * tl.sum(sc.to(tl.int8, bitcast=True).to(tl.float32) * (qx - 32.0 * xs[None, :]), axis=1)
-    return acc
-
-
 # M varies with every prompt chunk and speculative block, STEPS with the split: not specializing on them (== 1,
 # divisible by 16) keeps one compiled kernel per launch shape instead of a recompile for each.
 @triton.jit(do_not_specialize=["M", "STEPS"])
@@ -350,11 +320,11 @@ def _quant_matmul_kernel(
             elif FORMAT == 2:
                 gemv = _q8_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
             elif FORMAT == 3:
-                gemv = _q45_k_gemv(gemv, w_rows, h_rows, x_ptr, step, False)
+                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, False, True, DOT)
             elif FORMAT == 4:
-                gemv = _q45_k_gemv(gemv, w_rows, h_rows, x_ptr, step, True)
+                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, True, True, DOT)
             else:
-                gemv = _q6_k_gemv(gemv, w_rows, h_rows, x_ptr, step, BLOCK_N)
+                gemv = _q6_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, True, BLOCK_N, DOT)
         acc = gemv[None, :]
     else:
         x_rows = x_ptr + m.to(tl.int64) * stride_xm
@@ -367,11 +337,11 @@ def _quant_matmul_kernel(
             elif FORMAT == 2:
                 acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
             elif FORMAT == 3:
-                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, DOT)
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, False, DOT)
             elif FORMAT == 4:
-                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, DOT)
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, False, DOT)
             else:
-                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, DOT)
+                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, BLOCK_N, DOT)
     y = y_ptr + pid_s.to(tl.int64) * stride_ys + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
