@@ -111,14 +111,15 @@ class Task:
         assert self.prefill is not None
         if next(self.prefill) < len(self.job.request.prompt_ids):
             return
-        self.prefill = None
         self.timings.prompt_ms = (time.perf_counter() - self.started) * 1e3
         self.decode_started = time.perf_counter()
         self.progress.decoding()
         if self.max_tokens <= 0:
             self.finish = "length"
-            return
-        self.push([self.decoder.first_token()])
+        else:
+            self.push([self.decoder.first_token()])
+        # Only now: `slot_info`, read from another thread, calls a slot "decoding" once its first token is out.
+        self.prefill = None
 
     def plan(self, draft: bool) -> PlannedStep:
         assert self.anchor is not None
