@@ -102,6 +102,12 @@ async def _batch(url: str, streams: int, decode_tokens: int) -> tuple[float, lis
     return sum(n for _, _, n in results) / wall, [r for _, r, _ in results], [t for t, _, _ in results]
 
 
+async def _alone(url: str, prompt: str) -> float:
+    """TTFT of the arrival test's short request on an idle server."""
+    async with httpx.AsyncClient(timeout=None) as client:
+        return (await _stream(client, url, prompt, SHORT_NEW))[0]
+
+
 async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens: int) -> float:
     """TTFT of a short request sent while one long prompt prefills and three streams decode."""
     async with httpx.AsyncClient(timeout=None) as client:
@@ -160,7 +166,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                     log.info("repeat %d/%d, %d streams, %s: %.1f tok/s aggregate", repeat + 1, repeats, n, name,
                              rates[(name, n)][-1][0])
             for name, url in urls:
-                idle.setdefault(name, []).append(asyncio.run(_batch(url, 1, SHORT_NEW))[2][0])
+                idle.setdefault(name, []).append(asyncio.run(_alone(url, short_prompt)))
                 busy.setdefault(name, []).append(asyncio.run(_arrival(url, long_prompt, short_prompt,
                                                                       decode_tokens)))
                 log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy", repeat + 1, repeats, name,

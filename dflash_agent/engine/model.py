@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,18 @@ class RMSNorm(nn.Module):
         weight = None if self.weight is None else self.offset + self.weight.float()
         y = F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
         return y if cos is None else rotate(y, cos, sin)
+
+
+Result = TypeVar("Result")
+
+
+def run_to_end(steps: Generator[object, None, Result]) -> Result:
+    """What a stepwise computation (forward_steps, layer_steps) returns, run without pausing."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -343,7 +356,6 @@ class GemmaModel(nn.Module):
         slack = LOOKUP_SLACK if self.cpu_layers is not None else DEFAULT_SLACK
         return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, slack=slack, kv_dtype=kv_dtype)
 
-    @torch.inference_mode()
     def forward(
         self,
         ids: torch.Tensor,
@@ -356,6 +368,19 @@ class GemmaModel(nn.Module):
         logits_at: indices into the T new tokens whose logits to return (default: the last one); an empty
         tensor returns none. capture: layer indices whose outputs to return (for the DFlash drafter).
         """
+        return run_to_end(self.forward_steps(ids, cache, logits_at, capture))
+
+    @torch.inference_mode()
+    def forward_steps(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        logits_at: torch.Tensor | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> Generator[int, None, ForwardOutput]:
+        """`forward`, yielding after each layer where the layers run one at a time (layer_steps), so a scheduler
+        can serve other requests inside a long prompt chunk without changing what the chunk computes. The cache
+        commits the tokens after the last layer only: a forward dropped part-way leaves its length where it was."""
         T, start = ids.shape[0], cache.length
         end = start + T
         if end > cache.max_len:
@@ -366,7 +391,7 @@ class GemmaModel(nn.Module):
                 return out
         plan = self._plan(cache, torch.arange(start, end, device=ids.device), start, end)
         x = self.embed(ids)
-        x, captured = self.layers_forward(x, plan, cache.layers, capture, self.per_layer_inputs(ids, x))
+        x, captured = yield from self.layer_steps(x, plan, cache.layers, capture, self.per_layer_inputs(ids, x))
         cache.length = end
         if logits_at is None:
             return ForwardOutput(self.logits(x[T - 1:]), captured)
@@ -452,9 +477,17 @@ class GemmaModel(nn.Module):
         self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = (),
         per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The decoder layers over embeddings x [..., T, hidden]: the one layer loop that eager steps, CUDA-graph
-        steps (engine.cuda_graphs) and training-data generation (train.target) run. per_layer: PLE models' inputs
+        """The decoder layers over embeddings x [..., T, hidden]: what eager steps, CUDA-graph steps
+        (engine.cuda_graphs) and training-data generation (train.target) run. per_layer: PLE models' inputs
         (per_layer_inputs). Returns the last layer's output and the outputs of the layers in `capture`."""
+        return run_to_end(self.layer_steps(x, plan, kv, capture, per_layer))
+
+    def layer_steps(
+        self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = (),
+        per_layer: torch.Tensor | None = None,
+    ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """The one layer loop (layers_forward's), yielding the layers done after each but the last; the C
+        layers (engine.cpu_decode) run all of them in one call and yield nothing."""
         rows = x.shape[0] if x.dim() == 2 else None
         if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
             return self.cpu_layers.forward(x, plan, kv, capture)
@@ -464,6 +497,8 @@ class GemmaModel(nn.Module):
         shared: dict[int, StepKeys] | None = {} if self._shares_kv else None
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, spec, layer_kv) in enumerate(zip(self.layers, self.config.layers, kv, strict=True)):
+            if i:
+                yield i
             layer_plan = plan.sliding if layer_kv.sliding else plan.full
             x = layer(x, *tables[_rope_key(spec)], layer_kv, layer_plan, shared,
                       None if per_layer is None else per_layer[..., i, :])

@@ -1,7 +1,8 @@
 """Several requests at once: N slots, each a KV context of its own, served by one worker thread.
 
 Each turn of the loop admits waiting requests into free slots, runs prompt chunks worth about one PREFILL_CHUNK
-(the request with the least prompt left first, so a short request is not stuck behind a long one), then one step
+(the request with the least prompt left first, so a short request is not stuck behind a long one; a long chunk runs
+a layer at a time, and a request that arrives meanwhile is admitted and goes first before its next layer), then one step
 for every decoding request: their decode rows and verification blocks go through the target in one forward
 (GemmaModel.forward_groups), which reads each weight once for all of them. Every row is computed alone, so a
 request's output is what it would be alone. A running prefill stalls the decoding requests by about one chunk at
@@ -81,8 +82,9 @@ class Task:
             req.on_prefix(self.reuse.tokens)
         self.progress = ProgressLog(req.request_id, scheduler.progress_every_s)
         self.timings = Timings(cache_n=self.reuse.tokens, prompt_n=len(req.prompt_ids) - self.reuse.tokens)
-        self.prefilled = self.reuse.tokens
-        self.prefill: Iterator[int] | None = self.decoder.prefill_chunks(
+        self.prefilled = self.reuse.tokens  # the chunks done
+        self.prefill_position = float(self.reuse.tokens)  # counting a chunk's layers done as its fraction
+        self.prefill: Iterator[float] | None = self.decoder.prefill_chunks(
             req.prompt_ids, self.reuse.tokens, self.reuse.logits, on_chunk=self._on_chunk)
         self.decode_started = 0.0
         self.generated: list[int] = []
@@ -106,11 +108,14 @@ class Task:
             self.slot.prefix.prefilled(position, logits)
         self.progress.prefilled(position - self.reuse.tokens, len(self.job.request.prompt_ids) - self.reuse.tokens)
 
-    def prefill_chunk(self) -> None:
-        """One chunk of the prompt; after the last, the first token."""
+    def prefill_chunk(self) -> float:
+        """One chunk of the prompt, or one layer of a long chunk; after the last, the first token. Returns the
+        prompt tokens' worth of work it did."""
         assert self.prefill is not None
-        if next(self.prefill) < len(self.job.request.prompt_ids):
-            return
+        before, self.prefill_position = self.prefill_position, next(self.prefill)
+        work = self.prefill_position - before
+        if self.prefill_position < len(self.job.request.prompt_ids):
+            return work
         self.timings.prompt_ms = (time.perf_counter() - self.started) * 1e3
         self.decode_started = time.perf_counter()
         self.progress.decoding()
@@ -120,6 +125,7 @@ class Task:
             self.push([self.decoder.first_token()])
         # Only now: `slot_info`, read from another thread, calls a slot "decoding" once its first token is out.
         self.prefill = None
+        return work
 
     def plan(self, draft: bool) -> PlannedStep:
         assert self.anchor is not None
@@ -326,21 +332,26 @@ class Scheduler:
 
     def _turn(self) -> None:
         """Prefill chunks, then one step of every decoding request."""
-        tasks = [s.task for s in self.slots if s.task is not None]
-        for task in tasks:
+        for task in self._tasks():
             if task.job.cancelled.is_set() and task.finish is None:
                 task.finish = "cancelled"
-        # prompt chunks of about one PREFILL_CHUNK per turn, shortest prompt first: several short prompts go in
-        # together, and a long one holds the decoding requests back by one chunk at a time
-        budget = speculative.PREFILL_CHUNK
+        # prompt work of about one PREFILL_CHUNK per turn, shortest prompt first: several short prompts go in
+        # together, and a long one holds the decoding requests back by one chunk at a time. A long chunk runs a
+        # layer at a time, and a request that arrives meanwhile is admitted before the next layer: its prompt,
+        # shorter, goes first, so its first token waits for one layer of the long chunk, not all of them.
+        budget = float(speculative.PREFILL_CHUNK)
         while budget > 0:
-            prefilling = [t for t in tasks if t.running and t.prefill is not None and not t.job.cancelled.is_set()]
+            prefilling = [t for t in self._tasks() if t.running and t.prefill is not None
+                          and not t.job.cancelled.is_set()]
             if not prefilling:
                 break
             task = min(prefilling, key=lambda t: t.prompt_left)
-            before = task.prefilled
-            self._guard([task], task.prefill_chunk)
-            budget -= max(1, task.prefilled - before)
+            work: list[float] = []
+            self._guard([task], lambda t=task: work.append(t.prefill_chunk()))
+            budget -= max(1.0, work[0] if work else 0.0)
+            self._take(block=False)
+            self._admit()
+        tasks = self._tasks()
         decoding = [t for t in tasks if t.running and t.prefill is None and t.anchor is not None]
         if decoding:
             self._step(decoding)
@@ -350,6 +361,9 @@ class Scheduler:
                 if self._guard([task], lambda t=task: final.append(t.close())):
                     self._free(task.slot)
                     task.job.emit(final[0])
+
+    def _tasks(self) -> list[Task]:
+        return [s.task for s in self.slots if s.task is not None]
 
     def _step(self, tasks: list[Task]) -> None:
         # alone, a request's own controller decides what to draft; in a batch, drafting must pay for the batch

@@ -294,7 +294,8 @@ class RequestDecoder:
         stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Run the prompt through the target (and its features into the drafter's cache); False when `stop()`
-        said to stop before a chunk (a cancelled request: a long prompt is minutes of work on a CPU).
+        said to stop before a chunk or one of its layers (a cancelled request: a long prompt is minutes of work on a
+        CPU).
         The arguments are prefill_chunks'."""
         chunks = self.prefill_chunks(prompt_ids, cached, logits, on_chunk)
         while True:
@@ -310,9 +311,11 @@ class RequestDecoder:
         cached: int = 0,
         logits: torch.Tensor | None = None,
         on_chunk: Callable[[int, torch.Tensor | None], None] | None = None,
-    ) -> Iterator[int]:
-        """`prefill` a chunk at a time: yields the position after each chunk, so a scheduler can run other requests'
-        steps between chunks, or drop the rest (the caches then hold the chunks done, and `sequence` their ids).
+    ) -> Iterator[float]:
+        """`prefill` a chunk at a time: yields the position after each chunk, and inside a chunk whose layers run
+        one at a time (GemmaModel.forward_steps) its fraction done after each layer, so a scheduler can run other
+        requests' steps between chunks and layers, or drop the rest (the caches then hold the chunks done, and
+        `sequence` their ids; a chunk dropped part-way is not committed).
 
         cached: the caches already hold the prompt's first `cached` tokens (a reused prefix; 0 resets them).
         logits: the last prompt token's logits [vocab], needed when all of the prompt is cached.
@@ -334,14 +337,24 @@ class RequestDecoder:
         # Chunks end at multiples of PREFILL_CHUNK whatever the reused prefix, so checkpoints land on them.
         bounds = [cached, *range((cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK, len(prompt_ids), PREFILL_CHUNK)]
         bounds = [*bounds, len(prompt_ids)] if cached < len(prompt_ids) else []
+        layers = self.target.config.num_layers
         for start, end in itertools.pairwise(bounds):
             # a short chunk in pieces the C decode layers take: a prefill GEMM pays for dequantizing every weight
             step = self.target.step_rows(self.cache) if end - start < SHORT_PREFILL and \
                 self.target.cpu_layers is not None and self.target.cpu_layers.takes(1, self.cache.layers) \
                 else end - start
             for piece in range(start, end, step):
-                chunk = torch.tensor(prompt_ids[piece:min(piece + step, end)], device=self.target.device)
-                out = self.target(chunk, self.cache, capture=self.capture)
+                piece_end = min(piece + step, end)
+                chunk = torch.tensor(prompt_ids[piece:piece_end], device=self.target.device)
+                steps = self.target.forward_steps(chunk, self.cache, capture=self.capture)
+                while True:
+                    try:
+                        done = next(steps)
+                    except StopIteration as finished:
+                        out = finished.value
+                        break
+                    # between two layers of a piece: a scheduler may serve others here; the piece computes the same
+                    yield piece + (piece_end - piece) * done / layers
                 self._queue_features(out.captured, chunk.shape[0])
             self._feed_drafter()
             self._logits = out.logits

@@ -5,6 +5,7 @@ hits, cancellations and a grammar-constrained request, with speculation and with
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -24,7 +25,7 @@ CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci
 def _requests(engine: Engine) -> list[tuple[GenerateRequest, int | None]]:
     """(request, tokens after which its consumer leaves: a cancellation), eight of mixed lengths."""
     encode = engine.tokenizer.encode
-    story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 12
+    story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 40
     grammar = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size).json_schema(SCHEMA)
     specs = [
         (encode(CODE * 3 + "def factorial(n):"), 48, None, None),  # copies its prompt: long lookup drafts
@@ -133,3 +134,76 @@ def test_parallel_none_is_four_slots_on_the_cpu_and_zero_is_refused():
         engine.close()
     with pytest.raises(OptionError, match="parallel must be >= 1"):
         Engine.load(ctx_size=256, progress=False, parallel=0)
+
+
+def _pause_long_chunks(model: GemmaModel, reached: threading.Event, go: threading.Event) -> None:
+    """Hold the worker after the first layer of the first long prompt chunk (one run a layer at a time) until `go`:
+    a test then knows a request it submits meanwhile arrives in the middle of that chunk."""
+    layer_steps = model.layer_steps
+    paused = []
+
+    def held(x, plan, kv, capture=(), per_layer=None):
+        steps = layer_steps(x, plan, kv, capture, per_layer)
+        if paused or x.shape[-2] < 256:
+            return (yield from steps)
+        paused.append(True)
+        done = next(steps)
+        reached.set()
+        assert go.wait(60)
+        yield done
+        return (yield from steps)
+
+    model.layer_steps = held
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["arrival", "cancelled-inside-a-chunk"])
+def test_a_request_arriving_inside_a_long_chunk_goes_first_and_nothing_changes(cancel):
+    """A short request that arrives while a long prompt chunk runs gets its first token before that chunk ends (the
+    chunk runs a layer at a time and the scheduler admits it between two layers); the long request's output is
+    what it is alone, and a request cancelled inside a chunk leaves a slot whose next request is right too."""
+    engine = Engine.load(ctx_size=1024, progress=False, spec=SpecConfig(enabled=False), parallel=2)
+    try:
+        story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 40
+        long_ids = engine.tokenizer.encode(story)[:700]
+        assert len(long_ids) == 700  # a first chunk of 512 tokens, which runs a layer at a time
+        short_ids = engine.tokenizer.encode("The capital of France is")
+
+        def request(ids, n, rid):
+            return GenerateRequest(ids, GREEDY, max_tokens=n, request_id=rid, cache_prompt=False)
+
+        alone_long = asyncio.run(_collect(engine, request(long_ids, 12, "alone-long"), None))
+        alone_short = asyncio.run(_collect(engine, request(short_ids, 6, "alone-short"), None))
+        reached, go = threading.Event(), threading.Event()
+        _pause_long_chunks(engine.model, reached, go)
+
+        async def scenario():
+            long = asyncio.create_task(_collect(engine, request(long_ids, 12, "long"), None))
+            assert await asyncio.to_thread(reached.wait, 60)
+            if cancel:
+                assert engine.cancel("long")
+                go.set()
+                assert await long == []
+                return await _collect(engine, request(long_ids, 12, "again"), None)
+            first: list[int] = []
+
+            async def short():
+                async with engine.stream(request(short_ids, 6, "short")) as events:
+                    ids = []
+                    async for event in events:
+                        if isinstance(event, TokenEvent) and event.ids:
+                            if not ids:  # the long prompt's first chunk is not in yet
+                                first.extend(s.prefilled_tokens for s in engine.slots if s.request_id == "long")
+                            ids.extend(event.ids)
+                    return ids
+
+            arriving = asyncio.create_task(short())
+            while engine.queued == 0 and not arriving.done():
+                await asyncio.sleep(0.002)
+            go.set()
+            assert await arriving == alone_short
+            assert first == [0]
+            return await long
+
+        assert asyncio.run(scenario()) == alone_long
+    finally:
+        engine.close()

@@ -97,27 +97,36 @@ def test_incremental_context_equals_one_shot(pair):
     torch.testing.assert_close(drafter.draft(block, one_shot), drafter.draft(block, pieces))
 
 
-def test_prefill_stops_between_chunks_when_asked(pair, monkeypatch):
-    """A cancelled request stops prefilling at the next chunk; the caches keep what was computed (the prefix
-    cache takes that back), and nothing is decoded."""
+@pytest.mark.parametrize("inside", [False, True], ids=["between-chunks", "inside-a-chunk"])
+def test_prefill_stops_when_asked(pair, monkeypatch, inside):
+    """A cancelled request stops prefilling at the next chunk, or between two layers of one (the eager layers run
+    one at a time); the caches keep the chunks done, not the one it stopped in (the prefix cache takes that back),
+    and nothing is decoded."""
     from dflash_agent.engine import speculative
 
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
     _, _, target, drafter, _ = pair
     prompt = _prompts(20)[5] + _prompts(20)[9]  # 30 tokens: chunks end at 8, 16, 24, 30
+    chunks_done: list[int] = []
     checks = []
 
     def stop() -> bool:
-        checks.append(1)
-        return len(checks) > 2
+        if len(chunks_done) == 2:
+            checks.append(1)
+        return len(checks) > inside  # inside: one check later, which is after the third chunk's first layer
 
     decoder = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()), drafter=drafter,
                              drafter_cache=drafter.new_cache(N_CTX), spec=SpecConfig())
-    assert decoder.prefill(prompt, stop=stop) is False
+    assert decoder.prefill(prompt, on_chunk=lambda position, _: chunks_done.append(position), stop=stop) is False
+    assert chunks_done == [8, 16]
     assert decoder.cache.length == decoder.drafter_cache.length == 16
     assert list(decoder.tokens(0)) == [] and decoder.finish() == prompt[:16]
     whole = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()))
     assert whole.prefill(prompt, stop=lambda: False) is True and whole.cache.length == len(prompt)
+    # a decoder dropped inside a chunk goes on from what its caches hold, as one that never started that chunk
+    decoder.prefill(prompt, cached=16, on_chunk=lambda *_: None)
+    assert decoder.cache.length == len(prompt)
+    assert list(decoder.tokens(8)) == list(whole.tokens(8))
 
 
 def test_drafter_matches_reference_forward(pair):
