@@ -22,7 +22,7 @@ import torch
 
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel
+from .model import ForwardOutput, GemmaModel, run_to_end
 from .mtp import MtpDrafter
 from .sampling import Sampler
 from .types import SpecStats
@@ -294,8 +294,8 @@ class RequestDecoder:
         stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Run the prompt through the target (and its features into the drafter's cache); False when `stop()`
-        said to stop before a chunk or one of its layers (a cancelled request: a long prompt is minutes of work on a
-        CPU).
+        said to stop (a cancelled request: a long prompt is minutes of work on a CPU) before a chunk, or inside one,
+        which then runs to its end.
         The arguments are prefill_chunks'."""
         chunks = self.prefill_chunks(prompt_ids, cached, logits, on_chunk)
         while True:
@@ -315,7 +315,7 @@ class RequestDecoder:
         """`prefill` a chunk at a time: yields the position after each chunk, and inside a chunk whose layers run
         one at a time (GemmaModel.forward_steps) its fraction done after each layer, so a scheduler can run other
         requests' steps between chunks and layers, or drop the rest (the caches then hold the chunks done, and
-        `sequence` their ids; a chunk dropped part-way is not committed).
+        `sequence` their ids; a chunk dropped between two of its layers first runs its other layers).
 
         cached: the caches already hold the prompt's first `cached` tokens (a reused prefix; 0 resets them).
         logits: the last prompt token's logits [vocab], needed when all of the prompt is cached.
@@ -343,6 +343,7 @@ class RequestDecoder:
             step = self.target.step_rows(self.cache) if end - start < SHORT_PREFILL and \
                 self.target.cpu_layers is not None and self.target.cpu_layers.takes(1, self.cache.layers) \
                 else end - start
+            dropped = False
             for piece in range(start, end, step):
                 piece_end = min(piece + step, end)
                 chunk = torch.tensor(prompt_ids[piece:piece_end], device=self.target.device)
@@ -353,14 +354,24 @@ class RequestDecoder:
                     except StopIteration as finished:
                         out = finished.value
                         break
-                    # between two layers of a piece: a scheduler may serve others here; the piece computes the same
-                    yield piece + (piece_end - piece) * done / layers
+                    try:  # between two layers of a piece: a scheduler may serve others here; the piece is the same
+                        yield piece + (piece_end - piece) * done / layers
+                    except GeneratorExit:
+                        # dropped inside a piece: it runs to its end all the same, as the sliding rings hold the
+                        # piece's first keys in place of the window before it (and the prefix cache wants that)
+                        out, dropped = run_to_end(steps), True
+                        break
                 self._queue_features(out.captured, chunk.shape[0])
+                if dropped:
+                    break
+            done_to = piece_end if dropped else end
             self._feed_drafter()
             self._logits = out.logits
-            self.sequence.extend(prompt_ids[start:end])
+            self.sequence.extend(prompt_ids[start:done_to])
             if on_chunk is not None:
-                on_chunk(end, out.logits[0] if end == len(prompt_ids) else None)
+                on_chunk(done_to, out.logits[0] if done_to == len(prompt_ids) else None)
+            if dropped:
+                return
             if end < len(prompt_ids):
                 yield end
         if self.ngram is not None:

@@ -136,15 +136,15 @@ def test_parallel_none_is_four_slots_on_the_cpu_and_zero_is_refused():
         Engine.load(ctx_size=256, progress=False, parallel=0)
 
 
-def _pause_long_chunks(model: GemmaModel, reached: threading.Event, go: threading.Event) -> None:
-    """Hold the worker after the first layer of the first long prompt chunk (one run a layer at a time) until `go`:
-    a test then knows a request it submits meanwhile arrives in the middle of that chunk."""
+def _pause_in_chunk(model: GemmaModel, start: int, reached: threading.Event, go: threading.Event) -> None:
+    """Hold the worker after the first layer of the prompt chunk at position `start` (one that runs a layer at a
+    time) until `go`: a test then knows that what it does meanwhile happens in the middle of that chunk."""
     layer_steps = model.layer_steps
     paused = []
 
     def held(x, plan, kv, capture=(), per_layer=None):
         steps = layer_steps(x, plan, kv, capture, per_layer)
-        if paused or x.shape[-2] < 256:
+        if paused or x.shape[-2] == 1 or int(plan.positions[0]) != start:
             return (yield from steps)
         paused.append(True)
         done = next(steps)
@@ -160,30 +160,37 @@ def _pause_long_chunks(model: GemmaModel, reached: threading.Event, go: threadin
 def test_a_request_arriving_inside_a_long_chunk_goes_first_and_nothing_changes(cancel):
     """A short request that arrives while a long prompt chunk runs gets its first token before that chunk ends (the
     chunk runs a layer at a time and the scheduler admits it between two layers); the long request's output is
-    what it is alone, and a request cancelled inside a chunk leaves a slot whose next request is right too."""
-    engine = Engine.load(ctx_size=1024, progress=False, spec=SpecConfig(enabled=False), parallel=2)
+    what it is alone. A request cancelled inside a chunk ends when that chunk does: the prefix cache keeps the
+    chunks done, and the next request from them is right too."""
+    engine = Engine.load(ctx_size=2048, progress=False, spec=SpecConfig(enabled=False), parallel=2)
     try:
         story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 40
-        long_ids = engine.tokenizer.encode(story)[:700]
-        assert len(long_ids) == 700  # a first chunk of 512 tokens, which runs a layer at a time
+        long_ids = engine.tokenizer.encode(story * 2)[:1100]
+        assert len(long_ids) == 1100  # chunks of 512, 512 and 76 tokens; the first two run a layer at a time
         short_ids = engine.tokenizer.encode("The capital of France is")
 
-        def request(ids, n, rid):
-            return GenerateRequest(ids, GREEDY, max_tokens=n, request_id=rid, cache_prompt=False)
+        def request(ids, n, rid, cache=False):
+            return GenerateRequest(ids, GREEDY, max_tokens=n, request_id=rid, cache_prompt=cache)
 
         alone_long = asyncio.run(_collect(engine, request(long_ids, 12, "alone-long"), None))
         alone_short = asyncio.run(_collect(engine, request(short_ids, 6, "alone-short"), None))
         reached, go = threading.Event(), threading.Event()
-        _pause_long_chunks(engine.model, reached, go)
+        # cancelled: inside the second chunk, whose keys take ring slots the first one's window held
+        _pause_in_chunk(engine.model, 512 if cancel else 0, reached, go)
 
         async def scenario():
-            long = asyncio.create_task(_collect(engine, request(long_ids, 12, "long"), None))
+            long = asyncio.create_task(_collect(engine, request(long_ids, 12, "long", cache=cancel), None))
             assert await asyncio.to_thread(reached.wait, 60)
             if cancel:
                 assert engine.cancel("long")
                 go.set()
                 assert await long == []
-                return await _collect(engine, request(long_ids, 12, "again"), None)
+                reused: list[int] = []
+                again = request(long_ids, 12, "again", cache=True)
+                again.on_prefix = reused.append
+                ids = await _collect(engine, again, None)
+                assert reused == [1024]  # the chunk it was cancelled inside included
+                return ids
             first: list[int] = []
 
             async def short():

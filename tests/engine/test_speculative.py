@@ -99,9 +99,10 @@ def test_incremental_context_equals_one_shot(pair):
 
 @pytest.mark.parametrize("inside", [False, True], ids=["between-chunks", "inside-a-chunk"])
 def test_prefill_stops_when_asked(pair, monkeypatch, inside):
-    """A cancelled request stops prefilling at the next chunk, or between two layers of one (the eager layers run
-    one at a time); the caches keep the chunks done, not the one it stopped in (the prefix cache takes that back),
-    and nothing is decoded."""
+    """A cancelled request stops prefilling at the next chunk, or at the end of the one it was stopped inside (the
+    eager layers run one at a time, and a chunk stopped between two of them runs the others: the sliding rings hold
+    its first keys in place of the window before it); the caches keep the chunks done (the prefix cache takes them
+    back), and nothing is decoded."""
     from dflash_agent.engine import speculative
 
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
@@ -118,13 +119,14 @@ def test_prefill_stops_when_asked(pair, monkeypatch, inside):
     decoder = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()), drafter=drafter,
                              drafter_cache=drafter.new_cache(N_CTX), spec=SpecConfig())
     assert decoder.prefill(prompt, on_chunk=lambda position, _: chunks_done.append(position), stop=stop) is False
-    assert chunks_done == [8, 16]
-    assert decoder.cache.length == decoder.drafter_cache.length == 16
-    assert list(decoder.tokens(0)) == [] and decoder.finish() == prompt[:16]
+    held = 24 if inside else 16
+    assert chunks_done == [8, 16, 24][:held // 8]
+    assert decoder.cache.length == decoder.drafter_cache.length == held
+    assert list(decoder.tokens(0)) == [] and decoder.finish() == prompt[:held]
     whole = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()))
     assert whole.prefill(prompt, stop=lambda: False) is True and whole.cache.length == len(prompt)
-    # a decoder dropped inside a chunk goes on from what its caches hold, as one that never started that chunk
-    decoder.prefill(prompt, cached=16, on_chunk=lambda *_: None)
+    # a decoder stopped goes on from what its caches hold, as one given that prefix
+    decoder.prefill(prompt, cached=held, on_chunk=lambda *_: None)
     assert decoder.cache.length == len(prompt)
     assert list(decoder.tokens(8)) == list(whole.tokens(8))
 
