@@ -1,6 +1,7 @@
 """Several streams at once: aggregate and per-stream tok/s at 1, 2, 4, 8 concurrent requests, and the time to first
-token of a short request that arrives while a long prompt prefills and three streams decode, for `dflash-agent
-serve --parallel N` and, where a build is found, `llama-server -np N` on the same GGUF.
+token of a short request that arrives while a long prompt prefills and three streams decode (with the longest those
+three go without a token meanwhile), for `dflash-agent serve --parallel N` and, where a build is found,
+`llama-server -np N` on the same GGUF.
 
 Both servers run as processes of their own, side by side, and are driven alike through their OpenAI-compatible
 /v1/completions (streamed, greedy, no prompt cache, the same text prompts); each repeat runs ours then theirs, so
@@ -11,6 +12,7 @@ controller decides; llama-server: none).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import statistics
@@ -48,6 +50,7 @@ class ArrivalResult:
     idle_ttft_s: float  # median
     busy_ttft_p50_s: float
     busy_ttft_p95_s: float
+    stall_p50_s: float = 0.0  # the longest the decoding streams went without a token while the long prompt prefilled
 
     @property
     def ratio(self) -> float:
@@ -64,8 +67,10 @@ class ConcurrentBenchResult:
     arrivals: list[ArrivalResult] = field(default_factory=list)
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """(seconds to the first token, decode tok/s after it, completion tokens) of one streamed completion."""
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                  stamps: list[float] | None = None) -> tuple[float, float, int]:
+    """(seconds to the first token, decode tok/s after it, completion tokens) of one streamed completion; stamps:
+    where to note when each piece of text arrived."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
@@ -82,6 +87,8 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
                 last = time.perf_counter()
                 first = first or last
                 pieces += 1
+                if stamps is not None:
+                    stamps.append(last)
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
     n = n or pieces
@@ -108,18 +115,34 @@ async def _alone(url: str, prompt: str) -> float:
         return (await _stream(client, url, prompt, SHORT_NEW))[0]
 
 
-async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens: int) -> float:
-    """TTFT of a short request sent while one long prompt prefills and three streams decode."""
+async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens: int) -> tuple[float, float]:
+    """(TTFT of a short request sent while one long prompt prefills and three streams decode, the longest the three
+    went without a token while the long prompt prefilled)."""
+    stamps: list[list[float]] = [[], [], []]
     async with httpx.AsyncClient(timeout=None) as client:
-        running = [asyncio.create_task(_stream(client, url, p, decode_tokens * 4)) for p in _prompts(3)]
+        running = [asyncio.create_task(_stream(client, url, p, decode_tokens * 4, s))
+                   for p, s in zip(_prompts(3), stamps, strict=True)]
         await asyncio.sleep(1.0)  # the three are decoding
+        long_sent = time.perf_counter()
         long = asyncio.create_task(_stream(client, url, long_prompt, 8))
         await asyncio.sleep(0.5)  # the long prompt is prefilling
         ttft, _, _ = await _stream(client, url, short_prompt, SHORT_NEW)
-        for task in (*running, long):
+        long_ttft, _, _ = await long
+        still = [not task.done() for task in running]
+        for task in running:
             task.cancel()
-        await asyncio.gather(*running, long, return_exceptions=True)
-    return ttft
+        await asyncio.gather(*running, return_exceptions=True)
+    return ttft, longest_pause(stamps, still, long_sent, long_sent + long_ttft)
+
+
+def longest_pause(stamps: list[list[float]], still: list[bool], start: float, end: float) -> float:
+    """The longest any stream went without a token from start to end (a stream that ended before `end`, as `still`
+    says, up to its last token)."""
+    longest = 0.0
+    for times, running in zip(stamps, still, strict=True):
+        points = [start, *(t for t in times if start < t < end), *([end] if running else [])]
+        longest = max([longest, *(b - a for a, b in itertools.pairwise(points))])
+    return longest
 
 
 def _long_prompt(tokens: int) -> str:
@@ -159,6 +182,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         rates: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
         idle: dict[str, list[float]] = {}
         busy: dict[str, list[float]] = {}
+        stalls: dict[str, list[float]] = {}
         for repeat in range(repeats):
             for n in streams:
                 for name, url in urls:
@@ -167,10 +191,11 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                              rates[(name, n)][-1][0])
             for name, url in urls:
                 idle.setdefault(name, []).append(asyncio.run(_alone(url, short_prompt)))
-                busy.setdefault(name, []).append(asyncio.run(_arrival(url, long_prompt, short_prompt,
-                                                                      decode_tokens)))
-                log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy", repeat + 1, repeats, name,
-                         idle[name][-1], busy[name][-1])
+                ttft, stall = asyncio.run(_arrival(url, long_prompt, short_prompt, decode_tokens))
+                busy.setdefault(name, []).append(ttft)
+                stalls.setdefault(name, []).append(stall)
+                log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy; the streams' longest pause "
+                         "%.2f s", repeat + 1, repeats, name, idle[name][-1], ttft, stall)
     for (name, n), runs in rates.items():
         result.rows.append(ConcurrencyRow(name, n, statistics.median(r[0] for r in runs),
                                           statistics.median(x for r in runs for x in r[1]),
@@ -178,7 +203,8 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
     for name in idle:
         ordered = sorted(busy[name])
         result.arrivals.append(ArrivalResult(name, statistics.median(idle[name]), statistics.median(ordered),
-                                             ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]))
+                                             ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
+                                             statistics.median(stalls[name])))
     return result
 
 
@@ -199,7 +225,7 @@ def report(result: ConcurrentBenchResult, out: Path) -> None:
     for a in result.arrivals:
         print(f"  {a.server}: a {SHORT_NEW}-token request arriving during a {LONG_PROMPT}-token prefill and 3 "
               f"streams: TTFT p50 {a.busy_ttft_p50_s:.2f} s, p95 {a.busy_ttft_p95_s:.2f} s; idle {a.idle_ttft_s:.2f} s "
-              f"({a.ratio:.1f}x)")
+              f"({a.ratio:.1f}x); the 3 streams' longest pause while it prefilled: {a.stall_p50_s:.2f} s (p50)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(asdict(result), indent=2))
     print(f"written to {out}")

@@ -1,12 +1,13 @@
 """Several requests at once: N slots, each a KV context of its own, served by one worker thread.
 
-Each turn of the loop admits waiting requests into free slots, runs prompt chunks worth about one PREFILL_CHUNK
-(the request with the least prompt left first, so a short request is not stuck behind a long one; a long chunk runs
-a layer at a time, and a request that arrives meanwhile is admitted and goes first before its next layer), then one step
-for every decoding request: their decode rows and verification blocks go through the target in one forward
-(GemmaModel.forward_groups), which reads each weight once for all of them. Every row is computed alone, so a
-request's output is what it would be alone. A running prefill stalls the decoding requests by about one chunk at
-a time; a cancelled request leaves its slot at the next turn; requests past the slots wait in order.
+Each turn of the loop admits waiting requests into free slots, runs prompt work worth about one PREFILL_CHUNK, a
+quarter of one while others decode (PREFILL_BESIDE_DECODES), the request with the least prompt left first, so a
+short request is not stuck behind a long one (a long chunk runs a layer at a time, and a request that arrives
+meanwhile is admitted and goes first before its next layer); then one step for every decoding request: their decode
+rows and verification blocks go through the target in one forward (GemmaModel.forward_groups), which reads each
+weight once for all of them. Every row is computed alone, so a request's output is what it would be alone. A
+running prefill stalls the decoding requests by about a quarter chunk at a time; a cancelled request leaves its
+slot at the next turn; requests past the slots wait in order.
 
 Each slot has its own speculation controller (what pays depends on what the request writes), its own prefix-cache
 view of its working caches, and they share the stored conversations (engine.prefix_cache), so a stored
@@ -38,6 +39,11 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, TokenEvent, Usage
 
 log = logging.getLogger(__name__)
+
+# A turn's prompt work while other requests decode, in prompt tokens (a long chunk's layers count as fractions of
+# it): a quarter chunk, so the decoding requests get a step about four times per chunk of a long prompt, at the
+# cost of those steps to it (a few per cent on a CPU). Alone, a prompt takes a whole chunk a turn.
+PREFILL_BESIDE_DECODES = speculative.PREFILL_CHUNK // 4
 
 
 @dataclass
@@ -335,11 +341,13 @@ class Scheduler:
         for task in self._tasks():
             if task.job.cancelled.is_set() and task.finish is None:
                 task.finish = "cancelled"
-        # prompt work of about one PREFILL_CHUNK per turn, shortest prompt first: several short prompts go in
-        # together, and a long one holds the decoding requests back by one chunk at a time. A long chunk runs a
-        # layer at a time, and a request that arrives meanwhile is admitted before the next layer: its prompt,
-        # shorter, goes first, so its first token waits for one layer of the long chunk, not all of them.
-        budget = float(speculative.PREFILL_CHUNK)
+        # prompt work of about one PREFILL_CHUNK per turn (a quarter of it while others decode), shortest prompt
+        # first: several short prompts go in together, and a long one holds the decoding requests back by a quarter
+        # chunk at a time. A long chunk runs a layer at a time, and a request that arrives meanwhile is admitted
+        # before the next layer: its prompt, shorter, goes first, so its first token waits for one layer of the
+        # long chunk, not all of them.
+        decoding_any = any(t.running and t.prefill is None for t in self._tasks())
+        budget = float(PREFILL_BESIDE_DECODES if decoding_any else speculative.PREFILL_CHUNK)
         while budget > 0:
             prefilling = [t for t in self._tasks() if t.running and t.prefill is not None
                           and not t.job.cancelled.is_set()]

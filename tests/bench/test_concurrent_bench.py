@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from dflash_agent.api.background import live_server
@@ -15,6 +16,7 @@ from dflash_agent.bench.concurrent import (
     ConcurrencyRow,
     ConcurrentBenchResult,
     _batch,
+    longest_pause,
     report,
 )
 from dflash_agent.engine import SpecConfig
@@ -33,10 +35,10 @@ def test_report_prints_ratios_against_llama_server(tmp_path, capsys):
     result = ConcurrentBenchResult("m", 2, 128, 3, [
         ConcurrencyRow("dflash-agent", 1, 40.0, 42.0, 0.2), ConcurrencyRow("llama-server", 1, 40.0, 41.0, 0.2),
         ConcurrencyRow("dflash-agent", 4, 80.0, 20.0, 0.6), ConcurrencyRow("llama-server", 4, 64.0, 16.0, 0.8)],
-        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7)])
+        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7, 0.4)])
     report(result, tmp_path / "c.json")
     out = capsys.readouterr().out
-    assert "2.00x" in out and "1.25x" in out and "(2.5x)" in out
+    assert "2.00x" in out and "1.25x" in out and "(2.5x)" in out and "longest pause while it prefilled: 0.40 s" in out
     assert json.loads((tmp_path / "c.json").read_text())["rows"][2]["aggregate_tok_s"] == 80.0
 
 
@@ -46,3 +48,10 @@ def test_bad_stream_counts_and_mixed_modes_are_usage_errors():
                           (["--concurrent", "1,4", "--spec"], "--concurrent takes only")):
         result = CliRunner().invoke(bench, args)
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_longest_pause_counts_from_the_long_prompt_to_its_first_token():
+    # a stream still running at the end pauses until then; one that ended, until its last token
+    assert longest_pause([[0.5, 1.2, 1.3, 2.9], [1.1, 1.2]], [True, False], 1.0, 3.5) == pytest.approx(1.6)
+    assert longest_pause([[1.5, 3.0], [1.05]], [True, True], 1.0, 3.2) == pytest.approx(2.15)
+    assert longest_pause([[0.2]], [False], 1.0, 2.0) == 0.0
