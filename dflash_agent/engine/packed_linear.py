@@ -14,9 +14,9 @@ silently expanding gigabytes.
 CPU repacking (the fast default on the CPU), once at load:
 - `CpuDotWeight`, kernels.cpu_dot's C kernels (built when the package installs): every format is rewritten
   as the integers it stores (`_int_groups`: w = d q + m per group of 32, or 16 for Q6_K), bit for bit; Q4_0 /
-  Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, the others take a byte per weight. The scales stay as the file has them
-  where the kernels read that (HALF_SCALE_TYPES' float16 ones, HEADER_TYPES' super-block headers), so those
-  formats repack at the file's own size; Q6_K's are float32 products per group of 16.
+  Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8. The scales stay as the file has them
+  where the kernels read that (HALF_SCALE_TYPES' float16 ones, HEADER_TYPES' super-block headers, Q6_K's
+  super-block tails), so every format repacks at the file's own size.
   Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
   so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
   computed alone (verify steps give what decode steps give, which keeps speculation lossless).
@@ -186,6 +186,7 @@ def _row_slices(packed: PackedTensor, dequantized: bool = True):
 
 U4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K})  # read at 4 bits by cpu_dot
 U5_TYPES = frozenset({GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K})  # and these at 5
+U6_TYPES = frozenset({GGMLQuantizationType.Q6_K})  # and this at 6
 # What makes the integers of `_int_groups` unsigned (u = q + offset) for the formats wider than 4 bits.
 _UNSIGNED_OFFSET = {GGMLQuantizationType.Q5_0: 16, GGMLQuantizationType.Q8_0: 128, GGMLQuantizationType.Q5_K: 0}
 PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
@@ -193,8 +194,10 @@ PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
 # file's own size (Q4_0 4.5 bits per weight, Q5_0 5.5, Q8_0 8.5).
 HALF_SCALE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0})
 # Super-blocks of 256 whose 16-byte header (float16 d and dmin, 6-bit scales and mins) cpu_dot decodes itself: these
-# repack at the file's size too (Q4_K 4.5 bits per weight, Q5_K 5.5). Q6_K's 6-bit weights take a byte each.
+# repack at the file's size too (Q4_K 4.5 bits per weight, Q5_K 5.5); and Q6_K's 18-byte tail (int8 scales,
+# float16 d), so it repacks at 6.56 bits per weight, as in the file.
 HEADER_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K})
+TAIL_TYPES = frozenset({GGMLQuantizationType.Q6_K})
 
 
 def _planes(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> list[tuple]:
@@ -261,7 +264,7 @@ class CpuInt4:
 
 class CpuDotWeight:
     """A matrix repacked for kernels.cpu_dot (an IntMatrix): the integers and scales of its GGUF format
-    (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K / Q8_0 at 8."""
+    (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8."""
 
     def __init__(self, lib: CpuDot, matrix: IntMatrix) -> None:
         self.lib, self.matrix, self.out_features = lib, matrix, matrix.n
@@ -271,9 +274,10 @@ class CpuDotWeight:
         n, k = packed.shape
         if k % GROUP:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
-        bits = 4 if packed.qtype in U4_TYPES else 5 if packed.qtype in U5_TYPES else 8
+        bits = 4 if packed.qtype in U4_TYPES else 5 if packed.qtype in U5_TYPES else 6 if packed.qtype in U6_TYPES \
+            else 8
         q4_0 = packed.qtype == GGMLQuantizationType.Q4_0
-        offset = 8 if q4_0 else _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 0
+        offset = 8 if q4_0 else _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 32 if bits == 6 else 0
         parts = []
         for blocks, _ in _row_slices(packed, dequantized=False):
             q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
@@ -284,6 +288,9 @@ class CpuDotWeight:
             elif packed.qtype in HEADER_TYPES:  # each super-block's 16-byte header as the file has it
                 size = GGML_QUANT_SIZES[packed.qtype][1]
                 d, m = blocks.reshape(blocks.shape[0], -1, size)[:, :, :16].reshape(blocks.shape[0], -1), None
+            elif packed.qtype in TAIL_TYPES:  # each super-block's int8 scales and float16 d as the file has them
+                size = GGML_QUANT_SIZES[packed.qtype][1]
+                d = blocks.reshape(blocks.shape[0], -1, size)[:, :, size - 18:].reshape(blocks.shape[0], -1)
             parts.append(IntMatrix.pack(q if bits == 8 or q4_0 else q + offset, d, m, bits, group, offset))
         if len(parts) == 1:
             return cls(lib, parts[0])

@@ -9,11 +9,17 @@
  *       (one broadcast, shift and two in-lane unpacks give the values in order). (Q4_0: offset 8; Q4_K: m.)
  *   u5: w = d (q - offset) (+ m), q in 0..31, groups of 32: the low 4 bits as u4, the fifth bits in one uint32
  *       per group, bit k for value (R0, R2, R1, R3 in turn: the order of the unpacked nibbles) k. (Q5_0: offset 16.)
+ *   u6: w = d_j (q - 32), q in 0..63, groups of 32 in two runs of 16 with a scale each: the low 4 bits as u4, the
+ *       top two in 8 bytes per group (two uint32), byte i holding those of values i, 8 + i, 16 + i and 24 + i (runs
+ *       R0..R3) in its bits 0-1, 2-3, 4-5 and 6-7: one broadcast and shift per group line them up with the nibbles.
+ *       (Q6_K, with DFA_SCALES_Q6K.)
  *   s8: w = d q (+ m), q int8, groups of G = 32 or 16.
  *   d, the scales (dfa_matrix.scales): DFA_SCALES_F32, float32 [N, K/G]; DFA_SCALES_F16, float16 [N, K/G] where
  *   the GGUF stores one float16 scale per block (Q4_0, Q5_0, Q8_0); DFA_SCALES_K (u4 / u5 with groups of 32, no m),
- *   the 16-byte header of each Q4_K / Q5_K super-block of 256 as the file has it, [N, K/256, 16] (k_scales). Kept
- *   as the file stores them, a layout repacks at the file's own size. m (or NULL): float32 [N, K/G].
+ *   the 16-byte header of each Q4_K / Q5_K super-block of 256 as the file has it, [N, K/256, 16] (k_scales);
+ *   DFA_SCALES_Q6K (u6 only), the 18-byte tail of each Q6_K super-block as the file has it, its 16 int8 scales of
+ *   the runs of 16 then float16 d, [N, K/256, 18] (q6_scales). Kept as the file stores them, a layout repacks at
+ *   the file's own size. m (or NULL): float32 [N, K/G].
  * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
  * (xs times the sum of xq over each block: the m terms need only these).
  * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded); activation rows
@@ -175,6 +181,14 @@ static inline int fifth_bit(int v) {
     return ((run & 1) << 4) | ((run >> 1) << 3) | (v % 8);
 }
 
+/* Value v (0..63) of a u4 / u5 / u6 group (high: 0 / 1 / 2 bits past the nibble, in the group's words hb). */
+static inline int nibble_value(const uint8_t *g, const uint32_t *hb, int high, int v) {
+    int u = nibble(g, v);
+    if (high == 1) u |= (int)(hb[0] >> fifth_bit(v) & 1) << 4;
+    if (high == 2) u |= (((const uint8_t *)hb)[v % 8] >> (2 * (v / 8)) & 3) << 4;
+    return u;
+}
+
 /* A float16 as float32, exactly (every half is a float): F16C's vcvtph2ps, NEON's fcvt, or by its bits. */
 static inline float half_to_float(uint16_t h) {
 #if defined(DFA_AVX2)
@@ -240,10 +254,32 @@ static inline void k_scales(const uint8_t *header, float d[8], float m[8]) {
 #endif
 }
 
+/* The scales d_j = d sc_j of the 16 runs of 16 in one Q6_K super-block, from its 18-byte tail as the GGUF stores it
+ * (16 int8 scales, then float16 d): the float32 products the file's dequantization forms. */
+static inline void q6_scales(const uint8_t *tail, float d[16]) {
+    const float super = half_to_float((uint16_t)(tail[16] | tail[17] << 8));
+#if defined(DFA_AVX2)
+    const __m128i sc = _mm_loadu_si128((const __m128i *)tail);
+    const __m256 s = _mm256_set1_ps(super);
+    _mm256_storeu_ps(d, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#elif defined(DFA_NEON)
+    const int8x16_t sc = vld1q_s8((const int8_t *)tail);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(sc)), hi = vmovl_s8(vget_high_s8(sc));
+    vst1q_f32(d, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), super));
+    vst1q_f32(d + 4, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))), super));
+    vst1q_f32(d + 8, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), super));
+    vst1q_f32(d + 12, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))), super));
+#else
+    for (int j = 0; j < 16; j++) d[j] = super * (float)(int8_t)tail[j];
+#endif
+}
+
 /* Each ISA's accumulators (ACC: two chains per activation row, even and odd blocks) and block kernels:
- * block_nibbles adds block b of a u4 (five 0) / u5 (five 1) row, block_s8 of an s8 row, times its scale sd (s8
- * groups of 16: sd for the first run, sd1 for the second) and the activations' block scale, into the accumulators
- * of parity a (five, a, group and rows are constants where inlined). */
+ * block_nibbles adds block b of a u4 / u5 / u6 row (high 0 / 1 / 2 bits past the nibble), block_s8 of an s8 row,
+ * times its scale sd (u6, and s8 groups of 16: sd for the first run of 16, sd1 for the second, into the chains 0
+ * and 1) and the activations' block scale, into the accumulators of parity a (high, a, group and rows are
+ * constants where inlined). */
 #if defined(DFA_AVX2)
 typedef __m256 ACC;
 static inline ACC acc_zero(void) { return _mm256_setzero_ps(); }
@@ -279,21 +315,33 @@ static inline __m256i fifth_bits(uint32_t bits) {
 }
 
 /* The group's 32 values as int16 in order, without a lane-crossing shuffle, minus the offset. */
-static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int five, const uint8_t *qn,
-                                                                const uint32_t *qhn, float sd, int offset,
+static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn,
+                                                                const uint32_t *qhn, float sd, float sd1, int offset,
                                                                 const int16_t *xq, const float *xs, int64_t K,
                                                                 int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* lane 0: low nibbles, lane 1: high */
     __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qn + b * 16)));
     v = _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi8(0x0F));
-    if (five) v = _mm256_or_si256(v, fifth_bits(qhn[b]));
+    if (high == 1) v = _mm256_or_si256(v, fifth_bits(qhn[b]));
+    if (high == 2) { /* the four qwords take the top bits of R0, R2, R1, R3: the runs in the nibble vector's order */
+        uint64_t top;
+        memcpy(&top, qhn + b * 2, sizeof top);
+        const __m256i t = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)top), _mm256_setr_epi64x(0, 4, 2, 6));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(3)), 4));
+    }
     const __m256i off = _mm256_set1_epi16((short)offset);
     const __m256i lo = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, _mm256_setzero_si256()), off); /* values 0..15 */
     const __m256i hi = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, _mm256_setzero_si256()), off); /* 16..31 */
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), sd * xs[(r0 + i) * B + b]);
+        const float sx = xs[(r0 + i) * B + b];
+        if (high == 2) { /* u6: runs of 16 with a scale each */
+            ACC2(acc, 0, i, dot16(lo, xb), sd * sx);
+            ACC2(acc, 1, i, dot16(hi, xb + 16), sd1 * sx);
+        } else {
+            ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), sd * sx);
+        }
     }
 }
 
@@ -355,24 +403,37 @@ static inline uint8x16_t fifth_bits16(uint32_t bits) {
 
 /* The 16 bytes' low nibbles are runs R0, R2 and their high nibbles R1, R3, so the values 0..31 in order are the
  * halves of the two nibble vectors, widened. */
-static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int five, const uint8_t *qn,
-                                                                const uint32_t *qhn, float sd, int offset,
+static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn,
+                                                                const uint32_t *qhn, float sd, float sd1, int offset,
                                                                 const int16_t *xq, const float *xs, int64_t K,
                                                                 int64_t b, int64_t r0, int rows) {
     const int64_t B = K / 32;
     const uint8x16_t raw = vld1q_u8(qn + b * 16);
-    uint8x16_t low = vandq_u8(raw, vdupq_n_u8(0x0F)), high = vshrq_n_u8(raw, 4); /* R0 R2 | R1 R3 */
-    if (five) {
+    uint8x16_t low = vandq_u8(raw, vdupq_n_u8(0x0F)), top = vshrq_n_u8(raw, 4); /* R0 R2 | R1 R3 */
+    if (high == 1) {
         low = vorrq_u8(low, fifth_bits16(qhn[b]));
-        high = vorrq_u8(high, fifth_bits16(qhn[b] >> 16));
+        top = vorrq_u8(top, fifth_bits16(qhn[b] >> 16));
+    }
+    if (high == 2) { /* byte i: the top bits of R0, R1, R2, R3's value i in bits 0-1, 2-3, 4-5, 6-7 */
+        const uint8x8_t h = vld1_u8((const uint8_t *)(qhn + b * 2)), m = vdup_n_u8(0x30);
+        low = vorrq_u8(low, vcombine_u8(vshl_n_u8(vand_u8(h, vdup_n_u8(3)), 4), vand_u8(h, m))); /* R0 | R2 */
+        top = vorrq_u8(top, vcombine_u8(vand_u8(vshl_n_u8(h, 2), m), vand_u8(vshr_n_u8(h, 2), m))); /* R1 | R3 */
     }
     const int16x8_t off = vdupq_n_s16((int16_t)offset);
     const int16x8_t w[4] = {vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(low))), off),
-                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(high))), off),
+                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(top))), off),
                             vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(low))), off),
-                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(high))), off)};
-    for (int i = 0; i < rows; i++)
-        ACC2(acc, a, i, dot32(w, xq + (r0 + i) * K + b * 32), sd * xs[(r0 + i) * B + b]);
+                            vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(top))), off)};
+    for (int i = 0; i < rows; i++) {
+        const int16_t *xb = xq + (r0 + i) * K + b * 32;
+        const float sx = xs[(r0 + i) * B + b];
+        if (high == 2) { /* u6: runs of 16 with a scale each */
+            ACC2(acc, 0, i, dot16(w[0], w[1], xb), sd * sx);
+            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), sd1 * sx);
+        } else {
+            ACC2(acc, a, i, dot32(w, xb), sd * sx);
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd,
@@ -404,18 +465,26 @@ static inline ACC acc_mins(ACC acc, const float m[8], const float *x) {
 }
 static inline float acc_sum(ACC a, ACC b) { return a + b; }
 
-static inline void block_nibbles(ACC acc[2][TILE], int a, int five, const uint8_t *qn, const uint32_t *qhn, float sd,
-                                 int offset, const int16_t *xq, const float *xs, int64_t K, int64_t b, int64_t r0,
-                                 int rows) {
+static inline void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn, const uint32_t *qhn, float sd,
+                                 float sd1, int offset, const int16_t *xq, const float *xs, int64_t K, int64_t b,
+                                 int64_t r0, int rows) {
     const int64_t B = K / 32;
     int w[32];
-    for (int v = 0; v < 32; v++)
-        w[v] = (nibble(qn + b * 16, v) | (five ? (int)(qhn[b] >> fifth_bit(v) & 1) << 4 : 0)) - offset;
+    for (int v = 0; v < 32; v++) w[v] = nibble_value(qn + b * 16, high ? qhn + b * high : NULL, high, v) - offset;
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        int32_t s = 0;
-        for (int v = 0; v < 32; v++) s += w[v] * xb[v];
-        acc[a][i] += sd * xs[(r0 + i) * B + b] * (float)s;
+        const float sx = xs[(r0 + i) * B + b];
+        int32_t s0 = 0, s1 = 0;
+        for (int v = 0; v < 16; v++) {
+            s0 += w[v] * xb[v];
+            s1 += w[16 + v] * xb[16 + v];
+        }
+        if (high == 2) {
+            acc[0][i] += sd * sx * (float)s0;
+            acc[1][i] += sd1 * sx * (float)s1;
+        } else {
+            acc[a][i] += sd * sx * (float)(s0 + s1);
+        }
     }
 }
 
@@ -440,11 +509,12 @@ static inline void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd,
 }
 #endif
 
-/* One u4 / u5 weight row against `rows` (1..TILE, a constant where inlined) activation rows from r0, its offsets
- * m excluded (the caller adds them) but for K-format headers, whose min terms are summed here, a super-block at a
- * time. Even and odd blocks accumulate separately, so two multiply-add chains run at once; the order is the same
- * for every `rows`, so a row's result never depends on the rows beside it. */
-static inline __attribute__((always_inline)) void row_nibbles(int five, const uint8_t *qn, const uint32_t *qhn,
+/* One u4 / u5 / u6 weight row (high 0 / 1 / 2) against `rows` (1..TILE, a constant where inlined) activation rows
+ * from r0, its offsets m excluded (the caller adds them) but for K-format headers, whose min terms are summed here,
+ * a super-block at a time. Even and odd blocks (u6: the runs of 16) accumulate separately, so two multiply-add
+ * chains run at once; the order is the same for every `rows`, so a row's result never depends on the rows beside
+ * it. */
+static inline __attribute__((always_inline)) void row_nibbles(int high, const uint8_t *qn, const uint32_t *qhn,
                                                               const void *dn, int scales, int offset,
                                                               const int16_t *xq, const float *xs, const float *xsum,
                                                               int64_t K, int64_t r0, int rows, float *out) {
@@ -457,17 +527,27 @@ static inline __attribute__((always_inline)) void row_nibbles(int five, const ui
             k_scales((const uint8_t *)dn + s * 16, kd, km);
             for (int i = 0; i < rows; i++) mins[i] = acc_mins(mins[i], km, xsum + (r0 + i) * B + s * 8);
             for (int j = 0; j < 8; j += 2) {
-                block_nibbles(acc, 0, five, qn, qhn, kd[j], offset, xq, xs, K, s * 8 + j, r0, rows);
-                block_nibbles(acc, 1, five, qn, qhn, kd[j + 1], offset, xq, xs, K, s * 8 + j + 1, r0, rows);
+                block_nibbles(acc, 0, high, qn, qhn, kd[j], 0.0f, offset, xq, xs, K, s * 8 + j, r0, rows);
+                block_nibbles(acc, 1, high, qn, qhn, kd[j + 1], 0.0f, offset, xq, xs, K, s * 8 + j + 1, r0, rows);
             }
+        }
+    } else if (scales == DFA_SCALES_Q6K) {
+        for (int64_t s = 0; s < B / 8; s++) {
+            float sd[16];
+            q6_scales((const uint8_t *)dn + s * 18, sd);
+            for (int j = 0; j < 8; j++)
+                block_nibbles(acc, 0, high, qn, qhn, sd[2 * j], sd[2 * j + 1], offset, xq, xs, K, s * 8 + j, r0,
+                              rows);
         }
     } else {
         int64_t b = 0;
         for (; b + 2 <= B; b += 2) {
-            block_nibbles(acc, 0, five, qn, qhn, scale_at(dn, scales, b), offset, xq, xs, K, b, r0, rows);
-            block_nibbles(acc, 1, five, qn, qhn, scale_at(dn, scales, b + 1), offset, xq, xs, K, b + 1, r0, rows);
+            block_nibbles(acc, 0, high, qn, qhn, scale_at(dn, scales, b), 0.0f, offset, xq, xs, K, b, r0, rows);
+            block_nibbles(acc, 1, high, qn, qhn, scale_at(dn, scales, b + 1), 0.0f, offset, xq, xs, K, b + 1, r0,
+                          rows);
         }
-        if (b < B) block_nibbles(acc, 0, five, qn, qhn, scale_at(dn, scales, b), offset, xq, xs, K, b, r0, rows);
+        if (b < B)
+            block_nibbles(acc, 0, high, qn, qhn, scale_at(dn, scales, b), 0.0f, offset, xq, xs, K, b, r0, rows);
     }
     for (int i = 0; i < rows; i++) out[i] = acc_sum(acc[0][i], acc[1][i]) + acc_sum(mins[i], acc_zero());
 }
@@ -496,56 +576,66 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const
     for (int i = 0; i < rows; i++) out[i] = acc_sum(acc[0][i], acc[1][i]);
 }
 
-/* Bytes of scales per block of 32 (one float32, one float16, or a 16-byte K header per 8 blocks). */
+/* Bytes of scales per block of 32 (one float32, one float16, or a 16-byte K header per 8 blocks); a Q6_K tail
+ * of 18 bytes per 8 blocks has its own row_scale_bytes. */
 static inline int64_t scale_bytes(int scales) { return scales == DFA_SCALES_F32 ? 4 : 2; }
 
-/* Weight row n of a u4 / u5 matrix (five 0 / 1) against the M activation rows. Inlined with M == 1 as its own
- * loop, a decode step's matmul compiles to a loop free of the tiles' bookkeeping (a third fewer instructions). */
-static inline __attribute__((always_inline)) void nibbles_row(int five, const int16_t *xq, const float *xs,
+/* Bytes of scales in a row of `groups` groups (of `group` values each: 32, or 16 for s8 and u6). */
+static inline int64_t row_scale_bytes(int scales, int64_t K, int64_t group) {
+    return scales == DFA_SCALES_Q6K ? K / 256 * 18 : K / group * scale_bytes(scales);
+}
+
+/* Weight row n of a u4 / u5 / u6 matrix (high 0 / 1 / 2) against the M activation rows. Inlined with M == 1 as
+ * its own loop, a decode step's matmul compiles to a loop free of the tiles' bookkeeping (a third fewer
+ * instructions). */
+static inline __attribute__((always_inline)) void nibbles_row(int high, const int16_t *xq, const float *xs,
                                                               const float *xsum, int64_t M, int64_t K,
                                                               const uint8_t *q, const uint32_t *qh, int offset,
                                                               const void *d, int scales, const float *m, int64_t N,
                                                               float *y, int64_t n, int64_t ahead) {
-    const int64_t B = K / 32, dbytes = scale_bytes(scales);
+    const int64_t B = K / 32, dbytes = row_scale_bytes(scales, K, 32);
     const uint8_t *qn = q + n * (K / 2);
-    const uint32_t *qhn = five ? qh + n * B : NULL;
-    const char *dn = (const char *)d + n * B * dbytes;
+    const uint32_t *qhn = high ? qh + n * B * high : NULL;
+    const char *dn = (const char *)d + n * dbytes;
     const float *mn = m ? m + n * B : NULL;
     prefetch(qn + ahead * (K / 2), K / 2);
-    if (five) prefetch(qhn + ahead * B, B * 4);
-    prefetch(dn + ahead * B * dbytes, B * dbytes);
+    if (high) prefetch(qhn + ahead * B * high, B * high * 4);
+    prefetch(dn + ahead * dbytes, dbytes);
     if (mn) prefetch(mn + ahead * B, B * 4);
     float out[TILE];
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE) {
-        row_nibbles(five, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, TILE, out);
+        row_nibbles(high, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, TILE, out);
         for (int i = 0; i < TILE; i++)
             y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
     }
     for (; r0 < M; r0++) {
-        row_nibbles(five, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, 1, out);
+        row_nibbles(high, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, 1, out);
         y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
     }
 }
 
-/* A u4 / u5 matrix: its rows split across the threads, with the row function inlined for each of the constants
- * it branches on (4 / 5 bits, one activation row, the scales' format), so no block tests them. */
-#define NIBBLE_ROWS(five, rows, scales)                                                                \
+/* A u4 / u5 / u6 matrix: its rows split across the threads, with the row function inlined for each of the
+ * constants it branches on (4 / 5 / 6 bits, one activation row, the scales' format), so no block tests them. */
+#define NIBBLE_ROWS(high, rows, scales)                                                                \
     _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
-        nibbles_row(five, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y, n, ahead)
-#define NIBBLE_SCALES(five, rows)                                      \
+        nibbles_row(high, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y, n, ahead)
+#define NIBBLE_SCALES(high, rows)                                      \
     do {                                                               \
-        if (scales == DFA_SCALES_K) NIBBLE_ROWS(five, rows, DFA_SCALES_K);   \
-        else if (scales == DFA_SCALES_F16) NIBBLE_ROWS(five, rows, DFA_SCALES_F16); \
-        else NIBBLE_ROWS(five, rows, DFA_SCALES_F32);                  \
+        if (scales == DFA_SCALES_K) NIBBLE_ROWS(high, rows, DFA_SCALES_K);   \
+        else if (scales == DFA_SCALES_F16) NIBBLE_ROWS(high, rows, DFA_SCALES_F16); \
+        else NIBBLE_ROWS(high, rows, DFA_SCALES_F32);                  \
     } while (0)
 
-static void matmul_nibbles(int five, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+static void matmul_nibbles(int high, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                            const uint8_t *q, const uint32_t *qh, int offset, const void *d, int scales,
                            const float *m, int64_t N, float *y, int threads) {
-    const int64_t B = K / 32, ahead = rows_ahead(K / 2 + ((five ? 4 : 0) + scale_bytes(scales) + (m ? 4 : 0)) * B);
-    if (five && M == 1) NIBBLE_SCALES(1, 1);
-    else if (five) NIBBLE_SCALES(1, M);
+    const int64_t B = K / 32,
+                  ahead = rows_ahead(K / 2 + (4 * high + (m ? 4 : 0)) * B + row_scale_bytes(scales, K, 32));
+    if (high == 2 && M == 1) NIBBLE_ROWS(2, 1, DFA_SCALES_Q6K); /* u6 comes with Q6_K tails only */
+    else if (high == 2) NIBBLE_ROWS(2, M, DFA_SCALES_Q6K);
+    else if (high && M == 1) NIBBLE_SCALES(1, 1);
+    else if (high) NIBBLE_SCALES(1, M);
     else if (M == 1) NIBBLE_SCALES(0, 1);
     else NIBBLE_SCALES(0, M);
 }
@@ -604,7 +694,7 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 #pragma omp parallel for num_threads(threads) schedule(static) if (N > 1)
     for (int64_t i = 0; i < N; i++) {
         const int64_t n = ids ? ids[i] : i;
-        const char *dn = (const char *)d + n * G * scale_bytes(scales);
+        const char *dn = (const char *)d + n * row_scale_bytes(scales, K, group);
         const float *mn = m ? m + n * G : NULL;
         float *wn = w + i * K;
         if (bits == 8) {
@@ -616,13 +706,19 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
             continue;
         }
         const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
-        float kd[8], km[8];
+        const int high = bits - 4;
+        float kd[16], km[8];
         for (int64_t b = 0; b < K / 32; b++) {
             if (scales == DFA_SCALES_K && b % 8 == 0) k_scales((const uint8_t *)dn + b / 8 * 16, kd, km);
-            const float sd = scales == DFA_SCALES_K ? kd[b % 8] : scale_at(dn, scales, b);
+            if (scales == DFA_SCALES_Q6K && b % 8 == 0) q6_scales((const uint8_t *)dn + b / 8 * 18, kd);
             const float *min = scales == DFA_SCALES_K ? &km[b % 8] : mn ? &mn[b] : NULL;
+            const float sd0 = scales == DFA_SCALES_K     ? kd[b % 8]
+                              : scales == DFA_SCALES_Q6K ? kd[b % 8 * 2]
+                                                         : scale_at(dn, scales, b);
+            const float sd1 = scales == DFA_SCALES_Q6K ? kd[b % 8 * 2 + 1] : sd0; /* the second run of 16 */
             for (int v = 0; v < 32; v++) {
-                const int u = nibble(qn + b * 16, v) | (bits == 5 ? (int)(qh[n * (K / 32) + b] >> fifth_bit(v) & 1) << 4 : 0);
+                const float sd = v < 16 ? sd0 : sd1;
+                const int u = nibble_value(qn + b * 16, high ? qh + (n * (K / 32) + b) * high : NULL, high, v);
                 const float a = sd * (float)(u - offset);
                 wn[b * 32 + v] = min ? a + *min : a;
             }
@@ -631,8 +727,8 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 }
 
 /* y [M, N] = x [M, K] float32 @ w^T in one call (decode, verification): the activations are quantized into a
- * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. bits 4, 5
- * or 8 picks the layout (qh: u5 only). Returns 0, or -1 when the scratch could not be had (y is then
+ * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. bits 4, 5, 6
+ * or 8 picks the layout (qh: u5 and u6 only). Returns 0, or -1 when the scratch could not be had (y is then
  * unwritten), as dfa_norm_linear and dfa_layers_forward do. */
 int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, const uint32_t *qh, int offset,
                const void *d, int scales, const float *m, int64_t group, int64_t N, float *y, int threads) {
@@ -655,7 +751,7 @@ void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M
     if (bits == 8)
         matmul_s8(xq, xs, xsum, M, K, (const int8_t *)q, d, scales, m, group, N, y, threads);
     else
-        matmul_nibbles(bits == 5, xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, scales, m, N, y, threads);
+        matmul_nibbles(bits - 4, xq, xs, xsum, M, K, (const uint8_t *)q, qh, offset, d, scales, m, N, y, threads);
 }
 
 /* The index of the first largest of x[0..n), a NaN counting as larger than any number (torch.argmax's rule):

@@ -15,13 +15,14 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 5
+#define DFA_ABI_VERSION 6
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
-/* How a layout's scales d are stored (see cpu_dot.c): float32, float16, or Q4_K / Q5_K super-block headers. */
-enum { DFA_SCALES_F32 = 0, DFA_SCALES_F16 = 1, DFA_SCALES_K = 2 };
+/* How a layout's scales d are stored (see cpu_dot.c): float32, float16, Q4_K / Q5_K super-block headers, or
+ * Q6_K super-block tails. */
+enum { DFA_SCALES_F32 = 0, DFA_SCALES_F16 = 1, DFA_SCALES_K = 2, DFA_SCALES_Q6K = 3 };
 
-/* y [M, N] = xq @ w^T for a weight of `bits` 4, 5 or 8 (qh: 5 only; d stored as `scales` says) */
+/* y [M, N] = xq @ w^T for a weight of `bits` 4, 5, 6 or 8 (qh: 5 and 6 only; d stored as `scales` says) */
 void dfa_matmul(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const void *q, int bits,
                 const uint32_t *qh, int offset, const void *d, int scales, const float *m, int64_t group, int64_t N,
                 float *y, int threads);

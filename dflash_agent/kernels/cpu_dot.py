@@ -44,7 +44,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 5  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 6  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
 # F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
 # generic build (the scalar C, DFA_SCALAR: the reference the vector builds are tested against; torch's kernels beat it).
@@ -59,6 +59,7 @@ MACHINES = {"x86_64_v3": ("x86_64", "amd64"), "aarch64_neon": ("aarch64", "arm64
 SIMD = {0: "scalar", 1: "neon", 2: "avx2"}  # dfa_simd()
 # cpu_dot.h's DFA_SCALES_*, by the dtype of an IntMatrix's d: float32, float16, K-quant super-block headers
 SCALES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
+Q6K_SCALES = 3  # and Q6_K super-block tails (uint8 too), which only the 6-bit layout has
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _WEIGHT = [_P, ctypes.c_int, _P, ctypes.c_int, _P, ctypes.c_int, _P, _I, _I]
@@ -85,9 +86,13 @@ class IntMatrix:
     scales d, stored as the GGUF stores them where the kernels read that (`scales`): float32 [N, K / group];
     float16 [N, K / group] (the one scale of each Q4_0 / Q5_0 / Q8_0 block); or uint8 [N, K / 256 * 16], the 16-byte
     header of each Q4_K / Q5_K super-block (float16 d and dmin, 6-bit scales and mins: w = d sc q - dmin mn per
-    group of 32; 4 or 5 bits, no m). Offsets m: float32 [N, K / group], or None:
+    group of 32; 4 or 5 bits, no m); or, with 6 bits, uint8 [N, K / 256 * 18], the 18-byte tail of each Q6_K
+    super-block (16 int8 scales sc, float16 d: w = d sc (q - 32) per group of 16). Offsets m: float32
+    [N, K / group], or None:
     - bits 4: q [N, K / 2] uint8, 16 bytes per group of 32 (see cpu_dot.c), w = d (q - offset) + m;
     - bits 5: q as for 4 bits holding the low 4 bits, qh [N, K / 32] int32 holding the fifth, w = d (q - offset) + m;
+    - bits 6: q as for 4 bits, qh [N, K / 32, 2] int32 holding the top two (8 bytes a group, see cpu_dot.c), Q6_K
+      tails, offset 32;
     - bits 8: q [N, K] int8, w = d q + m, groups of 32, or 16 without m."""
 
     q: torch.Tensor
@@ -99,14 +104,21 @@ class IntMatrix:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 5, 8) or (self.bits == 5) != (self.qh is not None):
-            raise ValueError(f"no {self.bits}-bit layout {'with' if self.qh is not None else 'without'} fifth bits")
-        if self.group not in (16, 32) or (self.group == 16 and (self.bits != 8 or self.m is not None)):
-            raise ValueError("groups of 16 are an 8-bit layout without offsets")
+        if self.bits not in (4, 5, 6, 8) or (self.bits in (5, 6)) != (self.qh is not None):
+            raise ValueError(f"no {self.bits}-bit layout {'with' if self.qh is not None else 'without'} high bits")
+        sixteens = self.bits == 6 or (self.bits == 8 and self.m is None)  # the layouts that take groups of 16
+        if self.group not in (16, 32) or (self.group == 16 and not sixteens) or (self.bits == 6 and self.group != 16):
+            raise ValueError("groups of 16 are the 6-bit layout's, or an 8-bit one's without offsets; groups of 32 "
+                             "the others'")
+        if self.bits == 6 and (self.d.dtype != torch.uint8 or self.offset != 32 or self.m is not None
+                               or self.k % 256 or self.d.shape != (self.n, self.k // 256 * 18)):
+            raise ValueError(f"the 6-bit layout is Q6_K's: rows of a multiple of 256 values, an 18-byte tail per "
+                             f"256 as scales, offset 32, no m; got {self.k} values, scales {self.d.dtype} "
+                             f"{tuple(self.d.shape)}, offset {self.offset}")
         if self.d.dtype not in SCALES or (self.d.dtype != torch.float32 and self.m is not None):
             raise ValueError(f"scales d are float32, or float16 or K-quant headers (uint8) without offsets m, not "
                              f"{self.d.dtype}")
-        if self.d.dtype == torch.uint8 and (self.bits == 8 or self.group != 32 or self.k % 256
+        if self.d.dtype == torch.uint8 and self.bits != 6 and (self.bits == 8 or self.group != 32 or self.k % 256
                                             or self.d.shape != (self.n, self.k // 256 * 16)):
             raise ValueError(f"K-quant headers scale 4- or 5-bit rows of a multiple of 256 values, 16 bytes each, got "
                              f"{self.bits} bits, {self.k} values, headers {tuple(self.d.shape)}")
@@ -116,7 +128,7 @@ class IntMatrix:
     @classmethod
     def pack(cls, values: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, group: int = 32,
              offset: int = 0) -> IntMatrix:
-        """The layout of integers values [N, K] (0..2^bits - 1 for 4 and 5 bits, int8 for 8) with w = d (values
+        """The layout of integers values [N, K] (0..2^bits - 1 for 4, 5 and 6 bits, int8 for 8) with w = d (values
         - offset) + m."""
         if bits == 8:
             return cls(values.to(torch.int8).contiguous(), d.contiguous(), _contiguous(m), 8, group)
@@ -128,6 +140,9 @@ class IntMatrix:
             fifth = (values.view(n, k // 32, 4, 8)[:, :, [0, 2, 1, 3]].reshape(n, k // 32, 32) >> 4) & 1
             word = (fifth.to(torch.int64) << torch.arange(32)).sum(-1)
             qh = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).contiguous()
+        elif bits == 6:  # byte i of a group's 8: the top two bits of run r's value i at bits 2r, 2r + 1
+            top = (values.view(n, k // 32, 4, 8) >> 4) << (2 * torch.arange(4))[:, None]
+            qh = top.sum(2).to(torch.uint8).view(torch.int32).contiguous()  # [n, groups, 2]
         return cls(q.contiguous(), d.contiguous(), _contiguous(m), bits, group, qh, offset)
 
     @property
@@ -161,8 +176,8 @@ class IntMatrix:
 
     @property
     def scales(self) -> int:
-        """How d is stored: cpu_dot.h's DFA_SCALES_F32 / F16 / K."""
-        return SCALES[self.d.dtype]
+        """How d is stored: cpu_dot.h's DFA_SCALES_F32 / F16 / K / Q6K."""
+        return Q6K_SCALES if self.bits == 6 else SCALES[self.d.dtype]
 
     def args(self) -> tuple:
         """(q, bits, qh, offset, d, scales, m, group, N): the weight as cpu_dot.c's entry points take it."""

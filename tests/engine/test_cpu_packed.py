@@ -18,11 +18,10 @@ from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.memory_plan import checkpoint_weight_bytes, cpu_weights
 from dflash_agent.engine.packed_linear import (
     GEMM_ROWS,
-    HALF_SCALE_TYPES,
-    HEADER_TYPES,
     PLANE_TYPES,
     U4_TYPES,
     U5_TYPES,
+    U6_TYPES,
     CpuDotWeight,
     CpuInt4,
     CpuInt8,
@@ -68,7 +67,8 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     weight = PackedWeight(packed, torch.float32)
     weight.repack_for_cpu()
     assert isinstance(weight.cpu, CpuDotWeight)
-    assert weight.cpu.matrix.bits == (4 if qtype in U4_TYPES else 5 if qtype in U5_TYPES else 8)
+    assert weight.cpu.matrix.bits == (4 if qtype in U4_TYPES else 5 if qtype in U5_TYPES else 6 if qtype in U6_TYPES
+                                      else 8)
     x = torch.randn(5, 512) * torch.linspace(0.01, 30, 512)  # a wide dynamic range, as Gemma's activations have
     ours, ref = F.linear(x, weight), x @ packed.dequantize().T
     assert float((ours - ref).norm() / ref.norm()) < 1e-4  # int16 activations: ~1e-5
@@ -82,9 +82,9 @@ def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
 
 
 def test_repacked_bytes_per_weight_against_the_gguf(capsys):
-    """What the C kernels hold per weight beside what the file holds: the file's own scales (float16 ones, and the
-    Q4_K / Q5_K super-block headers), so all but Q6_K repack at the file's size; Q6_K's 6-bit weights take a byte each
-    with a float32 scale per 16 (10.0 bits against 6.56)."""
+    """What the C kernels hold per weight beside what the file holds: the file's own scales (float16 ones, the Q4_K /
+    Q5_K super-block headers, the Q6_K tails) and as many bits per weight, so every format repacks at the file's
+    size (Q6_K took a byte a weight and a float32 scale per 16 before: 10.0 bits against 6.56)."""
     if cpu_dot() is None:
         pytest.skip("no C compiler: the CPU dot kernels cannot be built")
     rng = np.random.default_rng(0)
@@ -96,8 +96,7 @@ def test_repacked_bytes_per_weight_against_the_gguf(capsys):
         ours, file = 8 * weight.cpu.nbytes / (n * k), 8 * size / block
         with capsys.disabled():
             print(f"\n{qtype.name}: repacked {ours:.2f} bits per weight, GGUF {file:.2f} ({ours / file:.3f}x)", end="")
-        if qtype in HALF_SCALE_TYPES | HEADER_TYPES:
-            assert ours <= file * 1.02, qtype.name
+        assert ours <= file * 1.02, qtype.name
 
 
 def test_a_packed_weight_refuses_an_input_of_another_width():

@@ -60,13 +60,13 @@ typedef struct {
     int64_t group;
 } layout;
 
-enum { Q4_K_F32, Q4_0, Q5_0, Q5_K_F32, Q8_0, S8_M, S8_G16, Q4_K, Q5_K, N_LAYOUTS };
+enum { Q4_K_F32, Q4_0, Q5_0, Q5_K_F32, Q8_0, S8_M, S8_G16, Q4_K, Q5_K, Q6_K, N_LAYOUTS };
 static const layout LAYOUTS[N_LAYOUTS] = {
     [Q4_K_F32] = {"u4_m", 4, 0, 1, DFA_SCALES_F32, 32},  [Q4_0] = {"u4_q4_0", 4, 8, 0, DFA_SCALES_F16, 32},
     [Q5_0] = {"u5_q5_0", 5, 16, 0, DFA_SCALES_F16, 32}, [Q5_K_F32] = {"u5_m", 5, 0, 1, DFA_SCALES_F32, 32},
     [Q8_0] = {"s8_q8_0", 8, 0, 0, DFA_SCALES_F16, 32},  [S8_M] = {"s8_m", 8, 0, 1, DFA_SCALES_F32, 32},
     [S8_G16] = {"s8_g16", 8, 0, 0, DFA_SCALES_F32, 16}, [Q4_K] = {"u4_q4_k", 4, 0, 0, DFA_SCALES_K, 32},
-    [Q5_K] = {"u5_q5_k", 5, 0, 0, DFA_SCALES_K, 32},
+    [Q5_K] = {"u5_q5_k", 5, 0, 0, DFA_SCALES_K, 32},    [Q6_K] = {"u6_q6_k", 6, 32, 0, DFA_SCALES_Q6K, 16},
 };
 
 /* A float as float16 bits (round to nearest even; tiny values become subnormals), for float16 scales. */
@@ -96,9 +96,10 @@ static dfa_matrix matrix(const layout *l, int64_t N, int64_t K) {
         uint8_t *q = malloc((size_t)(N * K / 2));
         for (int64_t i = 0; i < N * K / 2; i++) q[i] = (uint8_t)next();
         w.q = q;
-        if (l->bits == 5) {
-            uint32_t *qh = malloc((size_t)(N * K / 32) * sizeof(uint32_t));
-            for (int64_t i = 0; i < N * K / 32; i++) qh[i] = next();
+        if (l->bits > 4) { /* one word of fifth bits per group; u6 a second, of sixth bits */
+            const int64_t words = N * K / 32 * (l->bits - 4);
+            uint32_t *qh = malloc((size_t)words * sizeof(uint32_t));
+            for (int64_t i = 0; i < words; i++) qh[i] = next();
             w.qh = qh;
         }
     }
@@ -114,6 +115,15 @@ static dfa_matrix matrix(const layout *l, int64_t N, int64_t K) {
         }
         free(d);
         w.d = h;
+    } else if (l->scales == DFA_SCALES_Q6K) { /* each super-block's tail: 16 int8 scales, then float16 d */
+        uint8_t *t = malloc((size_t)(N * K / 256 * 18));
+        for (int64_t s = 0; s < N * K / 256; s++) {
+            for (int j = 0; j < 16; j++) t[s * 18 + j] = (uint8_t)next();
+            const uint16_t super = to_half(uniform(1e-4f, 1e-3f));
+            memcpy(t + s * 18 + 16, &super, 2);
+        }
+        free(d);
+        w.d = t;
     } else if (l->scales == DFA_SCALES_F16) { /* a negative scale and a subnormal one among them */
         uint16_t *h = malloc((size_t)(N * G) * sizeof(uint16_t));
         d[0] = -d[0];
@@ -226,7 +236,7 @@ static void check_layer(int64_t window) {
     enum { H = 256, HEADS = 2, KVH = 1, D = 32, I = 96, SLOTS = 80, PAST = 67, T = 3 };
     dfa_matrix m[7] = {matrix(&LAYOUTS[Q4_K], HEADS * D, H), matrix(&LAYOUTS[Q5_K], KVH * D, H),
                        matrix(&LAYOUTS[Q5_0], KVH * D, H),   matrix(&LAYOUTS[Q4_0], H, HEADS * D),
-                       matrix(&LAYOUTS[Q8_0], I, H),         matrix(&LAYOUTS[S8_G16], I, H),
+                       matrix(&LAYOUTS[Q8_0], I, H),         matrix(&LAYOUTS[Q6_K], I, H),
                        matrix(&LAYOUTS[S8_M], H, I)};
     float *norms[6];
     for (int i = 0; i < 6; i++) norms[i] = floats(i < 4 ? H : D, 0.5f, 1.5f);
@@ -280,7 +290,7 @@ int main(int argc, char **argv) {
     record("simd", &simd, 1);
     check_quantize();
     for (int i = 0; i < N_LAYOUTS; i++) {
-        const int super = LAYOUTS[i].scales == DFA_SCALES_K; /* rows of whole super-blocks of 256 */
+        const int super = LAYOUTS[i].scales == DFA_SCALES_K || LAYOUTS[i].scales == DFA_SCALES_Q6K; /* of 256 */
         check_linear(&LAYOUTS[i], super ? 256 : 96); /* 96: an odd number of blocks, the tail */
         check_linear(&LAYOUTS[i], super ? 768 : 256);
     }

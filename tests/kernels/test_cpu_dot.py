@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -65,7 +66,8 @@ def test_activations_are_int16_per_block_of_32(lib):
 def _layout(bits: int, group: int, with_m: bool, offset: int = 0, scales: str = "f32", n: int = 37, k: int = 512):
     """A random IntMatrix of a layout and the float32 weight it stands for. scales "f16": float16 scales (as Q4_0 /
     Q5_0 / Q8_0 store them), negative, subnormal and zero ones among them; "k": Q4_K / Q5_K super-block headers,
-    the weight from gguf-py's own reading of their 6-bit scales and mins."""
+    the weight from gguf-py's own reading of their 6-bit scales and mins; "q6": Q6_K super-block tails, the weight
+    from gguf-py's dequantization of Q6_K blocks holding them."""
     g = torch.Generator().manual_seed(bits * 100 + group + with_m + offset + len(scales))
     if bits == 8:
         values = torch.randint(-128, 128, (n, k), generator=g)
@@ -88,6 +90,20 @@ def _layout(bits: int, group: int, with_m: bool, offset: int = 0, scales: str = 
         w = (values.float().view(n, -1, 8, 32) * torch.from_numpy((gguf_d * sc).reshape(n, -1, 8, 1))
              - torch.from_numpy((gguf_min * mn).reshape(n, -1, 8, 1))).reshape(n, k)
         return cpu_dot.IntMatrix.pack(values, d, None, bits, group, offset), w
+    if scales == "q6":
+        tails = torch.cat([torch.randint(-128, 128, (n * k // 256, 16), generator=g).to(torch.int8).view(torch.uint8),
+                           torch.rand(n * k // 256, 1, generator=g).mul(1e-3).half().view(torch.uint8)], 1)
+        block = np.zeros((n * k // 256, 210), np.uint8)  # a Q6_K block: ql, qh, then the tail
+        ql = np.zeros((n * k // 256, 2, 64), np.uint8)
+        qh = np.zeros((n * k // 256, 2, 32), np.uint8)
+        for half in range(2):  # ggml's Q6_K: in each 128 values, runs v0..v3 of 32; ql low | high, qh 2 bits each
+            v = values.view(-1, 2, 4, 32)[:, half].numpy().astype(np.uint8)
+            ql[:, half, :32] = (v[:, 0] & 15) | (v[:, 2] & 15) << 4
+            ql[:, half, 32:] = (v[:, 1] & 15) | (v[:, 3] & 15) << 4
+            qh[:, half] = (v[:, 0] >> 4) | (v[:, 1] >> 4) << 2 | (v[:, 2] >> 4) << 4 | (v[:, 3] >> 4) << 6
+        block[:, :128], block[:, 128:192], block[:, 192:] = ql.reshape(-1, 128), qh.reshape(-1, 64), tails.numpy()
+        w = torch.from_numpy(gguf.quants.dequantize(block.reshape(n, -1), gguf.GGMLQuantizationType.Q6_K).copy())
+        return cpu_dot.IntMatrix.pack(values, tails.reshape(n, -1), None, bits, group, offset), w.view(n, k)
     w = ((values - offset).float().view(n, -1, group) * d.float()[..., None]
          + (0 if m is None else m[..., None])).view(n, k)
     return cpu_dot.IntMatrix.pack(values, d, m, bits, group, offset), w
@@ -95,7 +111,8 @@ def _layout(bits: int, group: int, with_m: bool, offset: int = 0, scales: str = 
 
 LAYOUTS = {"u4 m": (4, 32, True), "u4 Q4_0": (4, 32, False, 8, "f16"), "u4 Q4_K": (4, 32, False, 0, "k"),
            "u5 Q5_0": (5, 32, False, 16, "f16"), "u5 m": (5, 32, True), "u5 Q5_K": (5, 32, False, 0, "k"),
-           "s8 Q8_0": (8, 32, False, 0, "f16"), "s8 m": (8, 32, True), "s8 16": (8, 16, False)}
+           "s8 Q8_0": (8, 32, False, 0, "f16"), "s8 m": (8, 32, True), "s8 16": (8, 16, False),
+           "u6 Q6_K": (6, 16, False, 32, "q6")}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -116,8 +133,11 @@ def test_matmul_is_the_float_matmul_and_dequantize_is_exact(lib, layout):
 
 def test_layouts_are_checked():
     q, d = torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1)
-    with pytest.raises(ValueError, match="fifth bits"):
+    with pytest.raises(ValueError, match="high bits"):
         cpu_dot.IntMatrix(q, d, None, bits=5)
+    with pytest.raises(ValueError, match="the 6-bit layout is Q6_K's"):  # float32 scales
+        cpu_dot.IntMatrix(torch.zeros(2, 128, dtype=torch.uint8), torch.ones(2, 16), None, bits=6, group=16,
+                          qh=torch.zeros(2, 8, 2, dtype=torch.int32), offset=32)
     with pytest.raises(ValueError, match="without offsets m, not torch.float16"):
         cpu_dot.IntMatrix(q, d.half(), torch.ones(2, 1), bits=4)
     with pytest.raises(ValueError, match="K-quant headers scale 4- or 5-bit rows of a multiple of 256"):
