@@ -34,7 +34,7 @@ from .mtp import MtpDrafter
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
 from .progress import ProgressLog
 from .sampling import Sampler, StopStringFilter
-from .speculative import LengthController, PlannedStep, RequestDecoder, SpecConfig
+from .speculative import CopyMemory, LengthController, PlannedStep, RequestDecoder, SpecConfig
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, TokenEvent, Usage
 
@@ -74,7 +74,7 @@ class Task:
             model, slot.cache, Sampler(req.sampling, model.device, model.argmax),
             drafter=scheduler.drafter, drafter_cache=slot.drafter_cache,
             matcher=req.grammar.matcher() if req.grammar is not None else None,
-            spec=scheduler.spec, controller=slot.controller,
+            spec=scheduler.spec, controller=slot.controller, memory=scheduler.copy_memory,
         )
         slot.controller = self.decoder.shared_controller
         self.stop_ids = scheduler.tokenizer.stop_ids | req.stop.token_ids
@@ -260,6 +260,8 @@ class Scheduler:
             self.slots.append(Slot(i, cache, drafter_cache, prefix))
         self.capture = drafter.capture_layers if drafter is not None and spec.enabled else ()
         self.batch_drafting = BatchDrafting()
+        # what every slot's requests wrote, for copies across requests (the worker thread alone touches it)
+        self.copy_memory = CopyMemory(spec.copy_match) if spec.enabled and spec.ngram and spec.copy_match else None
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._waiting: deque[Job] = deque()
         self._closing = False

@@ -64,8 +64,9 @@ class NgramIndex:
     """The most recent earlier occurrence of each short n-gram in the sequence (and of the last `copy_n` tokens),
     kept incrementally, so proposing the continuation of the longest suffix match costs O(ngram_max) per step."""
 
-    def __init__(self, min_n: int, max_n: int, copy_n: int | None = None) -> None:
+    def __init__(self, min_n: int, max_n: int, copy_n: int | None = None, memory: CopyMemory | None = None) -> None:
         self.min_n, self.max_n, self.copy_n = min_n, max_n, copy_n
+        self.memory = memory
         self._sizes = [*range(min_n, max_n + 1), *([copy_n] if copy_n and copy_n > max_n else [])]
         self.ids: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end index (exclusive) of its latest occurrence
@@ -105,15 +106,75 @@ class NgramIndex:
     def copy(self, k: int) -> list[int]:
         """The continuation of the latest earlier occurrence of the last copy_n tokens ([] where there is none), as
         long as the match: a copy under way matches further back with every step, so its drafts grow to k, where
-        records that only share a layout (JSON, logs) match a little past copy_n and get short ones."""
+        records that only share a layout (JSON, logs) match a little past copy_n and get short ones. Where the
+        sequence itself has no match as long as k, an earlier request's output may have one (`memory`)."""
         end, n = len(self.ids), self.copy_n
         at = self._last.get(tuple(self.ids[end - n :])) if n and end >= n else None
-        if at is None:
+        own: list[int] = []
+        if at is not None:
+            matched = n
+            while matched < k and at - matched > 0 and self.ids[at - matched - 1] == self.ids[end - matched - 1]:
+                matched += 1
+            own = self._continuation(at, min(k, matched))
+        if len(own) >= k or self.memory is None or not n or end < n:
+            return own
+        remembered = self.memory.copy(self.ids, k)
+        return remembered if len(remembered) > len(own) else own
+
+
+class CopyMemory:
+    """What earlier requests wrote, each output with the prompt tokens just before it, indexed by its windows of n
+    tokens: a request that writes what an earlier one wrote (a retried or regenerated answer, a sub-agent redoing a
+    step, the same file written again in a new conversation) drafts it as a copy. llama.cpp's ngram-mod keeps its
+    table across requests likewise. Shared by a scheduler's slots and touched only by its worker thread; holds at
+    most `max_tokens`, dropping the oldest outputs first."""
+
+    LEAD = 64  # prompt tokens kept before an output: a match at the output's start is already this long
+
+    def __init__(self, n: int, max_tokens: int = 1 << 16) -> None:
+        self.n, self.max_tokens = n, max_tokens
+        self._sequences: dict[int, list[int]] = {}  # oldest first
+        self._next = 0
+        self._tokens = 0
+        self._last: dict[int, tuple[int, int]] = {}  # hash of a window -> (sequence, end) of its latest occurrence
+
+    def add(self, sequence: list[int], output_start: int) -> None:
+        """Remember the output sequence[output_start:] of a finished request."""
+        if len(sequence) <= output_start:
+            return
+        begin = max(0, output_start - self.LEAD, len(sequence) - self.max_tokens)
+        kept, first = sequence[begin:], max(0, output_start - begin)  # first: where the output starts in `kept`
+        while self._sequences and self._tokens + len(kept) > self.max_tokens:
+            self._drop_oldest()
+        key, self._next = self._next, self._next + 1
+        self._sequences[key] = kept
+        self._tokens += len(kept)
+        self._index(key, max(self.n, first))
+
+    def _index(self, key: int, start: int) -> None:
+        seq = self._sequences[key]
+        for end in range(start, len(seq)):  # windows with something after them
+            self._last[hash(tuple(seq[end - self.n:end]))] = (key, end)
+
+    def _drop_oldest(self) -> None:
+        oldest = next(iter(self._sequences))
+        self._tokens -= len(self._sequences.pop(oldest))
+        self._last = {h: v for h, v in self._last.items() if v[0] != oldest}
+
+    def copy(self, ids: list[int], k: int) -> list[int]:
+        """The continuation of ids' last n tokens in a remembered output, as long as the match ([] where none)."""
+        tail = ids[len(ids) - self.n:]
+        found = self._last.get(hash(tuple(tail)))
+        if found is None:
             return []
-        matched = n
-        while matched < k and at - matched > 0 and self.ids[at - matched - 1] == self.ids[end - matched - 1]:
+        seq = self._sequences[found[0]]
+        at = found[1]
+        if seq[at - self.n:at] != tail:  # a hash collision
+            return []
+        matched, end = self.n, len(ids)
+        while matched < k and at - matched > 0 and seq[at - matched - 1] == ids[end - matched - 1]:
             matched += 1
-        return self._continuation(at, min(k, matched))
+        return seq[at:at + min(k, matched)]
 
 
 class LengthController:
@@ -156,17 +217,23 @@ class LengthController:
         self.steps = 0
         self.credit = 0.0  # seconds of exploration the budget has earned
 
-    def choose(self, ngram_available: bool, copy_available: bool = False) -> tuple[str, int]:
+    def choose(self, ngram_available: bool, copy_available: int = 0) -> tuple[str, int]:
+        """copy_available: how long a copy the sequence's match supports (0: none)."""
+        copies = [a for a in self.arms if a[0] == "copy"]
         if self.fixed is not None:
             if self.drafter:
                 return (self.drafter_source, self.fixed)
-            if copy_available and any(a[0] == "copy" for a in self.arms):
+            if copy_available and copies:
                 return ("copy", self.fixed)
             return ("ngram", self.fixed) if ngram_available else ("ar", 0)
-        if copy_available and any(a[0] == "copy" for a in self.arms):
+        if copy_available and copies:
             # where a copy is under way it is measured against plain decoding only: the other sources' rates,
-            # learnt mostly where nothing is copied, say little here, and they would draft what the copy drafts
-            arms = [a for a in self.arms if a[0] in ("ar", "copy")]
+            # learnt mostly where nothing is copied, say little here, and they would draft what the copy drafts.
+            # A match at least as long as the short arm's draft plays the long arm, a shorter one the short arm:
+            # records that share a layout match a little past copy_n and often go wrong, where a long match is a
+            # copy under way, and each is learnt apart.
+            arm = copies[-1] if copy_available >= copies[0][1] else copies[0]
+            arms = [("ar", 0), arm]
         else:
             arms = [a for a in self.arms if a[0] != "copy" and (a[0] != "ngram" or ngram_available)]
         self.steps += 1
@@ -233,7 +300,9 @@ class RequestDecoder:
         matcher: Matcher | None = None,
         spec: SpecConfig | None = None,
         controller: LengthController | None = None,
+        memory: CopyMemory | None = None,
     ) -> None:
+        """memory: earlier requests' outputs to draft copies from (and this one's to remember when it finishes)."""
         self.target, self.cache, self.sampler = target, cache, sampler
         self.matcher = matcher
         self.spec = spec or SpecConfig()
@@ -273,7 +342,8 @@ class RequestDecoder:
             # so such a request decodes plainly (a fixed block is deterministic and keeps drafting).
             # The drafter is still fed, for the requests after it.
             self.controller = LengthController(0, drafter=False, ngram=False, fixed=None)
-        self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max, self.spec.copy_match) if use_ngram else None
+        self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max, self.spec.copy_match,
+                                memory if self.spec.copy_match else None) if use_ngram else None
         self.sequence: list[int] = []  # the prompt and every token committed so far
         self._prompt_len = 0
         self._yielded = 0  # tokens `tokens()` handed out
@@ -389,6 +459,8 @@ class RequestDecoder:
         self._feed_drafter()
         if self.drafter_cache is not None:
             self.drafter_cache.rollback(n)
+        if self.ngram is not None and self.ngram.memory is not None:
+            self.ngram.memory.add(self.sequence[:n], self._prompt_len)
         return self.sequence[:n]
 
     # --- decoding ---------------------------------------------------------------------------------
@@ -465,8 +537,11 @@ class RequestDecoder:
     def _ngram_ready(self, room: int) -> bool:
         return self.ngram is not None and room > 0 and bool(self.ngram.propose(1))
 
-    def _copy_ready(self, room: int) -> bool:
-        return self.ngram is not None and room > 0 and bool(self.ngram.copy(1))
+    def _copy_ready(self, room: int) -> int:
+        """How long a copy the match supports, up to the longest copy arm's draft (0: none)."""
+        if self.ngram is None or room <= 0:
+            return 0
+        return len(self.ngram.copy(max((a[1] for a in self.controller.arms if a[0] == "copy"), default=0)))
 
     def _queue_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
         if self.mtp is not None and n > 0:

@@ -22,8 +22,9 @@
  *   the file's own size. m (or NULL): float32 [N, K/G].
  * Activations: xq int16 [M, K], xs float [M, K/32] (x ~ xs xq per block), xsum float [M, K/32]
  * (xs times the sum of xq over each block: the m terms need only these).
- * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded); activation rows
- * are taken TILE at a time, so each group of weights is unpacked once for TILE rows (prefill, verify).
+ * Rows of w are split across `threads` OpenMP threads (the runtime torch already loaded) in panels of PANEL rows;
+ * activation rows are taken TILE at a time, so each group of weights is unpacked once for TILE rows (verify, batched
+ * decoding), and every tile passes over a panel while it is in L1.
  */
 #include <float.h>
 #include <math.h>
@@ -301,9 +302,11 @@ static inline __m256i dot16(__m256i w16, const int16_t *x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)x));
 }
 
-/* acc[a][i] += p (8 int32 lanes) * s */
-#define ACC2(acc, a, i, p, s) \
-    acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[a][i])
+/* acc[a][i] += p (8 int32 lanes) * s, s a vector of 8 equal scales */
+#define ACC2(acc, a, i, p, s) acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[a][i])
+/* The scale of a block's products: the weight's sd (broadcast once per block) times the activations' block scale
+ * broadcast from memory, one vector multiply where a scalar one and a broadcast cost two. */
+#define SCALE(sd, x) _mm256_mul_ps(sd, _mm256_broadcast_ss(x))
 
 /* The fifth bits of a group of 32 as bytes: byte k is 16 where bit k of `bits` is set, else 0. */
 static inline __m256i fifth_bits(uint32_t bits) {
@@ -331,16 +334,17 @@ static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE]
         v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(3)), 4));
     }
     const __m256i off = _mm256_set1_epi16((short)offset);
+    const __m256 vsd = _mm256_set1_ps(sd), vsd1 = _mm256_set1_ps(sd1);
     const __m256i lo = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, _mm256_setzero_si256()), off); /* values 0..15 */
     const __m256i hi = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, _mm256_setzero_si256()), off); /* 16..31 */
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float sx = xs[(r0 + i) * B + b];
+        const float *sx = xs + (r0 + i) * B + b;
         if (high == 2) { /* u6: runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(lo, xb), sd * sx);
-            ACC2(acc, 1, i, dot16(hi, xb + 16), sd1 * sx);
+            ACC2(acc, 0, i, dot16(lo, xb), SCALE(vsd, sx));
+            ACC2(acc, 1, i, dot16(hi, xb + 16), SCALE(vsd1, sx));
         } else {
-            ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), sd * sx);
+            ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), SCALE(vsd, sx));
         }
     }
 }
@@ -352,15 +356,16 @@ static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int
     const int64_t B = K / 32;
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
+    const __m256 vsd = _mm256_set1_ps(sd), vsd1 = _mm256_set1_ps(sd1);
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float sx = xs[(r0 + i) * B + b];
+        const float *sx = xs + (r0 + i) * B + b;
         const __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
         if (group == 32) {
-            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), sd * sx);
+            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), SCALE(vsd, sx));
         } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
-            ACC2(acc, 0, i, p0, sd * sx);
-            ACC2(acc, 1, i, p1, sd1 * sx);
+            ACC2(acc, 0, i, p0, SCALE(vsd, sx));
+            ACC2(acc, 1, i, p1, SCALE(vsd1, sx));
         }
     }
 }
@@ -585,41 +590,56 @@ static inline int64_t row_scale_bytes(int scales, int64_t K, int64_t group) {
     return scales == DFA_SCALES_Q6K ? K / 256 * 18 : K / group * scale_bytes(scales);
 }
 
-/* Weight row n of a u4 / u5 / u6 matrix (high 0 / 1 / 2) against the M activation rows. Inlined with M == 1 as
- * its own loop, a decode step's matmul compiles to a loop free of the tiles' bookkeeping (a third fewer
- * instructions). */
-static inline __attribute__((always_inline)) void nibbles_row(int high, const int16_t *xq, const float *xs,
-                                                              const float *xsum, int64_t M, int64_t K,
-                                                              const uint8_t *q, const uint32_t *qh, int offset,
-                                                              const void *d, int scales, const float *m, int64_t N,
-                                                              float *y, int64_t n, int64_t ahead) {
+/* Weight rows [n0, n1) of a u4 / u5 / u6 matrix (high 0 / 1 / 2) against the M activation rows: each tile of TILE
+ * activation rows passes over the whole panel before the next tile, so the panel's weights stay in L1 while every
+ * tile reads them and a tile's activations stay there while the panel's rows read them, and each activation row's
+ * outputs are stored as one run (y's rows lie N floats apart: storing one row's outputs for 64 activation rows at
+ * a time hit 64 lines of the same cache set). Inlined with M == 1 (panels of one row) as its own loop, a decode
+ * step's matmul compiles to a loop free of the tiles' bookkeeping (a third fewer instructions). */
+static inline __attribute__((always_inline)) void nibbles_panel(int high, const int16_t *xq, const float *xs,
+                                                                const float *xsum, int64_t M, int64_t K,
+                                                                const uint8_t *q, const uint32_t *qh, int offset,
+                                                                const void *d, int scales, const float *m, int64_t N,
+                                                                float *y, int64_t n0, int64_t n1, int64_t ahead) {
     const int64_t B = K / 32, dbytes = row_scale_bytes(scales, K, 32);
-    const uint8_t *qn = q + n * (K / 2);
-    const uint32_t *qhn = high ? qh + n * B * high : NULL;
-    const char *dn = (const char *)d + n * dbytes;
-    const float *mn = m ? m + n * B : NULL;
-    prefetch(qn + ahead * (K / 2), K / 2);
-    if (high) prefetch(qhn + ahead * B * high, B * high * 4);
-    prefetch(dn + ahead * dbytes, dbytes);
-    if (mn) prefetch(mn + ahead * B, B * 4);
+    for (int64_t n = n0; n < n1; n++) {
+        prefetch(q + (n + ahead) * (K / 2), K / 2);
+        if (high) prefetch(qh + (n + ahead) * B * high, B * high * 4);
+        prefetch((const char *)d + (n + ahead) * dbytes, dbytes);
+        if (m) prefetch(m + (n + ahead) * B, B * 4);
+    }
     float out[TILE];
     int64_t r0 = 0;
-    for (; r0 + TILE <= M; r0 += TILE) {
-        row_nibbles(high, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, TILE, out);
-        for (int i = 0; i < TILE; i++)
-            y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
-    }
-    for (; r0 < M; r0++) {
-        row_nibbles(high, qn, qhn, dn, scales, offset, xq, xs, xsum, K, r0, 1, out);
-        y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
-    }
+    for (; r0 + TILE <= M; r0 += TILE)
+        for (int64_t n = n0; n < n1; n++) {
+            const float *mn = m ? m + n * B : NULL;
+            row_nibbles(high, q + n * (K / 2), high ? qh + n * B * high : NULL, (const char *)d + n * dbytes, scales,
+                        offset, xq, xs, xsum, K, r0, TILE, out);
+            for (int i = 0; i < TILE; i++)
+                y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
+        }
+    for (; r0 < M; r0++)
+        for (int64_t n = n0; n < n1; n++) {
+            const float *mn = m ? m + n * B : NULL;
+            row_nibbles(high, q + n * (K / 2), high ? qh + n * B * high : NULL, (const char *)d + n * dbytes, scales,
+                        offset, xq, xs, xsum, K, r0, 1, out);
+            y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
+        }
 }
 
-/* A u4 / u5 / u6 matrix: its rows split across the threads, with the row function inlined for each of the
+/* Weight rows in a panel: as many as keep a panel's weights and a tile's activations in L1 together. */
+#define PANEL 16
+/* A u4 / u5 / u6 matrix: its panels split across the threads, with the panel function inlined for each of the
  * constants it branches on (4 / 5 / 6 bits, one activation row, the scales' format), so no block tests them. */
-#define NIBBLE_ROWS(high, rows, scales)                                                                \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
-        nibbles_row(high, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y, n, ahead)
+#define NIBBLE_ROWS(high, rows, scales)                                                                       \
+    do {                                                                                                     \
+        const int64_t panel = (rows) == 1 ? 1 : PANEL;                                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t p = 0;              \
+                                                                               p < (N + panel - 1) / panel; \
+                                                                               p++)                         \
+            nibbles_panel(high, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y, p * panel,         \
+                          p * panel + panel < N ? p * panel + panel : N, ahead);                            \
+    } while (0)
 #define NIBBLE_SCALES(high, rows)                                      \
     do {                                                               \
         if (scales == DFA_SCALES_K) NIBBLE_ROWS(high, rows, DFA_SCALES_K);   \
@@ -640,34 +660,44 @@ static void matmul_nibbles(int high, const int16_t *xq, const float *xs, const f
     else NIBBLE_SCALES(0, M);
 }
 
-/* Weight row n of an s8 matrix against the M activation rows (group 32 or 16, constants where inlined). */
-static inline __attribute__((always_inline)) void s8_row(const int16_t *xq, const float *xs, const float *xsum,
-                                                         int64_t M, int64_t K, const int8_t *q, const void *d,
-                                                         int scales, const float *m, int64_t group, int64_t N,
-                                                         float *y, int64_t n, int64_t ahead) {
+/* Weight rows [n0, n1) of an s8 matrix against the M activation rows, in panels as nibbles_panel (group 32 or 16,
+ * constants where inlined). */
+static inline __attribute__((always_inline)) void s8_panel(const int16_t *xq, const float *xs, const float *xsum,
+                                                           int64_t M, int64_t K, const int8_t *q, const void *d,
+                                                           int scales, const float *m, int64_t group, int64_t N,
+                                                           float *y, int64_t n0, int64_t n1, int64_t ahead) {
     const int64_t B = K / 32, G = K / group, dbytes = scale_bytes(scales);
-    const int8_t *qn = q + n * K;
-    const char *dn = (const char *)d + n * G * dbytes;
-    const float *mn = m ? m + n * G : NULL;
-    prefetch(qn + ahead * K, K);
-    prefetch(dn + ahead * G * dbytes, G * dbytes);
-    if (mn) prefetch(mn + ahead * G, G * 4);
+    for (int64_t n = n0; n < n1; n++) {
+        prefetch(q + (n + ahead) * K, K);
+        prefetch((const char *)d + (n + ahead) * G * dbytes, G * dbytes);
+        if (m) prefetch(m + (n + ahead) * G, G * 4);
+    }
     float out[TILE];
     int64_t r0 = 0;
-    for (; r0 + TILE <= M; r0 += TILE) {
-        row_s8(qn, dn, scales, group, xq, xs, K, r0, TILE, out);
-        for (int i = 0; i < TILE; i++)
-            y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
-    }
-    for (; r0 < M; r0++) {
-        row_s8(qn, dn, scales, group, xq, xs, K, r0, 1, out);
-        y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
-    }
+    for (; r0 + TILE <= M; r0 += TILE)
+        for (int64_t n = n0; n < n1; n++) {
+            const float *mn = m ? m + n * G : NULL;
+            row_s8(q + n * K, (const char *)d + n * G * dbytes, scales, group, xq, xs, K, r0, TILE, out);
+            for (int i = 0; i < TILE; i++)
+                y[(r0 + i) * N + n] = out[i] + (mn ? dotf(mn, xsum + (r0 + i) * B, B) : 0.0f);
+        }
+    for (; r0 < M; r0++)
+        for (int64_t n = n0; n < n1; n++) {
+            const float *mn = m ? m + n * G : NULL;
+            row_s8(q + n * K, (const char *)d + n * G * dbytes, scales, group, xq, xs, K, r0, 1, out);
+            y[r0 * N + n] = out[0] + (mn ? dotf(mn, xsum + r0 * B, B) : 0.0f);
+        }
 }
 
-#define S8_ROWS(group, rows, scales)                                                                   \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t n = 0; n < N; n++) \
-        s8_row(xq, xs, xsum, rows, K, q, d, scales, m, group, N, y, n, ahead)
+#define S8_ROWS(group, rows, scales)                                                                          \
+    do {                                                                                                     \
+        const int64_t panel = (rows) == 1 ? 1 : PANEL;                                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t p = 0;              \
+                                                                               p < (N + panel - 1) / panel; \
+                                                                               p++)                         \
+            s8_panel(xq, xs, xsum, rows, K, q, d, scales, m, group, N, y, p * panel,                         \
+                     p * panel + panel < N ? p * panel + panel : N, ahead);                                 \
+    } while (0)
 #define S8_SCALES(group, rows)                                                     \
     do {                                                                           \
         if (scales == DFA_SCALES_F16) S8_ROWS(group, rows, DFA_SCALES_F16); \

@@ -13,7 +13,7 @@ import torch
 from dflash_agent.engine.drafter import DrafterError, load_drafter
 from dflash_agent.engine.engine import Engine, GenerateRequest
 from dflash_agent.engine.sampling import Sampler, SamplingParams
-from dflash_agent.engine.speculative import LengthController, NgramIndex, RequestDecoder, SpecConfig
+from dflash_agent.engine.speculative import CopyMemory, LengthController, NgramIndex, RequestDecoder, SpecConfig
 from dflash_agent.engine.tokenizer import SpecialTokens, Tokenizer
 from dflash_agent.engine.weights import build_model, open_checkpoint
 
@@ -227,24 +227,77 @@ def test_controller_plays_copies_only_where_a_long_match_is():
     assert controller.arms == [("ar", 0), ("copy", 32), ("copy", 64), ("dflash", 2), ("dflash", 4), ("dflash", 7),
                                ("ngram", 4), ("ngram", 8), ("ngram", 16)]
     seconds = {arm: 0.02 + 0.01 * arm[1] for arm in controller.arms}
-    tokens = {arm: arm[1] + 1 if arm[0] == "copy" else 1 for arm in controller.arms}  # copies land, the rest not
+    # long matches are copies under way and land; short ones (records sharing a layout) go wrong, as the rest
+    tokens = {arm: 65 if arm == ("copy", 64) else 1 for arm in controller.arms}
     for step in range(300):
-        copy = step % 3 == 0
+        copy = (0, 20, 64)[step % 3]
         arm = controller.choose(ngram_available=True, copy_available=copy)
+        assert arm[0] != "copy" or arm == ("copy", 64 if copy >= 32 else 32)
         assert copy or arm[0] != "copy"
         controller.record(arm, tokens[arm], seconds[arm])
-    assert controller.choose(ngram_available=True, copy_available=True)[0] == "copy"
-    assert controller.choose(ngram_available=True, copy_available=False) == ("ar", 0)
+    assert controller.choose(ngram_available=True, copy_available=40) == ("copy", 64)
+    assert controller.choose(ngram_available=True, copy_available=20) == ("ar", 0)  # learnt apart
+    assert controller.choose(ngram_available=True, copy_available=0) == ("ar", 0)
 
 
-def _word_tokenizer() -> Tokenizer:
+def test_copy_memory_drafts_what_an_earlier_request_wrote():
+    memory = CopyMemory(4, max_tokens=40)
+    prompt, output = [9, 9, 1, 2, 3, 4], [5, 6, 7, 8, 10, 11]
+    memory.add(prompt + output, len(prompt))
+    index = NgramIndex(2, 3, copy_n=4, memory=memory)
+    index.extend([3, 3, 1, 2, 3, 4])  # the same last four prompt tokens, then what the earlier request wrote
+    assert index.copy(50) == [5, 6, 7, 8]  # as long as the match: four tokens
+    index.extend([5, 6])
+    assert index.copy(3) == [7, 8, 10] and index.copy(50) == [7, 8, 10, 11]  # the match grew; the output's end
+    assert NgramIndex(2, 3, copy_n=4).copy(50) == []  # no memory, no match
+    own = NgramIndex(2, 3, copy_n=4, memory=memory)
+    own.extend([0, 1, 2, 3, 4, 12, 13, 0, 1, 2, 3, 4])  # its own occurrence matches five back, the memory's four
+    assert own.copy(50) == [12, 13, 0, 1, 2]
+    memory.add([1, 2, 3, 4, 20, 21, 22], 4)  # a later output after the same four tokens wins
+    assert NgramIndex(2, 3, copy_n=4, memory=memory).copy(50) == []  # too short a sequence to match four
+    later = NgramIndex(2, 3, copy_n=4, memory=memory)
+    later.extend([1, 2, 3, 4])
+    assert later.copy(50) == [20, 21, 22]
+    for i in range(6):  # outputs of 20 tokens each: the oldest go, within 40 tokens
+        memory.add([1, 2, 3, 4] + [30 + i] * 16, 4)
+    gone = NgramIndex(2, 3, copy_n=4, memory=memory)
+    gone.extend([3, 4, 5, 6])
+    assert gone.copy(50) == [] and sum(len(s) for s in memory._sequences.values()) <= 40
+
+
+def test_a_repeated_request_drafts_its_earlier_output_losslessly(pair):
+    """The same prompt again: the second request drafts copies of what the first wrote (from the scheduler's memory
+    of outputs), and both give what plain decoding gives."""
+    _, _, target, _, _ = pair
+    prompt = _prompts(20)[5]
+    plain, _ = _decode(target, None, prompt, 60, SpecConfig(enabled=False))
+    engine = Engine(target, _word_tokenizer(stop_ids=()), N_CTX, spec=SpecConfig(block=BLOCK))
+
+    async def run():
+        final = None
+        ids: list[int] = []
+        async for event in engine.generate(GenerateRequest(prompt, max_tokens=60, cache_prompt=False)):
+            ids += getattr(event, "ids", []) or []
+            final = event
+        return ids, final
+
+    try:
+        first, _ = asyncio.run(run())
+        second, final = asyncio.run(run())
+    finally:
+        engine.close()
+    assert first == plain and second == plain
+    assert final.spec.by_source["copy"][2] >= 40  # nearly all of it drafted and accepted as copies
+
+
+def _word_tokenizer(stop_ids: tuple[int, ...] = (1,)) -> Tokenizer:
     import tokenizers
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
     backend = tokenizers.Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
     backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, SpecialTokens(bos_id=2, eos_id=1, pad_id=0, unk_id=3, stop_ids=(1,)), "test")
+    return Tokenizer(backend, SpecialTokens(bos_id=2, eos_id=1, pad_id=0, unk_id=3, stop_ids=stop_ids), "test")
 
 
 def test_engine_reports_drafting(pair):

@@ -118,7 +118,7 @@ LAYOUTS = {"u4 m": (4, 32, True), "u4 Q4_0": (4, 32, False, 8, "f16"), "u4 Q4_K"
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_matmul_is_the_float_matmul_and_dequantize_is_exact(lib, layout):
     matrix, w = _layout(*layout)
-    x = torch.randn(7, matrix.k)  # a tile of 4 rows and 3 left over
+    x = torch.randn(7, matrix.k)  # a tile of 4 rows and 3 left over; 37 weight rows: panels of 16, 16 and 5
     y = lib.matmul(lib.quantize(x), matrix)
     torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-3 * float((x @ w.T).abs().max()))
     for row in range(7):  # each row alone gives the same bits
