@@ -133,9 +133,9 @@ class CopyMemory:
 
     def __init__(self, n: int, max_tokens: int = 1 << 16) -> None:
         self.n, self.max_tokens = n, max_tokens
-        self._sequences: dict[int, list[int]] = {}  # oldest first
+        self._sequences: dict[int, tuple[list[int], int]] = {}  # (tokens, where the output starts), oldest first
         self._next = 0
-        self._tokens = 0
+        self.tokens = 0  # held
         self._last: dict[int, tuple[int, int]] = {}  # hash of a window -> (sequence, end) of its latest occurrence
 
     def add(self, sequence: list[int], output_start: int) -> None:
@@ -144,30 +144,33 @@ class CopyMemory:
             return
         begin = max(0, output_start - self.LEAD, len(sequence) - self.max_tokens)
         kept, first = sequence[begin:], max(0, output_start - begin)  # first: where the output starts in `kept`
-        while self._sequences and self._tokens + len(kept) > self.max_tokens:
+        while self._sequences and self.tokens + len(kept) > self.max_tokens:
             self._drop_oldest()
         key, self._next = self._next, self._next + 1
-        self._sequences[key] = kept
-        self._tokens += len(kept)
-        self._index(key, max(self.n, first))
+        self._sequences[key] = (kept, first)
+        self.tokens += len(kept)
+        self._index(key)
 
-    def _index(self, key: int, start: int) -> None:
-        seq = self._sequences[key]
-        for end in range(start, len(seq)):  # windows with something after them
+    def _index(self, key: int) -> None:
+        seq, first = self._sequences[key]
+        for end in range(max(self.n, first), len(seq)):  # windows with output after them
             self._last[hash(tuple(seq[end - self.n:end]))] = (key, end)
 
     def _drop_oldest(self) -> None:
-        oldest = next(iter(self._sequences))
-        self._tokens -= len(self._sequences.pop(oldest))
-        self._last = {h: v for h, v in self._last.items() if v[0] != oldest}
+        self.tokens -= len(self._sequences.pop(next(iter(self._sequences)))[0])
+        if len(self._last) > 2 * self.max_tokens:  # a dropped output's windows stay until they are many (lookups
+            self._last = {}                         # skip them)
+            for key in self._sequences:
+                self._index(key)
 
     def copy(self, ids: list[int], k: int) -> list[int]:
         """The continuation of ids' last n tokens in a remembered output, as long as the match ([] where none)."""
         tail = ids[len(ids) - self.n:]
         found = self._last.get(hash(tuple(tail)))
-        if found is None:
+        held = self._sequences.get(found[0]) if found is not None else None
+        if held is None:  # no such window, or only in a dropped output
             return []
-        seq = self._sequences[found[0]]
+        seq = held[0]
         at = found[1]
         if seq[at - self.n:at] != tail:  # a hash collision
             return []
