@@ -629,17 +629,20 @@ static inline __attribute__((always_inline)) void nibbles_panel(int high, const 
 
 /* Weight rows in a panel: as many as keep a panel's weights and a tile's activations in L1 together. */
 #define PANEL 16
-/* A u4 / u5 / u6 matrix: its panels split across the threads, with the panel function inlined for each of the
- * constants it branches on (4 / 5 / 6 bits, one activation row, the scales' format), so no block tests them. */
-#define NIBBLE_ROWS(high, rows, scales)                                                                       \
+/* The N weight rows in panels (of one row where `rows` is 1: a decode step has no tiles to share a panel), split
+ * across the threads: panel_fn(args..., n0, n1, ahead) for each. */
+#define OVER_PANELS(rows, panel_fn, ...)                                                                      \
     do {                                                                                                     \
         const int64_t panel = (rows) == 1 ? 1 : PANEL;                                                       \
         _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t p = 0;              \
                                                                                p < (N + panel - 1) / panel; \
                                                                                p++)                         \
-            nibbles_panel(high, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y, p * panel,         \
-                          p * panel + panel < N ? p * panel + panel : N, ahead);                            \
+            panel_fn(__VA_ARGS__, p * panel, p * panel + panel < N ? p * panel + panel : N, ahead);          \
     } while (0)
+/* A u4 / u5 / u6 matrix, with the panel function inlined for each of the constants it branches on (4 / 5 / 6 bits,
+ * one activation row, the scales' format), so no block tests them. */
+#define NIBBLE_ROWS(high, rows, scales) \
+    OVER_PANELS(rows, nibbles_panel, high, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y)
 #define NIBBLE_SCALES(high, rows)                                      \
     do {                                                               \
         if (scales == DFA_SCALES_K) NIBBLE_ROWS(high, rows, DFA_SCALES_K);   \
@@ -689,15 +692,7 @@ static inline __attribute__((always_inline)) void s8_panel(const int16_t *xq, co
         }
 }
 
-#define S8_ROWS(group, rows, scales)                                                                          \
-    do {                                                                                                     \
-        const int64_t panel = (rows) == 1 ? 1 : PANEL;                                                       \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)") for (int64_t p = 0;              \
-                                                                               p < (N + panel - 1) / panel; \
-                                                                               p++)                         \
-            s8_panel(xq, xs, xsum, rows, K, q, d, scales, m, group, N, y, p * panel,                         \
-                     p * panel + panel < N ? p * panel + panel : N, ahead);                                 \
-    } while (0)
+#define S8_ROWS(group, rows, scales) OVER_PANELS(rows, s8_panel, xq, xs, xsum, rows, K, q, d, scales, m, group, N, y)
 #define S8_SCALES(group, rows)                                                     \
     do {                                                                           \
         if (scales == DFA_SCALES_F16) S8_ROWS(group, rows, DFA_SCALES_F16); \
