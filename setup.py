@@ -27,6 +27,8 @@ MACHINE = platform.machine().lower()
 if MACHINE in ("x86_64", "amd64"):
     # AVX2, FMA, F16C, BMI2: every x86 since 2013-15
     VARIANTS["x86_64_v3"] = (["-march=x86-64-v3", "-mtune=generic"], [])
+    # AVX-512 (F, BW, CD, DQ, VL) with VNNI: Intel since Ice Lake / Cascade Lake, AMD since Zen 4
+    VARIANTS["x86_64_v4_vnni"] = (["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"], [])
 elif MACHINE in ("aarch64", "arm64"):
     VARIANTS["aarch64_neon"] = ([], [])  # NEON is part of the aarch64 baseline (armv8-a)
 

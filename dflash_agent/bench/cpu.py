@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..engine import EMBEDDED, Engine, GenerateRequest, SpecConfig
+from ..engine.packed_linear import release_cpu_threads
 from ..engine.weights import resolve_model_path
 from ..errors import UserError
 
@@ -111,6 +112,9 @@ def _theirs(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]
     with torch.no_grad():
         first = generate(1)  # prefill and the first token
         total = generate(decode_tokens)
+    # its OpenMP threads end, so the engine's worker holds the only ones again, as in a server (else both wait
+    # asleep between regions: CpuDot.release_threads)
+    release_cpu_threads(torch.device("cpu"))
     return first, (decode_tokens - 1) / max(total - first, 1e-9)
 
 

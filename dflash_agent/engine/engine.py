@@ -22,7 +22,7 @@ from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, cpu_weights, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
-from .packed_linear import cpu_dot
+from .packed_linear import cpu_dot, release_cpu_threads
 from .prefix_cache import PrefixCacheConfig, PrefixCacheStats
 from .progress import PROGRESS_EVERY_S
 from .scheduler import Job, Scheduler
@@ -80,6 +80,7 @@ class Engine:
         self._scheduler = Scheduler(model, tokenizer, n_ctx, parallel, kv_dtype, drafter, self.spec, prefix_cache,
                                     PROGRESS_EVERY_S)
         self._worker = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        release_cpu_threads(model.device)  # the worker runs the kernels from here on (kernels.cpu_dot)
         self._worker.start()
 
     @property

@@ -58,6 +58,14 @@ def cpu_dot() -> CpuDot | None:
     return load_cpu_dot(default_cache_root())
 
 
+def release_cpu_threads(device: torch.device) -> None:
+    """End the OpenMP threads the calling thread's parallel regions kept (CpuDot.release_threads), where a model on
+    `device` runs on the CPU kernels."""
+    lib = cpu_dot() if device.type == "cpu" else None
+    if lib is not None:
+        lib.release_threads()
+
+
 def keeps_packed(source: PackedTensor) -> bool:
     """Whether a checkpoint tensor can stay packed: a matrix of a type the kernel reads, or a stack of them (the
     routed experts of a MoE layer, [experts, out, in])."""

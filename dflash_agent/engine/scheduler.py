@@ -31,6 +31,7 @@ from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
 from .mtp import MtpDrafter
+from .packed_linear import release_cpu_threads
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
 from .progress import ProgressLog
 from .sampling import Sampler, StopStringFilter
@@ -301,6 +302,8 @@ class Scheduler:
 
     def _take(self, block: bool) -> None:
         """Move submitted jobs to the waiting line, waiting for one when there is nothing else to do."""
+        if block:  # idle: this thread's OpenMP threads end rather than wait (kernels.cpu_dot)
+            release_cpu_threads(self.model.device)
         while True:
             try:
                 job = self._inbox.get(block=block)

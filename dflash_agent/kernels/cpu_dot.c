@@ -28,6 +28,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +36,9 @@
 #include "cpu_dot.h"
 
 int dfa_simd(void) {
-#if defined(DFA_AVX2)
+#if defined(DFA_AVX512)
+    return 3;
+#elif defined(DFA_AVX2)
     return 2;
 #elif defined(DFA_NEON)
     return 1;
@@ -154,7 +157,13 @@ void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, 
     }
 }
 
+/* Activation rows per tile: as many as the accumulators (two per row) and a block's weights keep in registers (AVX2
+ * has 16: 6 or 8 rows spilled; AVX-512 has 32). A row's result does not depend on it. */
+#ifdef DFA_AVX512
+#define TILE 8
+#else
 #define TILE 4
+#endif
 /* How far ahead of the row being computed its successors' bytes are fetched: the hardware prefetcher alone
  * keeps too few lines in flight while the core computes, leaving the matmuls at 60-70% of the memory
  * bandwidth a plain read gets (the 262k-row LM head: 21 GB/s against 30). */
@@ -302,6 +311,17 @@ static inline __m256i dot16(__m256i w16, const int16_t *x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256((const __m256i *)x));
 }
 
+/* Dot products of 32 weights (lo: values 0..15, hi: 16..31) with 32 activations: 8 int32 lanes, lane j the sum of
+ * pairs j of both halves (exact: VNNI's fused multiply-add of pairs gives the same integers as the two halves
+ * added). */
+static inline __m256i dot32(__m256i lo, __m256i hi, const int16_t *x) {
+#ifdef DFA_AVX512
+    return _mm256_dpwssd_epi32(dot16(lo, x), hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+#else
+    return _mm256_add_epi32(dot16(lo, x), dot16(hi, x + 16));
+#endif
+}
+
 /* acc[a][i] += p (8 int32 lanes) * s, s a vector of 8 equal scales */
 #define ACC2(acc, a, i, p, s) acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[a][i])
 /* The scale of a block's products: the weight's sd (broadcast once per block) times the activations' block scale
@@ -344,7 +364,7 @@ static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE]
             ACC2(acc, 0, i, dot16(lo, xb), SCALE(vsd, sx));
             ACC2(acc, 1, i, dot16(hi, xb + 16), SCALE(vsd1, sx));
         } else {
-            ACC2(acc, a, i, _mm256_add_epi32(dot16(lo, xb), dot16(hi, xb + 16)), SCALE(vsd, sx));
+            ACC2(acc, a, i, dot32(lo, hi, xb), SCALE(vsd, sx));
         }
     }
 }
@@ -360,12 +380,11 @@ static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
         const float *sx = xs + (r0 + i) * B + b;
-        const __m256i p0 = dot16(w0, xb), p1 = dot16(w1, xb + 16);
         if (group == 32) {
-            ACC2(acc, a, i, _mm256_add_epi32(p0, p1), SCALE(vsd, sx));
-        } else { /* runs of 16 with a scale each: p0 holds the first run, p1 the second */
-            ACC2(acc, 0, i, p0, SCALE(vsd, sx));
-            ACC2(acc, 1, i, p1, SCALE(vsd1, sx));
+            ACC2(acc, a, i, dot32(w0, w1, xb), SCALE(vsd, sx));
+        } else { /* runs of 16 with a scale each */
+            ACC2(acc, 0, i, dot16(w0, xb), SCALE(vsd, sx));
+            ACC2(acc, 1, i, dot16(w1, xb + 16), SCALE(vsd1, sx));
         }
     }
 }
@@ -834,3 +853,10 @@ int64_t dfa_argmax(const float *x, int64_t n, int threads) {
     }
     return 0; /* n == 0, or all -inf: index 0, as torch */
 }
+
+/* libgomp keeps the threads of each thread that started a parallel region (its master) for the next region, and
+ * when it manages more threads than there are cores (a model loaded on one thread, then run on another: two pools)
+ * every waiting thread sleeps at once instead of spinning, so each of the ~130 parallel regions of a decode step
+ * pays a wake-up: 2.5x the step's layer time on a 2-core VM. A thread that is done with the kernels (the one that
+ * loaded the model, an idle engine worker) gives its pool back. */
+int dfa_release_threads(void) { return omp_pause_resource_all(omp_pause_hard); }

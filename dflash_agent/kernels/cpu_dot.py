@@ -44,19 +44,23 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 6  # cpu_dot.h's DFA_ABI_VERSION
-# The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v3 (AVX2, FMA,
-# F16C, BMI1/2, LZCNT, MOVBE over x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
+ABI_VERSION = 7  # cpu_dot.h's DFA_ABI_VERSION
+# The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
+# (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
+# x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
 # generic build (the scalar C, DFA_SCALAR: the reference the vector builds are tested against; torch's kernels beat it).
+X86_64_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "cx16", "lahf_lm", "popcnt",
+                       "sse4_1", "sse4_2", "ssse3"})
 VARIANTS: dict[str, frozenset[str]] = {
-    "x86_64_v3": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "cx16", "lahf_lm",
-                            "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+    "x86_64_v4_vnni": X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"},
+    "x86_64_v3": X86_64_V3,
     "aarch64_neon": frozenset({"asimd"}),
     "generic": frozenset(),
 }
 # The machines (platform.machine(), lower case) each vector variant is built for.
-MACHINES = {"x86_64_v3": ("x86_64", "amd64"), "aarch64_neon": ("aarch64", "arm64")}
-SIMD = {0: "scalar", 1: "neon", 2: "avx2"}  # dfa_simd()
+MACHINES = {"x86_64_v4_vnni": ("x86_64", "amd64"), "x86_64_v3": ("x86_64", "amd64"),
+            "aarch64_neon": ("aarch64", "arm64")}
+SIMD = {0: "scalar", 1: "neon", 2: "avx2", 3: "avx512"}  # dfa_simd()
 # cpu_dot.h's DFA_SCALES_*, by the dtype of an IntMatrix's d: float32, float16, K-quant super-block headers
 SCALES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 Q6K_SCALES = 3  # and Q6_K super-block tails (uint8 too), which only the 6-bit layout has
@@ -76,6 +80,7 @@ _SIGNATURES = {
     "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int], ctypes.c_int),
     "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
+    "dfa_release_threads": ([], ctypes.c_int),
     "dfa_norm_linear": ([_P, _I, _P, ctypes.c_float, _P, _P, ctypes.c_int], ctypes.c_int),
 }
 
@@ -382,6 +387,13 @@ class CpuDot:
             x = x.float().contiguous()
         return self.lib.dfa_argmax(x.data_ptr(), x.numel(), torch.get_num_threads())
 
+    def release_threads(self) -> None:
+        """End the OpenMP threads this thread's parallel regions (torch's too: they share the runtime) have kept, so
+        that another thread running the kernels is the only one holding threads: with more threads than cores,
+        libgomp stops spinning between regions and a decode step pays a wake-up per matmul. Call it from a thread
+        that is done computing (it loaded the model; it waits for work)."""
+        self.lib.dfa_release_threads()
+
     def dequantize(self, w: IntMatrix, ids: torch.Tensor | None = None) -> torch.Tensor:
         """w [N, K] float32, bit for bit what the GGUF dequantization gives; or its rows ids [R] only."""
         rows = w.n
@@ -465,8 +477,9 @@ def supports(variant: str, flags: frozenset[str] | None = None, machine: str | N
     if (machine or platform.machine()).lower() not in MACHINES[variant]:
         return False
     flags = cpu_flags() if flags is None else flags
-    if flags is None:
-        return variant == "aarch64_neon" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    if flags is None:  # torch's capability does not say whether AVX-512 comes with VNNI: v3 at most
+        return variant == "aarch64_neon" or (variant == "x86_64_v3"
+                                             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
     return needs <= flags
 
 

@@ -214,3 +214,35 @@ def test_a_request_arriving_inside_a_long_chunk_goes_first_and_nothing_changes(c
         assert asyncio.run(scenario()) == alone_long
     finally:
         engine.close()
+
+
+def test_the_loading_thread_and_an_idle_worker_give_back_their_openmp_threads(monkeypatch):
+    """Only the thread running the kernels keeps OpenMP threads: with more than the cores, libgomp stops spinning
+    and every parallel region of a step pays a wake-up. The thread that built the engine gives its threads back
+    before the worker starts, and the worker gives back its own whenever it waits for work."""
+    from dflash_agent.engine import engine as engine_module
+    from dflash_agent.engine import scheduler as scheduler_module
+
+    calls: list[str] = []
+
+    def record(device):
+        assert device.type == "cpu"
+        calls.append(threading.current_thread().name)
+
+    monkeypatch.setattr(engine_module, "release_cpu_threads", record)
+    monkeypatch.setattr(scheduler_module, "release_cpu_threads", record)
+    engine = Engine.load(ctx_size=256, progress=False, spec=SpecConfig(enabled=False))
+    try:
+        def idle_calls(n: int) -> list[str]:  # the worker waits for work after the request's last event
+            deadline = time.monotonic() + 5
+            while len(calls) < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return calls
+
+        assert idle_calls(2) == [threading.current_thread().name, "dflash-engine"]
+        prompt = engine.tokenizer.encode("1, 2, 3,")
+        for n in (3, 4):
+            asyncio.run(_collect(engine, GenerateRequest(prompt, GREEDY, max_tokens=4), None))
+            assert idle_calls(n)[2:] == ["dflash-engine"] * (n - 2)
+    finally:
+        engine.close()

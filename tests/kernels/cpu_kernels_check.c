@@ -165,7 +165,7 @@ static void check_quantize(void) {
 }
 
 static void check_linear(const layout *l, int64_t K) {
-    const int64_t N = 9, M = 7; /* a tile of 4 rows and 3 rows alone */
+    const int64_t N = 9, M = 11; /* tiles (of 4 rows, of 8 with AVX-512) and 3 rows alone */
     char name[32];
     dfa_matrix w = matrix(l, N, K);
     float *x = activations(M, K), *y = malloc((size_t)(M * N) * sizeof(float)), row[9];

@@ -6,6 +6,7 @@ them on every GGUF format)."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import gguf
@@ -161,6 +162,37 @@ def test_argmax_is_torchs(lib, n):
         if trial == 2:
             x[:] = float("-inf")
         assert lib.argmax(x) == int(torch.argmax(x)), (n, trial)
+
+
+def test_released_threads_end_and_the_next_region_starts_new_ones(lib):
+    """A thread's OpenMP pool (its parallel regions' threads, kept waiting for the next region) ends when it releases
+    it: the process then has fewer threads, and the kernels work as before, with a new pool."""
+    import threading
+
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    w = cpu_dot.IntMatrix.pack(torch.randint(-127, 128, (4096, 256)), torch.rand(4096, 8), None, 8)
+    x = torch.randn(8, 256)
+    result = {}
+
+    def on_a_thread():  # a thread of its own: no pool from earlier tests, and no other thread's pool touched
+        torch.set_num_threads(3)
+        expected = lib.matmul(lib.quantize(x), w)
+        with_pool = os_threads()
+        lib.release_threads()
+        result["released"] = with_pool - os_threads()
+        result["same"] = torch.equal(lib.matmul(lib.quantize(x), w), expected)
+        lib.release_threads()
+
+    threads = torch.get_num_threads()
+    try:
+        worker = threading.Thread(target=on_a_thread)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert result == {"released": 2, "same": True}
 
 
 def test_matrices_move_into_a_huge_page_arena_intact():

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler")
 LOGGER = "dflash_agent.kernels.cpu_dot"
 VECTOR = cpu_dot.supports("x86_64_v3")
+BEST = next((variant for variant in cpu_dot.MACHINES if cpu_dot.supports(variant)), None)  # what auto loads
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +33,8 @@ def test_the_install_built_every_variant_and_auto_loads_the_best_without_compili
     monkeypatch.setenv("CC", "/nonexistent/cc")  # no compiler is needed at run time
     lib = cpu_dot.load(tmp_path)
     if VECTOR:
-        assert lib is not None and lib.path == cpu_dot.prebuilt("x86_64_v3") and lib.simd == "avx2"
+        assert lib is not None and lib.path == cpu_dot.prebuilt(BEST)
+        assert lib.simd == ("avx512" if BEST == "x86_64_v4_vnni" else "avx2")
     else:
         assert lib is None
     assert not (tmp_path / "kernels").exists()
@@ -54,16 +56,22 @@ def test_variants_need_what_they_use():
     assert cpu_dot.supports("aarch64_neon", arm, machine="aarch64")
     assert not cpu_dot.supports("aarch64_neon", arm, machine="x86_64")
     assert not cpu_dot.supports("x86_64_v3", cpu_dot.VARIANTS["x86_64_v3"], machine="aarch64")
+    # AVX-512 without VNNI (Skylake-X) runs the v3 build
+    skylake_x = cpu_dot.VARIANTS["x86_64_v3"] | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    assert not cpu_dot.supports("x86_64_v4_vnni", skylake_x, machine="x86_64")
+    assert cpu_dot.supports("x86_64_v4_vnni", skylake_x | {"avx512_vnni"}, machine="x86_64")
     if VECTOR:
         assert cpu_dot.supports("x86_64_v3", cpu_dot.VARIANTS["x86_64_v3"])
 
 
 @pytest.mark.skipif(not VECTOR, reason="this CPU runs no vector variant")
 def test_every_build_agrees_vector_ones_bit_for_bit(tmp_path, monkeypatch):
-    """The installed x86-64-v3 build gives the bits of the build for this machine (-march=native); the generic
-    build (scalar C, another summation order) agrees to float rounding: ggml tests each arch against its generic."""
+    """The installed x86-64-v3 build, and the AVX-512 one where the CPU runs it, give the bits of the build for this
+    machine (-march=native); the generic build (scalar C, another summation order) agrees to float rounding: ggml
+    tests each arch against its generic."""
     libs = {}
-    for mode in ("x86_64_v3", "native", "generic"):
+    vector = [variant for variant in ("x86_64_v3", "x86_64_v4_vnni") if cpu_dot.supports(variant)]
+    for mode in (*vector, "native", "generic"):
         monkeypatch.setenv(cpu_dot.DISABLE_ENV, mode)
         libs[mode] = cpu_dot.load(tmp_path)
         assert libs[mode] is not None, mode
@@ -85,10 +93,11 @@ def test_every_build_agrees_vector_ones_bit_for_bit(tmp_path, monkeypatch):
             d[:, :, 3] &= 0x13
             d = d.reshape(n, -1)
         w = cpu_dot.IntMatrix.pack(values, d.half() if scales == "f16" else d, m, bits, group, offset)
-        for rows in (1, 4, 9):
+        for rows in (1, 4, 9, 19):
             x = torch.randn(rows, k, generator=gen)
             y = {mode: lib.matmul(lib.quantize(x), w) for mode, lib in libs.items()}
-            assert torch.equal(y["x86_64_v3"], y["native"]), (bits, group, scales, rows)
+            for variant in vector:
+                assert torch.equal(y[variant], y["native"]), (variant, bits, group, scales, rows)
             torch.testing.assert_close(y["generic"], y["native"], rtol=1e-5, atol=1e-5 * float(y["native"].abs().max()))
 
 

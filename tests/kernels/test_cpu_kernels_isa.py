@@ -27,6 +27,8 @@ CC = shutil.which("gcc") or shutil.which("cc")
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
 X86 = cpu_dot.supports("x86_64_v3")
+AVX512 = cpu_dot.supports("x86_64_v4_vnni")
+V4 = ["-march=x86-64-v4", "-mavx512vnni"]
 EXACT = ("quantize.", "dequantize.", "argmax")  # integer results and single roundings: every build gives the same bits
 
 
@@ -79,6 +81,19 @@ def test_avx2_matches_the_scalar_code(tmp_path):
     assert_matches_scalar(vector, scalar)
 
 
+@pytest.mark.skipif(CC is None or not AVX512, reason="needs gcc and a CPU with AVX-512 and VNNI")
+def test_avx512_gives_the_avx2_bits(tmp_path):
+    """The AVX-512 build fuses the AVX2 code's integer dots and takes more rows per tile: the same integers and the
+    same float operations per row, so the same bits."""
+    avx512 = run(build(tmp_path, "avx512", CC, *V4))
+    avx2 = run(build(tmp_path, "avx2", CC, "-march=x86-64-v3"))
+    assert avx512["simd"][0] == 3
+    assert avx512.keys() == avx2.keys()
+    for name, expected in avx2.items():
+        if name != "simd":
+            np.testing.assert_array_equal(avx512[name], expected, err_msg=name)
+
+
 @pytest.mark.skipif(CROSS is None or QEMU is None,
                     reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu "
                            "qemu-user)")
@@ -91,11 +106,11 @@ def test_neon_matches_the_scalar_code_under_qemu(tmp_path):
 
 
 @pytest.mark.skipif(CC is None, reason="needs gcc")
-@pytest.mark.parametrize("isa", ["x86-64-v3", "scalar"])
+@pytest.mark.parametrize("isa", ["x86-64-v4", "x86-64-v3", "scalar"])
 def test_the_kernels_are_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path, isa):
-    if isa != "scalar" and not X86:
-        pytest.skip("this CPU runs no x86-64-v3 code")
-    flags = ["-DDFA_SCALAR"] if isa == "scalar" else [f"-march={isa}"]
+    if isa != "scalar" and not (AVX512 if isa == "x86-64-v4" else X86):
+        pytest.skip(f"this CPU runs no {isa} code")
+    flags = {"scalar": ["-DDFA_SCALAR"], "x86-64-v4": V4}.get(isa, [f"-march={isa}"])
     probe = subprocess.run([CC, *SANITIZE, "-x", "c", "-", "-o", str(tmp_path / "probe")], input="int main(void){}",
                            capture_output=True, text=True)
     if probe.returncode:
