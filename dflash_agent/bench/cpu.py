@@ -4,6 +4,7 @@ when a build is at hand, llama.cpp on the same checkpoint, prompt length and thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -11,7 +12,9 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +50,9 @@ class BenchResult:
     llama_cpp_note: str = ""
     llama_cpp_decode_after_prompt: float | None = None  # tg at a depth of prompt_tokens, where ours decodes
     transformers_note: str = ""
+    # decode tok/s while another process keeps a core busy (None: a single thread, or no llama.cpp)
+    busy_decode_tok_s: float | None = None
+    llama_cpp_busy_decode_tok_s: float | None = None
 
 
 def _ratio(a: Speed, b: Speed) -> Speed:
@@ -118,6 +124,18 @@ def _theirs(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]
     return first, (decode_tokens - 1) / max(total - first, 1e-9)
 
 
+@contextlib.contextmanager
+def _busy_core() -> Iterator[None]:
+    """Another process spinning on a core meanwhile, as an agent's tests or build would."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # started and scheduled
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def _transformers_reference(path: Path, dtype: torch.dtype):
     """transformers' model of the same file, or (None, why) where it cannot load it: its GGUF loader knows fewer
     architectures than the engine (no Gemma 4), and that column is a reference, not the benchmark."""
@@ -169,6 +187,17 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
         if i:
             for name, value in round_.items():
                 samples[name].append(value)
+    busy: dict[str, list[float]] = {"packed": [], "llama.cpp": []}
+    if threads > 1:
+        with _busy_core():
+            for i in range(repeats + 1):
+                log.info("round %d/%d with a core kept busy", i, repeats)
+                busy_round = {"packed": _ours(engine, prompt, decode_tokens)[1]}
+                if llama_bench and is_gguf:
+                    busy_round["llama.cpp"] = _llama_cpp(llama_bench, path, len(prompt), decode_tokens, threads)[1]
+                if i:
+                    for name, value in busy_round.items():
+                        busy[name].append(value)
     for e in engines.values():
         e.close()
 
@@ -184,6 +213,8 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
         llama_cpp=speed(samples["llama.cpp"]) if samples["llama.cpp"] else None, llama_cpp_note=note,
         llama_cpp_decode_after_prompt=(speed(samples["llama.cpp after prompt"]).decode_tok_s
                                        if samples["llama.cpp after prompt"] else None),
+        busy_decode_tok_s=statistics.median(busy["packed"]) if busy["packed"] else None,
+        llama_cpp_busy_decode_tok_s=statistics.median(busy["llama.cpp"]) if busy["llama.cpp"] else None,
     )
 
 
@@ -215,6 +246,13 @@ def report(result: BenchResult, out: Path | None) -> None:
         console.print(f"llama.cpp's tg is measured from an empty context; at the depth of the prompt, where ours "
                       f"decodes (tg @ d{result.prompt_tokens}), it is {after:.1f} tok/s: packed "
                       f"{result.ours.decode_tok_s / after:.2f}x")
+    if result.busy_decode_tok_s:
+        line = (f"with another process keeping a core busy, packed decodes at {result.busy_decode_tok_s:.1f} tok/s "
+                f"({result.busy_decode_tok_s / result.ours.decode_tok_s:.0%} of its quiet speed)")
+        if result.llama_cpp_busy_decode_tok_s and result.llama_cpp:
+            line += (f", llama.cpp at {result.llama_cpp_busy_decode_tok_s:.1f} "
+                     f"({result.llama_cpp_busy_decode_tok_s / result.llama_cpp.decode_tok_s:.0%})")
+        console.print(line)
     for note in (result.transformers_note, result.llama_cpp_note):
         if note:
             console.print(f"note: {note}")

@@ -31,7 +31,8 @@ from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
 from .mtp import MtpDrafter
-from .packed_linear import release_cpu_threads
+from ..kernels.cpu_dot import CpuDot
+from .packed_linear import cpu_dot, release_cpu_threads
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
 from .progress import ProgressLog
 from .sampling import Sampler, StopStringFilter
@@ -240,6 +241,61 @@ class BatchDrafting:
         self.credit += self.EXPLORE_BUDGET * seconds
 
 
+class ThreadCount:
+    """How many threads a step runs on: all the engine was given, or half of them, by the seconds per row each gives,
+    measured per size of step (one row, up to 16, more). A coding agent runs its tools (tests, builds) on the same
+    cores: with one of two cores busy, a step's parallel regions wait for the thread that is not running, and two
+    threads decoded at a quarter of their quiet speed where one kept 60% of it. Each count is measured MIN_SAMPLES
+    times, then the faster one plays and the other is re-measured from an exploration budget (1% of the time), so a
+    core that gets busy is left at once (the count in play slows down) and one that gets free is taken back within
+    seconds. The CPU kernels only: their results do not depend on the count (CpuDot.using)."""
+
+    ALPHA = 0.2
+    MIN_SAMPLES = 2
+    EXPLORE_BUDGET = 0.01
+
+    def __init__(self, kernels: CpuDot, most: int) -> None:
+        self.kernels = kernels
+        self.counts = sorted({most, max(1, most // 2)}, reverse=True)
+        self.cost: dict[tuple[int, int], float] = {}  # (size bucket, threads) -> seconds per row, EWMA
+        self.samples: dict[tuple[int, int], int] = {}
+        self.credit = 0.0
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return 0 if rows == 1 else 1 if rows <= 16 else 2
+
+    def choose(self, rows: int) -> int:
+        size = self._bucket(rows)
+        fresh = [n for n in self.counts if self.samples.get((size, n), 0) < self.MIN_SAMPLES]
+        if fresh:
+            return fresh[0]
+        best = min(self.counts, key=lambda n: self.cost[size, n])
+        for other in self.counts:  # a re-measure spends the step's expected time from the budget
+            spend = rows * self.cost[size, other]
+            if other != best and self.credit >= spend:
+                self.credit -= spend
+                return other
+        return best
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        if seconds <= 0 or rows < 1:
+            return
+        arm, cost = (self._bucket(rows), threads), seconds / rows
+        old = self.cost.get(arm)
+        self.cost[arm] = cost if old is None else (1 - self.ALPHA) * old + self.ALPHA * cost
+        self.samples[arm] = self.samples.get(arm, 0) + 1
+        self.credit += self.EXPLORE_BUDGET * seconds
+
+    def run(self, rows: int, step: Callable[[], object]) -> None:
+        """Run a step of `rows` rows with the kernels on the count chosen for it, and learn from its time."""
+        threads = self.choose(rows)
+        started = time.perf_counter()
+        with self.kernels.using(threads):
+            step()
+        self.record(rows, threads, time.perf_counter() - started)
+
+
 class Scheduler:
     """The worker's loop (see the module doc). `submit` from any thread; `run` on the worker thread."""
 
@@ -261,6 +317,10 @@ class Scheduler:
             self.slots.append(Slot(i, cache, drafter_cache, prefix))
         self.capture = drafter.capture_layers if drafter is not None and spec.enabled else ()
         self.batch_drafting = BatchDrafting()
+        # the CPU kernels' thread count per step (None: not the CPU kernels, or a single core)
+        kernels = cpu_dot() if model.device.type == "cpu" else None
+        self.thread_count = ThreadCount(kernels, torch.get_num_threads()) \
+            if kernels is not None and torch.get_num_threads() > 1 else None
         # what every slot's requests wrote, for copies across requests (the worker thread alone touches it)
         self.copy_memory = CopyMemory(spec.copy_match) if spec.enabled and spec.ngram and spec.copy_match else None
         self._inbox: queue.Queue[Job | None] = queue.Queue()
@@ -395,7 +455,11 @@ class Scheduler:
             for (task, p), out in zip(planned, outs, strict=True):
                 self._guard([task], lambda t=task, p=p, o=out: committed.append(t.commit(p, o)))
 
-        self._guard([t for t, _ in planned], forward)
+        if self.thread_count is not None:
+            self.thread_count.run(sum(len(p.ids) for _, p in planned),
+                                  lambda: self._guard([t for t, _ in planned], forward))
+        else:
+            self._guard([t for t, _ in planned], forward)
         if len(tasks) > 1:
             self.batch_drafting.record(len(tasks), draft, sum(committed), time.perf_counter() - started)
 

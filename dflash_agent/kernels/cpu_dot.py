@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,6 +292,22 @@ class CpuDot:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, result
         self.simd = SIMD.get(lib.dfa_simd(), "scalar")
+        self._local = threading.local()  # the count `using` set for the calling thread
+
+    def threads(self) -> int:
+        """The threads the calling thread's kernel calls run on: what `using` set, else torch's count."""
+        return getattr(self._local, "threads", None) or torch.get_num_threads()
+
+    @contextlib.contextmanager
+    def using(self, threads: int) -> Iterator[None]:
+        """The calling thread's kernel calls run on `threads` threads meanwhile (torch's own ops keep theirs). A
+        kernel's results do not depend on it: each output is computed whole by one thread."""
+        before = getattr(self._local, "threads", None)
+        self._local.threads = threads
+        try:
+            yield
+        finally:
+            self._local.threads = before
 
     def quantize(self, x: torch.Tensor) -> QuantizedActivations:
         if x.dim() != 2 or x.shape[1] % 32:
@@ -300,7 +317,7 @@ class CpuDot:
         out = QuantizedActivations(torch.empty(m, k, dtype=torch.int16), torch.empty(m, k // 32),
                                    torch.empty(m, k // 32))
         self.lib.dfa_quantize(x.data_ptr(), m, k, out.xq.data_ptr(), out.xs.data_ptr(), out.xsum.data_ptr(),
-                              torch.get_num_threads())
+                              self.threads())
         return out
 
     def matmul(self, x: QuantizedActivations, w: IntMatrix) -> torch.Tensor:
@@ -313,7 +330,7 @@ class CpuDot:
         _require(x.xsum, "xsum", torch.float32, rows, k // 32)
         y = torch.empty(rows, w.n)
         self.lib.dfa_matmul(x.xq.data_ptr(), x.xs.data_ptr(), x.xsum.data_ptr(), rows, k, *w.args(), y.data_ptr(),
-                            torch.get_num_threads())
+                            self.threads())
         return y
 
     def linear(self, x: torch.Tensor, w: IntMatrix) -> torch.Tensor:
@@ -321,7 +338,7 @@ class CpuDot:
         x = _activations(x, w.k)
         rows, k = x.shape
         y = torch.empty(rows, w.n)
-        if self.lib.dfa_linear(x.data_ptr(), rows, k, *w.args(), y.data_ptr(), torch.get_num_threads()):
+        if self.lib.dfa_linear(x.data_ptr(), rows, k, *w.args(), y.data_ptr(), self.threads()):
             raise MemoryError("the CPU matmul could not allocate its scratch memory")
         return y
 
@@ -346,7 +363,7 @@ class CpuDot:
         _require(x, "x", torch.float32, None, layers[0].hidden if n else None)
         _require(q_pos, "q_pos", torch.int64, x.shape[0])
         status = self.lib.dfa_layers_forward(layers, caches, len(layers), x.data_ptr(), x.shape[0], q_pos.data_ptr(),
-                                             cos, sin, capture, groups.data_ptr(), g, torch.get_num_threads())
+                                             cos, sin, capture, groups.data_ptr(), g, self.threads())
         if status == -2:
             raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots), or groups "
                              f"{groups.tolist()} that do not split the {x.shape[0]} rows")
@@ -372,7 +389,7 @@ class CpuDot:
         _require(norm, "the norm weight", torch.float32, w.k)
         y = torch.empty(x.shape[0], w.n)
         if self.lib.dfa_norm_linear(x.data_ptr(), x.shape[0], norm.data_ptr(), eps, ctypes.byref(w), y.data_ptr(),
-                                    torch.get_num_threads()):
+                                    self.threads()):
             raise MemoryError("the CPU LM head could not allocate its scratch memory")
         return y
 
@@ -385,7 +402,7 @@ class CpuDot:
             raise ValueError("argmax of an empty tensor")
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        return self.lib.dfa_argmax(x.data_ptr(), x.numel(), torch.get_num_threads())
+        return self.lib.dfa_argmax(x.data_ptr(), x.numel(), self.threads())
 
     def release_threads(self) -> None:
         """End the OpenMP threads this thread's parallel regions (torch's too: they share the runtime) have kept, so
@@ -407,7 +424,7 @@ class CpuDot:
                 raise IndexError(f"row {max(wanted) if max(wanted) >= w.n else min(wanted)} of a matrix of {w.n}")
         out = torch.empty(rows, w.k)
         self.lib.dfa_dequantize(w.q.data_ptr(), w.bits, _ptr(w.qh), w.offset, w.d.data_ptr(), w.scales, _ptr(w.m),
-                                w.group, rows, w.k, _ptr(ids), out.data_ptr(), torch.get_num_threads())
+                                w.group, rows, w.k, _ptr(ids), out.data_ptr(), self.threads())
         return out
 
 

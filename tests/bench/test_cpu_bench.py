@@ -28,6 +28,9 @@ def test_bench_runs_and_writes_json(tmp_path, monkeypatch):
     assert data["transformers"]["decode_tok_s"] > 0
     assert set(data["ratios"]) == {"vs_exact", "vs_transformers"}
     assert data["llama_cpp"] is None and "LLAMA_CPP_BIN" in data["llama_cpp_note"]
+    # decode beside a process spinning on a core, where there is more than one thread to lose
+    assert (data["busy_decode_tok_s"] or 0) > 0 if data["threads"] > 1 else data["busy_decode_tok_s"] is None
+    assert data["llama_cpp_busy_decode_tok_s"] is None
 
 
 def test_a_model_transformers_cannot_load_leaves_its_column_out(tmp_path, monkeypatch, capsys):

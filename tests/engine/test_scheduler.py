@@ -246,3 +246,31 @@ def test_the_loading_thread_and_an_idle_worker_give_back_their_openmp_threads(mo
             assert idle_calls(n)[2:] == ["dflash-engine"] * (n - 2)
     finally:
         engine.close()
+
+
+def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_it_pays():
+    """Quiet, two threads decode faster; with a core taken by another process, one thread does; the count follows
+    within a few steps when its own count slows down, and by exploring when the other would pay again."""
+    from dflash_agent.engine.scheduler import ThreadCount
+
+    counts = ThreadCount(None, 2)  # choose / record only: no kernels called
+    seconds = {2: 0.010, 1: 0.016}
+
+    def play(steps: int) -> list[int]:
+        picks = []
+        for _ in range(steps):
+            n = counts.choose(1)
+            counts.record(1, n, seconds[n])
+            picks.append(n)
+        return picks
+
+    quiet = play(300)
+    assert quiet[:4] == [2, 2, 1, 1] and quiet[10:].count(2) / len(quiet[10:]) > 0.97
+    seconds[2] = 0.040  # a core gets busy: two threads wait on each other
+    busy = play(300)
+    assert busy[10:].count(1) / len(busy[10:]) > 0.97
+    seconds[2] = 0.010  # free again: found by exploring, then kept
+    back = play(1000)
+    assert back[-100:].count(2) > 95
+    # verification blocks are learnt apart from decode steps
+    assert counts.choose(65) == 2 and (2, 2) not in counts.cost

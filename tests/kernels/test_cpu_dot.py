@@ -164,6 +164,21 @@ def test_argmax_is_torchs(lib, n):
         assert lib.argmax(x) == int(torch.argmax(x)), (n, trial)
 
 
+def test_a_threads_kernel_count_changes_no_result(lib):
+    """`using` sets the calling thread's kernel thread count (the scheduler's per-step choice); every output is
+    computed whole by one thread, so the results are the same bits on any count."""
+    w = cpu_dot.IntMatrix.pack(torch.randint(0, 16, (301, 512)), torch.rand(301, 16).half(), None, 4, offset=8)
+    x = torch.randn(9, 512)
+    results = []
+    for threads in (1, 2, 3):
+        with lib.using(threads):
+            assert lib.threads() == threads
+            y = lib.linear(x, w)
+            results.append((y, lib.argmax(y.flatten())))
+    assert lib.threads() == torch.get_num_threads()  # outside: torch's count
+    assert all(torch.equal(y, results[0][0]) and i == results[0][1] for y, i in results)
+
+
 def test_released_threads_end_and_the_next_region_starts_new_ones(lib):
     """A thread's OpenMP pool (its parallel regions' threads, kept waiting for the next region) ends when it releases
     it: the process then has fewer threads, and the kernels work as before, with a new pool."""
