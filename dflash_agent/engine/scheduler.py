@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.cpu_dot import CpuDot
 from . import speculative
 from .drafter import Drafter, DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
 from .mtp import MtpDrafter
-from ..kernels.cpu_dot import CpuDot
 from .packed_linear import cpu_dot, release_cpu_threads
 from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
 from .progress import ProgressLog

@@ -94,7 +94,9 @@ def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny, monkeypatc
     q8_steps = run_steps(tiny, "q8")
     assert calls == []
     for c, eager in zip(q8_steps, _eager(tiny, "q8"), strict=True):  # the final norm and head ran in C
-        assert (c - eager).norm() / eager.norm() < 1e-5
+        # C's norm sums in another order than torch's, so an int16 activation of the head may round a step apart
+        # (1/32767 of its block's largest): 2e-5 seen on a Zen 4 whose torch kernels are AVX-512 ones
+        assert (c - eager).norm() / eager.norm() < 1e-4
         assert torch.equal(c.argmax(-1), eager.argmax(-1))
 
 
