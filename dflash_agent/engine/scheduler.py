@@ -455,11 +455,13 @@ class Scheduler:
             for (task, p), out in zip(planned, outs, strict=True):
                 self._guard([task], lambda t=task, p=p, o=out: committed.append(t.commit(p, o)))
 
-        if self.thread_count is not None:
-            self.thread_count.run(sum(len(p.ids) for _, p in planned),
-                                  lambda: self._guard([t for t, _ in planned], forward))
-        else:
+        def guarded() -> None:
             self._guard([t for t, _ in planned], forward)
+
+        if self.thread_count is not None:
+            self.thread_count.run(sum(len(p.ids) for _, p in planned), guarded)
+        else:
+            guarded()
         if len(tasks) > 1:
             self.batch_drafting.record(len(tasks), draft, sum(committed), time.perf_counter() - started)
 
