@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .engine.types import SAMPLING_DEFAULTS, WEIGHTS
+from .engine.types import PREFILL, SAMPLING_DEFAULTS, WEIGHTS
 from .errors import UserError
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ def model_options(f):
                      help="GGUF weights: auto (packed: Triton kernels on CUDA, C kernels built with the system's cc "
                           "on the CPU, else exact), packed (torch's int4/int8 kernels on a CPU without a compiler) or "
                           "exact (dequantized at load: bit-exact with gguf-py).")(f)
+    f = click.option("--prefill", type=click.Choice(PREFILL), default="auto", show_default=True,
+                     help="Prompt GEMMs on the CPU C kernels' path: float32 (exact on the dequantized weights) or "
+                          "bfloat16 (2-3x faster where the CPU has AVX512_BF16 or AMX; `bench --fidelity` reports "
+                          "its top-1 agreement with exact); auto: bfloat16 on such a CPU, else float32.")(f)
     f = click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads [default: the physical cores].")(f)
     f = click.option("--sampling-defaults", type=click.Choice(SAMPLING_DEFAULTS), default="model", show_default=True,

@@ -84,9 +84,9 @@ class _Server(uvicorn.Server):
 @mcp_serve_options
 @sandbox_options
 @user_errors
-def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-          sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue, max_tokens, max_body_mb,
-          max_connections, request_timeout, chat_template, no_access_log, log_requests,
+def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, prefill,
+          threads, sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue, max_tokens,
+          max_body_mb, max_connections, request_timeout, chat_template, no_access_log, log_requests,
           mcp_repo, mcp_expose_tools, mcp_read_only, sandbox, sandbox_network) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
@@ -98,7 +98,7 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
     def load():
         engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
                              prefix_cache=not no_prefix_cache, kv_dtype=kv_cache, sampling_defaults=sampling_defaults,
-                             parallel=parallel)
+                             parallel=parallel, prefill=prefill)
         log.info("sampling defaults for what a request leaves out: %s%s",
                  engine.sampling_defaults.describe(API_SAMPLING),
                  "; --sampling-defaults none" if sampling_defaults == "none" else "")

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..engine import default_drafter
+from ..engine.types import PREFILL
 from ..options import user_errors
 from .synthetic import MODELS as SYNTHETIC_MODELS
 from .synthetic import QUANTS as SYNTHETIC_QUANTS
@@ -31,6 +32,9 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               help="The llama.cpp column: a directory with llama-bench (CPU bench) or llama-server (--concurrent, "
                    "--spec) [default: $LLAMA_CPP_BIN, PATH].")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: the physical cores].")
+@click.option("--prefill", type=click.Choice(PREFILL), default="auto", show_default=True,
+              help="The packed engine's prompt GEMMs on the CPU (as the model commands' --prefill), for the default "
+                   "bench and --fidelity.")
 @click.option("--fidelity", is_flag=True,
               help="Packed CPU weights against exact ones instead: teacher-forced top-1 agreement and KL.")
 @click.option("--http", is_flag=True, help="Server overhead instead: streamed tok/s through HTTP vs the bare engine.")
@@ -61,7 +65,8 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
                    "prefix.json, kernels.json].")
 @user_errors
-def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, fidelity,
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, prefill,
+          fidelity,
           http, synthetic, quant, gpu_check, kernels, concurrent, prefix, turns, target_tokens, ctx_size, plan_only,
           gpu_memory, as_json, out):
     """Speed benchmarks, each measured against its baseline in the same run.
@@ -83,7 +88,7 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         from .fidelity import report as fidelity_report
         from .fidelity import run_fidelity
 
-        fidelity_report(run_fidelity(model, 1024), out or Path("bench-results/fidelity.json"))
+        fidelity_report(run_fidelity(model, 1024, prefill), out or Path("bench-results/fidelity.json"))
         return
     if kernels:
         if spec or draft or spec_block or http or synthetic or quant or prefix or turns or target_tokens or ctx_size \
@@ -152,5 +157,5 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         raise click.UsageError("--draft and --spec-block need --spec")
     from .cpu import report, run_cpu_bench
 
-    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype, llama_cpp, threads),
+    report(run_cpu_bench(model, prompt_tokens, decode_tokens, repeats, dtype, llama_cpp, threads, prefill),
            out or Path("bench-results/cpu.json"))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..engine import EMBEDDED, Engine, GenerateRequest, SpecConfig
-from ..engine.packed_linear import release_cpu_threads
+from ..engine.packed_linear import prefill_dtype, release_cpu_threads
 from ..engine.weights import resolve_model_path
 from ..errors import UserError
 
@@ -39,6 +39,7 @@ class BenchResult:
     model: str
     device: str
     dtype: str
+    prefill: str  # the packed engine's prompt GEMMs (Engine.load's prefill, resolved)
     threads: int
     prompt_tokens: int
     decode_tokens: int
@@ -154,13 +155,14 @@ def _transformers_reference(path: Path, dtype: torch.dtype):
 
 def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens: int = 64,
                   repeats: int = 3, dtype: str = "float32", llama_cpp: str | None = None,
-                  threads: int | None = None) -> BenchResult:
+                  threads: int | None = None, prefill: str = "auto") -> BenchResult:
     llama_bench = llama_cpp_binary(llama_cpp)
+    prompt_gemms = str(prefill_dtype(prefill)).removeprefix("torch.")
     # Every round prefills the same prompt: without the prefix cache, so each one is measured in full;
     # and decodes plainly, as transformers does (bench --spec measures speculation).
     engines = {weights: Engine.load(model, device="cpu", dtype=dtype, ctx_size=prompt_tokens + decode_tokens + 8,
                                     prefix_cache=False, spec=SpecConfig(enabled=False), weights=weights,
-                                    threads=threads, progress=False)
+                                    threads=threads, progress=False, prefill=prefill)
                for weights in ("packed", "exact")}
     engine = engines["packed"]
     torch_dtype = engine.model.dtype
@@ -180,10 +182,10 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
         if reference is not None:
             round_["transformers"] = _theirs(reference, prompt, decode_tokens)
         if llama_bench and is_gguf:
-            prefill, decode, after_prompt = _llama_cpp(llama_bench, path, len(prompt), decode_tokens, threads)
-            round_["llama.cpp"] = (prefill, decode)
+            prompt_s, decode, after_prompt = _llama_cpp(llama_bench, path, len(prompt), decode_tokens, threads)
+            round_["llama.cpp"] = (prompt_s, decode)
             if after_prompt is not None:
-                round_["llama.cpp after prompt"] = (prefill, after_prompt)
+                round_["llama.cpp after prompt"] = (prompt_s, after_prompt)
         if i:
             for name, value in round_.items():
                 samples[name].append(value)
@@ -205,7 +207,8 @@ def run_cpu_bench(model: str = EMBEDDED, prompt_tokens: int = 256, decode_tokens
         return Speed(len(prompt) / statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples))
 
     return BenchResult(
-        model=str(path.name), device="cpu", dtype=str(torch_dtype).removeprefix("torch."), threads=threads,
+        model=str(path.name), device="cpu", dtype=str(torch_dtype).removeprefix("torch."),
+        prefill=prompt_gemms, threads=threads,
         prompt_tokens=len(prompt), decode_tokens=decode_tokens, repeats=repeats,
         ours=speed(samples["packed"]), exact=speed(samples["exact"]),
         transformers=speed(samples["transformers"]) if samples["transformers"] else None,
@@ -222,7 +225,8 @@ def report(result: BenchResult, out: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result.model} on {result.device}, {result.dtype} activations, {result.threads} threads, "
+    table = Table(title=f"{result.model} on {result.device}, {result.dtype} activations ({result.prefill} prompt "
+                        f"GEMMs), {result.threads} threads, "
                         f"prompt {result.prompt_tokens} tokens, decode {result.decode_tokens}, medians of "
                         f"{result.repeats}")
     contenders = {"dflash-agent (packed)": result.ours, "dflash-agent (exact)": result.exact}

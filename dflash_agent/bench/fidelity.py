@@ -2,7 +2,9 @@
 
 Both models read the same texts teacher-forced (each position sees the true prefix, not its own output), and
 we compare their next-token distributions at every position: top-1 agreement and the mean KL(exact || packed).
-Code and prose are measured apart, since they stress different parts of the vocabulary.
+Code and prose are measured apart, since they stress different parts of the vocabulary; and the packed model's
+two paths apart: decode rows (its integer kernels, as decode and verification steps run them) and prompt rows
+(prefill blocks: GEMMs in the `prefill` dtype on the weights dequantized exactly).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..engine.model import GemmaModel
+from ..engine.packed_linear import prefill_dtype
 from ..engine.tokenizer import Tokenizer
 from ..engine.weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
 from ..errors import UserError
@@ -29,6 +32,7 @@ DECODE_STEP = 16  # packed-model tokens per forward: a verification block, under
 @dataclass
 class Fidelity:
     text: str
+    rows: str  # "decode" (DECODE_STEP rows per forward) or "prompt <dtype>" (CHUNK rows: the prefill GEMMs)
     tokens: int
     top1_agreement: float
     mean_kl: float  # nats, KL(exact || packed)
@@ -70,32 +74,40 @@ def log_probs(model: GemmaModel, ids: list[int], step: int = CHUNK) -> torch.Ten
     return torch.cat(out)
 
 
-def compare(exact: GemmaModel, packed: GemmaModel, ids: list[int], name: str) -> Fidelity:
+def compare(exact: GemmaModel, packed: GemmaModel, ids: list[int], name: str, prefill: str) -> list[Fidelity]:
     """The packed model reads in steps of DECODE_STEP tokens, the rows a decode or verification step gives its
-    kernels (prefill-sized blocks take the bit-exact GEMM path and would hide them)."""
-    agree, kls = 0, []
+    kernels, then in whole windows, the rows of a prefill block (its GEMMs in `prefill`, the dtype they run in)."""
+    steps = {"decode": DECODE_STEP, f"prompt {prefill}": CHUNK}
+    agree, kls = dict.fromkeys(steps, 0), {rows: [] for rows in steps}
     for start in range(0, len(ids), CHUNK):  # one window at a time: [CHUNK, 262144] float32 is 512 MiB
         window = ids[start:start + CHUNK]
-        p, q = log_probs(exact, window), log_probs(packed, window, step=DECODE_STEP)
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-        kls.append((p.exp() * (p - q)).sum(-1))
-    kl = torch.cat(kls)
-    return Fidelity(name, len(ids), agree / len(ids), float(kl.mean()), float(kl.max()))
+        p = log_probs(exact, window)
+        for rows, step in steps.items():
+            q = log_probs(packed, window, step=step)
+            agree[rows] += int((p.argmax(-1) == q.argmax(-1)).sum())
+            kls[rows].append((p.exp() * (p - q)).sum(-1))
+    out = []
+    for rows in steps:
+        kl = torch.cat(kls[rows])
+        out.append(Fidelity(name, rows, len(ids), agree[rows] / len(ids), float(kl.mean()), float(kl.max())))
+    return out
 
 
-def run_fidelity(model: str = EMBEDDED, tokens: int = 1024) -> list[Fidelity]:
-    """Exact (float32, dequantized at load) against packed (repacked for the CPU kernels), same checkpoint."""
+def run_fidelity(model: str = EMBEDDED, tokens: int = 1024, prefill: str = "auto") -> list[Fidelity]:
+    """Exact (float32, dequantized at load) against packed (repacked for the CPU kernels, its prompt GEMMs in
+    `prefill`: engine.types.PREFILL), same checkpoint."""
     path = resolve_model_path(model)
     ckpt = open_checkpoint(path)
     if ckpt.format != "gguf":
         raise UserError(f"{path} is not a GGUF file: only GGUF weights have a packed CPU path")
     tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf)
     exact = build_model(ckpt, "cpu", torch.float32, progress=False)
-    packed = build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True)
+    gemm = prefill_dtype(prefill)
+    packed = build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True, prefill=gemm)
     results = []
     for name, ids in texts(tokenizer, tokens).items():
-        results.append(compare(exact, packed, ids, name))
-        log.info("%s", results[-1])
+        results += compare(exact, packed, ids, name, str(gemm).removeprefix("torch."))
+        log.info("%s", results[-2:])
     return results
 
 
@@ -104,13 +116,16 @@ def report(results: list[Fidelity], out: Path | None) -> None:
     from rich.table import Table
 
     table = Table(title="packed CPU weights vs exact float32, teacher-forced")
-    for column in ("text", "tokens", "top-1 agreement", "mean KL (nats)", "max KL"):
-        table.add_column(column, justify="left" if column == "text" else "right")
-    total = sum(r.tokens for r in results)
+    for column in ("text", "rows", "tokens", "top-1 agreement", "mean KL (nats)", "max KL"):
+        table.add_column(column, justify="left" if column in ("text", "rows") else "right")
     for r in results:
-        table.add_row(r.text, str(r.tokens), f"{r.top1_agreement:.2%}", f"{r.mean_kl:.2e}", f"{r.max_kl:.2e}")
-    table.add_row("all", str(total), f"{sum(r.top1_agreement * r.tokens for r in results) / total:.2%}",
-                  f"{sum(r.mean_kl * r.tokens for r in results) / total:.2e}", f"{max(r.max_kl for r in results):.2e}")
+        table.add_row(r.text, r.rows, str(r.tokens), f"{r.top1_agreement:.2%}", f"{r.mean_kl:.2e}",
+                      f"{r.max_kl:.2e}")
+    for rows in dict.fromkeys(r.rows for r in results):
+        of = [r for r in results if r.rows == rows]
+        total = sum(r.tokens for r in of)
+        table.add_row("all", rows, str(total), f"{sum(r.top1_agreement * r.tokens for r in of) / total:.2%}",
+                      f"{sum(r.mean_kl * r.tokens for r in of) / total:.2e}", f"{max(r.max_kl for r in of):.2e}")
     Console().print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

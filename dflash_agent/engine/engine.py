@@ -22,13 +22,14 @@ from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, cpu_weights, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
-from .packed_linear import cpu_dot, release_cpu_threads
+from .packed_linear import cpu_dot, prefill_dtype, release_cpu_threads
 from .prefix_cache import PrefixCacheConfig, PrefixCacheStats
 from .progress import PROGRESS_EVERY_S
 from .scheduler import Job, Scheduler
 from .speculative import SpecConfig
 from .tokenizer import Tokenizer
 from .types import (
+    PREFILL,
     SAMPLING_DEFAULTS,
     WEIGHTS,
     ErrorEvent,
@@ -109,6 +110,7 @@ class Engine:
         threads: int | None = None,
         sampling_defaults: str = "model",
         parallel: int | None = 1,
+        prefill: str = "auto",
     ) -> Engine:
         """draft: a DFlash drafter checkpoint, or a Gemma 4 assistant (MTP) one (engine.mtp); None takes the
         model's bundled one, if it has one and speculation is on (spec.enabled).
@@ -126,12 +128,16 @@ class Engine:
         engine.generation_config) or "none".
         parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context; None:
         AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots would only
-        take turns (the Triton kernels do not batch sequences yet) and divide the card's memory."""
+        take turns (the Triton kernels do not batch sequences yet) and divide the card's memory.
+        prefill: the dtype of prompt blocks' GEMMs on the CPU C kernels' path (engine.types.PREFILL): "float32"
+        (exact on the dequantized weights), "bfloat16", or "auto" (bfloat16 where the CPU has native bf16 dots)."""
         check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
         if parallel is not None and parallel < 1:
             raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
         if weights not in WEIGHTS:
             raise OptionError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
+        if prefill not in PREFILL:
+            raise OptionError(f"unknown prefill dtype {prefill!r} ({', '.join(PREFILL)})")
         if sampling_defaults not in SAMPLING_DEFAULTS:
             raise OptionError(f"unknown sampling defaults {sampling_defaults!r} ({', '.join(SAMPLING_DEFAULTS)})")
         set_threads(threads)
@@ -164,8 +170,12 @@ class Engine:
             n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter,
                                      slots=parallel, packed=weights == "packed")
         repack_cpu = weights == "packed"
+        prefill_gemm = prefill_dtype(prefill)
+        if repack_cpu and cpu_dot() is not None:
+            log.info("prompt blocks: %s GEMMs%s", str(prefill_gemm).removeprefix("torch."),
+                     " (--prefill float32: exact)" if prefill_gemm == torch.bfloat16 else "")
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
-                          packed=False if weights == "exact" else None, repack_cpu=repack_cpu)
+                          packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter: Drafter | MtpDrafter | None = None
         if draft_path is not None and mtp:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.cpu_dot import CpuDot, IntMatrix
+from ..kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags
 from ..kernels.cpu_dot import load as load_cpu_dot
 from ..kernels.dispatch import PACKED_TYPES, triton_runs
 from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, _unpack, dequantize
@@ -56,6 +56,16 @@ _ROWS_PER_CHUNK = 8192  # repack big matrices in row slices, so loading never ex
 def cpu_dot() -> CpuDot | None:
     """The CPU dot kernels, built and loaded once per process (None: no compiler; torch's kernels serve)."""
     return load_cpu_dot(default_cache_root())
+
+
+def prefill_dtype(choice: str) -> torch.dtype:
+    """The dtype of CpuDotWeight's prefill GEMMs for Engine.load's `prefill` (engine.types.PREFILL): auto takes
+    bfloat16 where the CPU multiplies it natively (AVX512_BF16 or AMX: oneDNN's bf16 GEMMs run 2-3x float32's,
+    which is most of a prompt's time), else float32, whose GEMMs are exact on the dequantized rows."""
+    if choice == "auto":
+        flags = cpu_flags() or frozenset()
+        return torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
 
 
 def release_cpu_threads(device: torch.device) -> None:
@@ -111,19 +121,20 @@ class PackedWeight(torch.Tensor):
         return (f"PackedWeight({self.packed.qtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}{kernel})")
 
-    def repack_for_cpu(self, head: bool = False) -> None:
+    def repack_for_cpu(self, head: bool = False, prefill: torch.dtype = torch.float32) -> None:
         """Repack once for the CPU kernels (see the module doc); head: the LM head, which torch's kernels
-        take as int4 with the best RESCORE logits of each row recomputed exactly. The GGUF blocks stay for `rows`."""
+        take as int4 with the best RESCORE logits of each row recomputed exactly; prefill: the dtype of the C
+        kernels' GEMMs on blocks of GEMM_ROWS rows and more (CpuDotWeight). The GGUF blocks stay for `rows`."""
         if self.device.type != "cpu":
             raise ValueError("repack_for_cpu needs a weight on the CPU")
         if self.dim() == 3:  # a stack of experts: each matrix on its own, as a token reads only its experts
             self.experts = [self.expert(i) for i in range(self.shape[0])]
             for matrix in self.experts:
-                matrix.repack_for_cpu()
+                matrix.repack_for_cpu(prefill=prefill)
             return
         lib = cpu_dot()
         if lib is not None:  # exact, the head included: no rescoring
-            self.cpu, self.rescore = CpuDotWeight.from_packed(lib, self.packed), 0
+            self.cpu, self.rescore = CpuDotWeight.from_packed(lib, self.packed, prefill), 0
             return
         if self.packed.qtype in PLANE_TYPES or head:
             self.cpu = CpuInt4.from_packed(self.packed)
@@ -272,13 +283,16 @@ class CpuInt4:
 
 class CpuDotWeight:
     """A matrix repacked for kernels.cpu_dot (an IntMatrix): the integers and scales of its GGUF format
-    (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8."""
+    (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8. Blocks of GEMM_ROWS
+    rows and more (prefill) take GEMMs in `prefill` (float32 or bfloat16) on the rows dequantized exactly."""
 
-    def __init__(self, lib: CpuDot, matrix: IntMatrix) -> None:
-        self.lib, self.matrix, self.out_features = lib, matrix, matrix.n
+    def __init__(self, lib: CpuDot, matrix: IntMatrix, prefill: torch.dtype = torch.float32) -> None:
+        if prefill not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"prefill GEMMs run in float32 or bfloat16, not {prefill}")
+        self.lib, self.matrix, self.out_features, self.prefill = lib, matrix, matrix.n, prefill
 
     @classmethod
-    def from_packed(cls, lib: CpuDot, packed: PackedTensor) -> CpuDotWeight:
+    def from_packed(cls, lib: CpuDot, packed: PackedTensor, prefill: torch.dtype = torch.float32) -> CpuDotWeight:
         n, k = packed.shape
         if k % GROUP:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
@@ -301,13 +315,13 @@ class CpuDotWeight:
                 d = blocks.reshape(blocks.shape[0], -1, size)[:, :, size - 18:].reshape(blocks.shape[0], -1)
             parts.append(IntMatrix.pack(q if bits == 8 or q4_0 else q + offset, d, m, bits, group, offset))
         if len(parts) == 1:
-            return cls(lib, parts[0])
+            return cls(lib, parts[0], prefill)
 
         def joined(name: str) -> torch.Tensor | None:
             pieces = [getattr(p, name) for p in parts]
             return None if pieces[0] is None else torch.cat(pieces)
 
-        return cls(lib, IntMatrix(joined("q"), joined("d"), joined("m"), bits, group, joined("qh"), offset))
+        return cls(lib, IntMatrix(joined("q"), joined("d"), joined("m"), bits, group, joined("qh"), offset), prefill)
 
     @property
     def nbytes(self) -> int:
@@ -329,10 +343,12 @@ class CpuDotWeight:
 
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows at once (prefill): float32 GEMMs on rows dequantized exactly, at most a few MiB at a time."""
+        """Many rows at once (prefill): GEMMs in self.prefill on rows dequantized exactly, at most a few MiB of
+        them at a time."""
+        x = x.to(self.prefill)
         step = max(1, _GEMM_SLICE_BYTES // (4 * x.shape[1]))
         if step >= self.out_features:
-            return x @ self._dequantized(0, self.out_features).T
+            return (x @ self._dequantized(0, self.out_features).T).float()
         y = torch.empty(x.shape[0], self.out_features)
         for start in range(0, self.out_features, step):
             end = min(start + step, self.out_features)
@@ -340,7 +356,7 @@ class CpuDotWeight:
         return y
 
     def _dequantized(self, start: int, end: int) -> torch.Tensor:
-        return self.lib.dequantize(self.matrix.rows(start, end))
+        return self.lib.dequantize(self.matrix.rows(start, end)).to(self.prefill)
 
 
 def _int_groups(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int,

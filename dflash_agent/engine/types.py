@@ -16,6 +16,10 @@ SAMPLING_DEFAULTS = ("model", "none")
 # How GGUF matrices load (Engine.load's `weights`): auto = packed where Triton runs (CUDA), exact elsewhere;
 # packed = also torch's int4 / int8 kernels on the CPU; exact = dequantized at load.
 WEIGHTS = ("auto", "exact", "packed")
+# The GEMMs of prompt blocks on the CPU C kernels' path (Engine.load's `prefill`): float32 on the rows dequantized
+# exactly, or bfloat16 (weights and activations rounded to bf16, float32 sums); auto = bfloat16 where the CPU
+# multiplies bf16 natively (AVX512_BF16 or AMX), else float32.
+PREFILL = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,7 @@ def _open_hf(path: Path) -> Checkpoint:
 
 def build_model(
     ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype, progress: bool = True,
-    packed: bool | None = None, repack_cpu: bool = False,
+    packed: bool | None = None, repack_cpu: bool = False, prefill: torch.dtype = torch.float32,
 ) -> GemmaModel:
     """Convert every tensor to `dtype` on `device` and load it; shows a progress bar on a terminal.
 
@@ -245,7 +245,7 @@ def build_model(
     (engine.packed_linear); everything else is dequantized at load, as on the CPU.
     repack_cpu: on the CPU, those matrices are also repacked once for torch's int4 / int8 CPU kernels
     (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the
-    exact reference.
+    exact reference; prefill: the dtype of the C kernels' prompt GEMMs (packed_linear.CpuDotWeight).
     """
     if packed is None:
         packed = torch.device(device).type == "cuda" or repack_cpu
@@ -273,7 +273,7 @@ def build_model(
         head = "embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
         for name, tensor in state.items():
             if isinstance(tensor, PackedWeight):
-                tensor.repack_for_cpu(head=name == head)
+                tensor.repack_for_cpu(head=name == head, prefill=prefill)
         matrices = [m for t in state.values() if isinstance(t, PackedWeight) for m in (t.experts or [t])]
         _into_huge_pages([m.cpu for m in matrices])
         _release_freed_memory()

@@ -337,12 +337,11 @@ static inline __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
 }
 
-/* The group's 32 values as int16 in order, without a lane-crossing shuffle, minus the offset. */
-static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn,
-                                                                const uint32_t *qhn, float sd, float sd1, int offset,
-                                                                const int16_t *xq, const float *xs, int64_t K,
-                                                                int64_t b, int64_t r0, int rows) {
-    const int64_t B = K / 32;
+/* The values of group b of a u4 / u5 / u6 row (high 0 / 1 / 2) as bytes: lane 0 runs R0 R2, lane 1 R1 R3, so the
+ * in-lane unpacks give values 0..15 (low halves) and 16..31 (high halves) in order, without a lane-crossing
+ * shuffle. */
+static inline __attribute__((always_inline)) __m256i group_bytes(int high, const uint8_t *qn, const uint32_t *qhn,
+                                                                 int64_t b) {
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* lane 0: low nibbles, lane 1: high */
     __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qn + b * 16)));
     v = _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi8(0x0F));
@@ -353,6 +352,16 @@ static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE]
         const __m256i t = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)top), _mm256_setr_epi64x(0, 4, 2, 6));
         v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(3)), 4));
     }
+    return v;
+}
+
+/* The group's 32 values as int16 in order, minus the offset, against TILE activation rows at most. */
+static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn,
+                                                                const uint32_t *qhn, float sd, float sd1, int offset,
+                                                                const int16_t *xq, const float *xs, int64_t K,
+                                                                int64_t b, int64_t r0, int rows) {
+    const int64_t B = K / 32;
+    const __m256i v = group_bytes(high, qn, qhn, b);
     const __m256i off = _mm256_set1_epi16((short)offset);
     const __m256 vsd = _mm256_set1_ps(sd), vsd1 = _mm256_set1_ps(sd1);
     const __m256i lo = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, _mm256_setzero_si256()), off); /* values 0..15 */
@@ -386,6 +395,23 @@ static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int
             ACC2(acc, 0, i, dot16(w0, xb), SCALE(vsd, sx));
             ACC2(acc, 1, i, dot16(w1, xb + 16), SCALE(vsd1, sx));
         }
+    }
+}
+
+/* Group b of a u4 / u5 / u6 row as float32: sd (u - offset) for values 0..15, sd1 (u - offset) for 16..31, then
+ * + *min where min is given: the scalar loop's product and sum, eight values at a time. */
+static inline __attribute__((always_inline)) void dequantize_group(int high, const uint8_t *qn, const uint32_t *qhn,
+                                                                   int64_t b, int offset, float sd, float sd1,
+                                                                   const float *min, float *w) {
+    const __m256i v = group_bytes(high, qn, qhn, b), off = _mm256_set1_epi16((short)offset);
+    const __m256i lo = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, _mm256_setzero_si256()), off);
+    const __m256i hi = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, _mm256_setzero_si256()), off);
+    const __m128i eights[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                               _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+    for (int j = 0; j < 4; j++) {
+        __m256 f = _mm256_mul_ps(_mm256_set1_ps(j < 2 ? sd : sd1), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(eights[j])));
+        if (min) f = _mm256_add_ps(f, _mm256_set1_ps(*min));
+        _mm256_storeu_ps(w + 8 * j, f);
     }
 }
 #elif defined(DFA_NEON)
@@ -760,6 +786,10 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
                               : scales == DFA_SCALES_Q6K ? kd[b % 8 * 2]
                                                          : scale_at(dn, scales, b);
             const float sd1 = scales == DFA_SCALES_Q6K ? kd[b % 8 * 2 + 1] : sd0; /* the second run of 16 */
+#ifdef DFA_AVX2
+            dequantize_group(high, qn, high ? qh + n * (K / 32) * high : NULL, b, offset, sd0, sd1, min, wn + b * 32);
+            continue;
+#endif
             for (int v = 0; v < 32; v++) {
                 const float sd = v < 16 ? sd0 : sd1;
                 const int u = nibble_value(qn + b * 16, high ? qh + (n * (K / 32) + b) * high : NULL, high, v);

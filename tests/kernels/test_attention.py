@@ -134,3 +134,32 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch) -> None:
     q, k, v, q_pos, k_pos = full_layer(2, 8, 8, 4, 2, 32, torch.float32)
     out = attention.cache_attention(q, k, v, q_pos, k_pos, None, 0.2)
     assert torch.equal(out, attention.cache_attention_reference(q, k, v, q_pos, k_pos, None, 0.2))
+
+
+@pytest.mark.parametrize("T, S, heads, kv_heads, window, lead", [
+    (300, 300, 4, 1, 512, ()),  # a prefill chunk from an empty cache: the causal triangle
+    (200, 700, 8, 2, 256, ()),  # a chunk after cached keys, a sliding window narrower than the chunk's reach
+    (129, 400, 4, 4, None, (2,)),  # full attention, no grouping, a batch of two
+])
+def test_blocked_attention_matches_sdpa(T, S, heads, kv_heads, window, lead) -> None:
+    """The CPU's many-row path (GEMMs over each block's visible keys) against SDPA under the same mask, including
+    rows that see no key at all (zeros, as SDPA gives) and keys past every query's reach."""
+    from dflash_agent.kernels.attention import BLOCKED_ROWS, grouped_attention, visibility
+
+    assert T >= BLOCKED_ROWS
+    torch.manual_seed(T)
+    d = 64
+    q = torch.randn(*lead, T, heads, d)
+    k, v = torch.randn(*lead, S, kv_heads, d), torch.randn(*lead, S, kv_heads, d)
+    k_pos = torch.arange(S)
+    k_pos[S // 3:S // 3 + 5] = -1  # empty slots
+    mask = visibility(torch.arange(S - T - 40, S - 40), k_pos, window)  # the last 40 keys: in no query's reach
+    mask[7] = False  # a row that sees nothing
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(-2, -3), k.repeat_interleave(group, dim=-2).transpose(-2, -3),
+        v.repeat_interleave(group, dim=-2).transpose(-2, -3), attn_mask=mask, scale=0.125).transpose(-2, -3)
+    got = grouped_attention(q, k, v, mask, 0.125)
+    assert got.shape == expected.shape
+    assert torch.equal(got[..., 7, :, :], torch.zeros_like(got[..., 7, :, :]))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
