@@ -287,9 +287,9 @@ static inline void q6_scales(const uint8_t *tail, float d[16]) {
 
 /* Each ISA's accumulators (ACC: two chains per activation row, even and odd blocks) and block kernels:
  * block_nibbles adds block b of a u4 / u5 / u6 row (high 0 / 1 / 2 bits past the nibble), block_s8 of an s8 row,
- * times its scale sd (u6, and s8 groups of 16: sd for the first run of 16, sd1 for the second, into the chains 0
- * and 1) and the activations' block scale, into the accumulators of parity a (high, a, group and rows are
- * constants where inlined). */
+ * times p0[i * 8], the product of its scale and activation row i's block scale (u6, and s8 groups of 16: p0 for the
+ * first run of 16, p1 for the second, into the chains 0 and 1), into the accumulators of parity a (high, a, group
+ * and rows are constants where inlined). The products come eight blocks at a time (scale_products). */
 #if defined(DFA_AVX2)
 typedef __m256 ACC;
 static inline ACC acc_zero(void) { return _mm256_setzero_ps(); }
@@ -324,9 +324,10 @@ static inline __m256i dot32(__m256i lo, __m256i hi, const int16_t *x) {
 
 /* acc[a][i] += p (8 int32 lanes) * s, s a vector of 8 equal scales */
 #define ACC2(acc, a, i, p, s) acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[a][i])
-/* The scale of a block's products: the weight's sd (broadcast once per block) times the activations' block scale
- * broadcast from memory, one vector multiply where a scalar one and a broadcast cost two. */
-#define SCALE(sd, x) _mm256_mul_ps(sd, _mm256_broadcast_ss(x))
+/* The scale of a block's products for one activation row, broadcast from the products scale_products formed. */
+#define SCALE(p, i) _mm256_broadcast_ss((p) + (i) * 8)
+/* or, without products (p0 NULL: float16 / float32 scales, one per block), the weight's scale times the row's */
+#define SCALE_OF(p, i, vsd, sx) ((p) ? SCALE(p, i) : _mm256_mul_ps(vsd, _mm256_broadcast_ss(sx)))
 
 /* The fifth bits of a group of 32 as bytes: byte k is 16 where bit k of `bits` is set, else 0. */
 static inline __m256i fifth_bits(uint32_t bits) {
@@ -357,43 +358,40 @@ static inline __attribute__((always_inline)) __m256i group_bytes(int high, const
 
 /* The group's 32 values as int16 in order, minus the offset, against TILE activation rows at most. */
 static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn,
-                                                                const uint32_t *qhn, float sd, float sd1, int offset,
-                                                                const int16_t *xq, const float *xs, int64_t K,
-                                                                int64_t b, int64_t r0, int rows) {
-    const int64_t B = K / 32;
+                                                                const uint32_t *qhn, const float *p0, const float *p1,
+                                                                float sd, int offset, const int16_t *xq,
+                                                                const float *xs, int64_t K, int64_t b, int64_t r0,
+                                                                int rows) {
     const __m256i v = group_bytes(high, qn, qhn, b);
+    const __m256 vsd = _mm256_set1_ps(sd);
     const __m256i off = _mm256_set1_epi16((short)offset);
-    const __m256 vsd = _mm256_set1_ps(sd), vsd1 = _mm256_set1_ps(sd1);
     const __m256i lo = _mm256_sub_epi16(_mm256_unpacklo_epi8(v, _mm256_setzero_si256()), off); /* values 0..15 */
     const __m256i hi = _mm256_sub_epi16(_mm256_unpackhi_epi8(v, _mm256_setzero_si256()), off); /* 16..31 */
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float *sx = xs + (r0 + i) * B + b;
         if (high == 2) { /* u6: runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(lo, xb), SCALE(vsd, sx));
-            ACC2(acc, 1, i, dot16(hi, xb + 16), SCALE(vsd1, sx));
+            ACC2(acc, 0, i, dot16(lo, xb), SCALE(p0, i));
+            ACC2(acc, 1, i, dot16(hi, xb + 16), SCALE(p1, i));
         } else {
-            ACC2(acc, a, i, dot32(lo, hi, xb), SCALE(vsd, sx));
+            ACC2(acc, a, i, dot32(lo, hi, xb), SCALE_OF(p0, i, vsd, xs + (r0 + i) * (K / 32) + b));
         }
     }
 }
 
-static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd,
-                                                           float sd1, int64_t group, const int16_t *xq,
+static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, const float *p0,
+                                                           const float *p1, float sd, int64_t group, const int16_t *xq,
                                                            const float *xs, int64_t K, int64_t b, int64_t r0,
                                                            int rows) {
-    const int64_t B = K / 32;
+    const __m256 vsd = _mm256_set1_ps(sd);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + b * 32 + 16)));
-    const __m256 vsd = _mm256_set1_ps(sd), vsd1 = _mm256_set1_ps(sd1);
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float *sx = xs + (r0 + i) * B + b;
         if (group == 32) {
-            ACC2(acc, a, i, dot32(w0, w1, xb), SCALE(vsd, sx));
+            ACC2(acc, a, i, dot32(w0, w1, xb), SCALE_OF(p0, i, vsd, xs + (r0 + i) * (K / 32) + b));
         } else { /* runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(w0, xb), SCALE(vsd, sx));
-            ACC2(acc, 1, i, dot16(w1, xb + 16), SCALE(vsd1, sx));
+            ACC2(acc, 0, i, dot16(w0, xb), SCALE(p0, i));
+            ACC2(acc, 1, i, dot16(w1, xb + 16), SCALE(p1, i));
         }
     }
 }
@@ -454,10 +452,10 @@ static inline uint8x16_t fifth_bits16(uint32_t bits) {
 /* The 16 bytes' low nibbles are runs R0, R2 and their high nibbles R1, R3, so the values 0..31 in order are the
  * halves of the two nibble vectors, widened. */
 static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn,
-                                                                const uint32_t *qhn, float sd, float sd1, int offset,
-                                                                const int16_t *xq, const float *xs, int64_t K,
-                                                                int64_t b, int64_t r0, int rows) {
-    const int64_t B = K / 32;
+                                                                const uint32_t *qhn, const float *p0, const float *p1,
+                                                                float sd, int offset, const int16_t *xq,
+                                                                const float *xs, int64_t K, int64_t b, int64_t r0,
+                                                                int rows) {
     const uint8x16_t raw = vld1q_u8(qn + b * 16);
     uint8x16_t low = vandq_u8(raw, vdupq_n_u8(0x0F)), top = vshrq_n_u8(raw, 4); /* R0 R2 | R1 R3 */
     if (high == 1) {
@@ -476,32 +474,29 @@ static inline __attribute__((always_inline)) void block_nibbles(ACC acc[2][TILE]
                             vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(top))), off)};
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float sx = xs[(r0 + i) * B + b];
         if (high == 2) { /* u6: runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(w[0], w[1], xb), sd * sx);
-            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), sd1 * sx);
+            ACC2(acc, 0, i, dot16(w[0], w[1], xb), p0[i * 8]);
+            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), p1[i * 8]);
         } else {
-            ACC2(acc, a, i, dot32(w, xb), sd * sx);
+            ACC2(acc, a, i, dot32(w, xb), p0 ? p0[i * 8] : sd * xs[(r0 + i) * (K / 32) + b]);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd,
-                                                           float sd1, int64_t group, const int16_t *xq,
+static inline __attribute__((always_inline)) void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, const float *p0,
+                                                           const float *p1, float sd, int64_t group, const int16_t *xq,
                                                            const float *xs, int64_t K, int64_t b, int64_t r0,
                                                            int rows) {
-    const int64_t B = K / 32;
     const int8x16_t q0 = vld1q_s8(qn + b * 32), q1 = vld1q_s8(qn + b * 32 + 16);
     const int16x8_t w[4] = {vmovl_s8(vget_low_s8(q0)), vmovl_s8(vget_high_s8(q0)), vmovl_s8(vget_low_s8(q1)),
                             vmovl_s8(vget_high_s8(q1))};
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float sx = xs[(r0 + i) * B + b];
         if (group == 32) {
-            ACC2(acc, a, i, dot32(w, xb), sd * sx);
+            ACC2(acc, a, i, dot32(w, xb), p0 ? p0[i * 8] : sd * xs[(r0 + i) * (K / 32) + b]);
         } else { /* runs of 16 with a scale each */
-            ACC2(acc, 0, i, dot16(w[0], w[1], xb), sd * sx);
-            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), sd1 * sx);
+            ACC2(acc, 0, i, dot16(w[0], w[1], xb), p0[i * 8]);
+            ACC2(acc, 1, i, dot16(w[2], w[3], xb + 16), p1[i * 8]);
         }
     }
 }
@@ -515,49 +510,70 @@ static inline ACC acc_mins(ACC acc, const float m[8], const float *x) {
 }
 static inline float acc_sum(ACC a, ACC b) { return a + b; }
 
-static inline void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn, const uint32_t *qhn, float sd,
-                                 float sd1, int offset, const int16_t *xq, const float *xs, int64_t K, int64_t b,
-                                 int64_t r0, int rows) {
-    const int64_t B = K / 32;
+static inline void block_nibbles(ACC acc[2][TILE], int a, int high, const uint8_t *qn, const uint32_t *qhn,
+                                 const float *p0, const float *p1, float sd, int offset, const int16_t *xq,
+                                 const float *xs, int64_t K, int64_t b, int64_t r0, int rows) {
     int w[32];
     for (int v = 0; v < 32; v++) w[v] = nibble_value(qn + b * 16, high ? qhn + b * high : NULL, high, v) - offset;
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float sx = xs[(r0 + i) * B + b];
         int32_t s0 = 0, s1 = 0;
         for (int v = 0; v < 16; v++) {
             s0 += w[v] * xb[v];
             s1 += w[16 + v] * xb[16 + v];
         }
         if (high == 2) {
-            acc[0][i] += sd * sx * (float)s0;
-            acc[1][i] += sd1 * sx * (float)s1;
+            acc[0][i] += p0[i * 8] * (float)s0;
+            acc[1][i] += p1[i * 8] * (float)s1;
         } else {
-            acc[a][i] += sd * sx * (float)(s0 + s1);
+            acc[a][i] += (p0 ? p0[i * 8] : sd * xs[(r0 + i) * (K / 32) + b]) * (float)(s0 + s1);
         }
     }
 }
 
-static inline void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, float sd, float sd1, int64_t group,
-                            const int16_t *xq, const float *xs, int64_t K, int64_t b, int64_t r0, int rows) {
-    const int64_t B = K / 32;
+static inline void block_s8(ACC acc[2][TILE], int a, const int8_t *qn, const float *p0, const float *p1, float sd,
+                            int64_t group, const int16_t *xq, const float *xs, int64_t K, int64_t b, int64_t r0,
+                            int rows) {
     for (int i = 0; i < rows; i++) {
         const int16_t *xb = xq + (r0 + i) * K + b * 32;
-        const float sx = xs[(r0 + i) * B + b];
         int32_t s0 = 0, s1 = 0;
         for (int v = 0; v < 16; v++) {
             s0 += qn[b * 32 + v] * xb[v];
             s1 += qn[b * 32 + 16 + v] * xb[16 + v];
         }
         if (group == 32) {
-            acc[a][i] += sd * sx * (float)(s0 + s1);
+            acc[a][i] += (p0 ? p0[i * 8] : sd * xs[(r0 + i) * (K / 32) + b]) * (float)(s0 + s1);
         } else {
-            acc[0][i] += sd * sx * (float)s0;
-            acc[1][i] += sd1 * sx * (float)s1;
+            acc[0][i] += p0[i * 8] * (float)s0;
+            acc[1][i] += p1[i * 8] * (float)s1;
         }
     }
 }
 #endif
+
+/* prod[i][j] = sd[j] times activation row r0 + i's scale of block b + j, for the n (<= 8) blocks from b: the scales
+ * the block kernels multiply by, eight at a time (one vector multiply per row where each block took a broadcast and
+ * a multiply); the same float products, so the same bits. */
+static inline __attribute__((always_inline)) void scale_products(float prod[TILE][8], const float sd[8],
+                                                                 const float *xs, int64_t B, int64_t b, int n,
+                                                                 int64_t r0, int rows) {
+#ifdef DFA_AVX2
+    if (n == 8) {
+        const __m256 d = _mm256_loadu_ps(sd);
+        for (int i = 0; i < rows; i++)
+            _mm256_storeu_ps(prod[i], _mm256_mul_ps(d, _mm256_loadu_ps(xs + (r0 + i) * B + b)));
+        return;
+    }
+#endif
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < n; j++) prod[i][j] = sd[j] * xs[(r0 + i) * B + b + j];
+}
+
+/* The scales of the n (<= 8) runs from run `first`, every `step`-th (2: one run of 16 of each block), as floats. */
+static inline __attribute__((always_inline)) void scales_at(const void *d, int scales, int64_t first, int step, int n,
+                                                            float sd[8]) {
+    for (int j = 0; j < n; j++) sd[j] = scale_at(d, scales, first + (int64_t)j * step);
+}
 
 /* One u4 / u5 / u6 weight row (high 0 / 1 / 2) against `rows` (1..TILE, a constant where inlined) activation rows
  * from r0, its offsets m excluded (the caller adds them) but for K-format headers, whose min terms are summed here,
@@ -570,34 +586,44 @@ static inline __attribute__((always_inline)) void row_nibbles(int high, const ui
                                                               int64_t K, int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
     ACC acc[2][TILE], mins[TILE];
+    float p0[TILE][8], p1[TILE][8];
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = mins[i] = acc_zero();
     if (scales == DFA_SCALES_K) {
         for (int64_t s = 0; s < B / 8; s++) {
             float kd[8], km[8];
             k_scales((const uint8_t *)dn + s * 16, kd, km);
             for (int i = 0; i < rows; i++) mins[i] = acc_mins(mins[i], km, xsum + (r0 + i) * B + s * 8);
+            scale_products(p0, kd, xs, B, s * 8, 8, r0, rows);
             for (int j = 0; j < 8; j += 2) {
-                block_nibbles(acc, 0, high, qn, qhn, kd[j], 0.0f, offset, xq, xs, K, s * 8 + j, r0, rows);
-                block_nibbles(acc, 1, high, qn, qhn, kd[j + 1], 0.0f, offset, xq, xs, K, s * 8 + j + 1, r0, rows);
+                block_nibbles(acc, 0, high, qn, qhn, p0[0] + j, NULL, 0.0f, offset, xq, xs, K, s * 8 + j, r0, rows);
+                block_nibbles(acc, 1, high, qn, qhn, p0[0] + j + 1, NULL, 0.0f, offset, xq, xs, K, s * 8 + j + 1, r0,
+                              rows);
             }
         }
     } else if (scales == DFA_SCALES_Q6K) {
         for (int64_t s = 0; s < B / 8; s++) {
-            float sd[16];
+            float sd[16], first[8], second[8];
             q6_scales((const uint8_t *)dn + s * 18, sd);
+            for (int j = 0; j < 8; j++) {
+                first[j] = sd[2 * j];
+                second[j] = sd[2 * j + 1];
+            }
+            scale_products(p0, first, xs, B, s * 8, 8, r0, rows);
+            scale_products(p1, second, xs, B, s * 8, 8, r0, rows);
             for (int j = 0; j < 8; j++)
-                block_nibbles(acc, 0, high, qn, qhn, sd[2 * j], sd[2 * j + 1], offset, xq, xs, K, s * 8 + j, r0,
+                block_nibbles(acc, 0, high, qn, qhn, p0[0] + j, p1[0] + j, 0.0f, offset, xq, xs, K, s * 8 + j, r0,
                               rows);
         }
-    } else {
+    } else { /* a float16 / float32 scale per block, multiplied by the rows' as each block is read: products formed
+              * ahead, as above, measured slower here */
         int64_t b = 0;
         for (; b + 2 <= B; b += 2) {
-            block_nibbles(acc, 0, high, qn, qhn, scale_at(dn, scales, b), 0.0f, offset, xq, xs, K, b, r0, rows);
-            block_nibbles(acc, 1, high, qn, qhn, scale_at(dn, scales, b + 1), 0.0f, offset, xq, xs, K, b + 1, r0,
-                          rows);
+            block_nibbles(acc, 0, high, qn, qhn, NULL, NULL, scale_at(dn, scales, b), offset, xq, xs, K, b, r0, rows);
+            block_nibbles(acc, 1, high, qn, qhn, NULL, NULL, scale_at(dn, scales, b + 1), offset, xq, xs, K, b + 1,
+                          r0, rows);
         }
         if (b < B)
-            block_nibbles(acc, 0, high, qn, qhn, scale_at(dn, scales, b), 0.0f, offset, xq, xs, K, b, r0, rows);
+            block_nibbles(acc, 0, high, qn, qhn, NULL, NULL, scale_at(dn, scales, b), offset, xq, xs, K, b, r0, rows);
     }
     for (int i = 0; i < rows; i++) out[i] = acc_sum(acc[0][i], acc[1][i]) + acc_sum(mins[i], acc_zero());
 }
@@ -607,22 +633,27 @@ static inline __attribute__((always_inline)) void row_s8(const int8_t *qn, const
                                                          int64_t r0, int rows, float *out) {
     const int64_t B = K / 32;
     ACC acc[2][TILE];
+    float p0[TILE][8], p1[TILE][8];
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = acc_zero();
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-        if (group == 32) {
-            block_s8(acc, 0, qn, scale_at(dn, scales, b), 0.0f, 32, xq, xs, K, b, r0, rows);
-            block_s8(acc, 1, qn, scale_at(dn, scales, b + 1), 0.0f, 32, xq, xs, K, b + 1, r0, rows);
-        } else {
-            block_s8(acc, 0, qn, scale_at(dn, scales, 2 * b), scale_at(dn, scales, 2 * b + 1), 16, xq, xs, K, b, r0,
-                     rows);
-            block_s8(acc, 0, qn, scale_at(dn, scales, 2 * b + 2), scale_at(dn, scales, 2 * b + 3), 16, xq, xs, K,
-                     b + 1, r0, rows);
+    if (group == 32) {
+        int64_t b = 0;
+        for (; b + 2 <= B; b += 2) {
+            block_s8(acc, 0, qn, NULL, NULL, scale_at(dn, scales, b), 32, xq, xs, K, b, r0, rows);
+            block_s8(acc, 1, qn, NULL, NULL, scale_at(dn, scales, b + 1), 32, xq, xs, K, b + 1, r0, rows);
+        }
+        if (b < B) block_s8(acc, 0, qn, NULL, NULL, scale_at(dn, scales, b), 32, xq, xs, K, b, r0, rows);
+    } else { /* runs of 16: scales 2b and 2b + 1 for block b */
+        for (int64_t c = 0; c < B; c += 8) {
+            const int n = B - c < 8 ? (int)(B - c) : 8;
+            float sd[8] = {0.0f}; /* n < 8: the rest unread */
+            scales_at(dn, scales, 2 * c, 2, n, sd);
+            scale_products(p0, sd, xs, B, c, n, r0, rows);
+            scales_at(dn, scales, 2 * c + 1, 2, n, sd);
+            scale_products(p1, sd, xs, B, c, n, r0, rows);
+            for (int j = 0; j < n; j++)
+                block_s8(acc, 0, qn, p0[0] + j, p1[0] + j, 0.0f, 16, xq, xs, K, c + j, r0, rows);
         }
     }
-    if (b < B)
-        block_s8(acc, 0, qn, scale_at(dn, scales, group == 32 ? b : 2 * b),
-                 group == 32 ? 0.0f : scale_at(dn, scales, 2 * b + 1), group, xq, xs, K, b, r0, rows);
     for (int i = 0; i < rows; i++) out[i] = acc_sum(acc[0][i], acc[1][i]);
 }
 
@@ -686,13 +717,15 @@ static inline __attribute__((always_inline)) void nibbles_panel(int high, const 
     } while (0)
 /* A u4 / u5 / u6 matrix, with the panel function inlined for each of the constants it branches on (4 / 5 / 6 bits,
  * one activation row, the scales' format), so no block tests them. */
-#define NIBBLE_ROWS(high, rows, scales) \
+#define NIBBLE_ROWS(high, rows, scales, offset) \
     OVER_PANELS(rows, nibbles_panel, high, xq, xs, xsum, rows, K, q, qh, offset, d, scales, m, N, y)
-#define NIBBLE_SCALES(high, rows)                                      \
-    do {                                                               \
-        if (scales == DFA_SCALES_K) NIBBLE_ROWS(high, rows, DFA_SCALES_K);   \
-        else if (scales == DFA_SCALES_F16) NIBBLE_ROWS(high, rows, DFA_SCALES_F16); \
-        else NIBBLE_ROWS(high, rows, DFA_SCALES_F32);                  \
+/* Q4_K and Q5_K (K headers) have no offset: a constant 0 drops its subtraction from every block */
+#define NIBBLE_SCALES(high, rows)                                                                   \
+    do {                                                                                            \
+        if (scales == DFA_SCALES_K && offset == 0) NIBBLE_ROWS(high, rows, DFA_SCALES_K, 0);      \
+        else if (scales == DFA_SCALES_K) NIBBLE_ROWS(high, rows, DFA_SCALES_K, offset);            \
+        else if (scales == DFA_SCALES_F16) NIBBLE_ROWS(high, rows, DFA_SCALES_F16, offset);        \
+        else NIBBLE_ROWS(high, rows, DFA_SCALES_F32, offset);                                     \
     } while (0)
 
 static void matmul_nibbles(int high, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
@@ -700,8 +733,10 @@ static void matmul_nibbles(int high, const int16_t *xq, const float *xs, const f
                            const float *m, int64_t N, float *y, int threads) {
     const int64_t B = K / 32,
                   ahead = rows_ahead(K / 2 + (4 * high + (m ? 4 : 0)) * B + row_scale_bytes(scales, K, 32));
-    if (high == 2 && M == 1) NIBBLE_ROWS(2, 1, DFA_SCALES_Q6K); /* u6 comes with Q6_K tails only */
-    else if (high == 2) NIBBLE_ROWS(2, M, DFA_SCALES_Q6K);
+    /* u6 comes with Q6_K tails only, and Q6_K's offset of 32 */
+    if (high == 2 && M == 1 && offset == 32) NIBBLE_ROWS(2, 1, DFA_SCALES_Q6K, 32);
+    else if (high == 2 && offset == 32) NIBBLE_ROWS(2, M, DFA_SCALES_Q6K, 32);
+    else if (high == 2) NIBBLE_ROWS(2, M, DFA_SCALES_Q6K, offset);
     else if (high && M == 1) NIBBLE_SCALES(1, 1);
     else if (high) NIBBLE_SCALES(1, M);
     else if (M == 1) NIBBLE_SCALES(0, 1);
