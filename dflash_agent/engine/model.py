@@ -261,6 +261,9 @@ class LayerPlan:
     end: int | None = None  # full layers read slots [:end] (attention stays O(context), not O(max_len)); None: all
     mask: torch.Tensor | None = None  # [T, keys] bool, True = visible; None: every key (SDPA modes)
     positions: KeyPositions | None = None  # the kernel's masking (mode "kernel" only)
+    # mode "prefill": the cached slots read, in position order (a ring's are rotated), so a block of queries sees
+    # one run of columns (kernels.attention's blocked path reads only those); None: all slots as stored
+    order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.mode == "kernel") != (self.positions is not None):
@@ -270,6 +273,8 @@ class LayerPlan:
         """Write the new keys k / v [..., T, heads, d] into kv; returns what this step's queries attend over."""
         if self.mode == "prefill":
             cached_k, cached_v = kv.read(self.end)
+            if self.order is not None:
+                cached_k, cached_v = cached_k[..., self.order, :, :], cached_v[..., self.order, :, :]
             keys, values = torch.cat((cached_k, k), dim=-3), torch.cat((cached_v, v), dim=-3)
             n = self.slots.shape[0]
             kv.write(self.slots, k[..., -n:, :, :], v[..., -n:, :, :])
@@ -558,11 +563,13 @@ class GemmaModel(nn.Module):
             k_pos = new_pos[None, :]
             sliding = LayerPlan("cache", ring, mask=(k_pos >= 0) & (k_pos <= q) & (k_pos > q - window))
         else:
-            old = old_pos[None, :]
-            old_mask = (old >= 0) & (old < start) & (old > q - window)
+            order = torch.argsort(old_pos)
+            order = order[old_pos[order] >= 0]  # the filled slots, oldest position first
+            old = old_pos[order][None, :]
+            old_mask = (old < start) & (old > q - window)
             k_new = pos[None, :]
             new_mask = (k_new <= q) & (k_new > q - window)
-            sliding = LayerPlan("prefill", ring, mask=torch.cat((old_mask, new_mask), dim=1))
+            sliding = LayerPlan("prefill", ring, mask=torch.cat((old_mask, new_mask), dim=1), order=order)
         cache.ring_pos = new_pos
         return StepPlan(pos, full, sliding)
 

@@ -49,3 +49,32 @@ def test_batched_rows_match_one_sequence_forwards(T: int) -> None:
         want = model(ids[r], model.new_cache(32), logits_at=torch.arange(T), capture=(0,))
         torch.testing.assert_close(batched[r], want.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(captured[0][r], want.captured[0], atol=1e-5, rtol=1e-5)
+
+
+def test_long_chunks_over_a_wrapped_ring_match_short_steps(monkeypatch) -> None:
+    """Chunks of BLOCKED_ROWS+ rows once the sliding ring has wrapped (the "prefill" plan: the ring read in position
+    order, attention block by block over the keys each block sees) give the logits of steps of 8 rows (SDPA over
+    the ring as stored), at every position."""
+    from dflash_agent.kernels import attention
+
+    blocked = []
+    real = attention._blocked_attention
+    monkeypatch.setattr(attention, "_blocked_attention", lambda *a: blocked.append(a[3].shape) or real(*a))
+    model = build_model(tiny_packed_checkpoint(), "cpu", torch.float32, progress=False)
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3 * attention.BLOCKED_ROWS + 40,))
+
+    def logits(step: int) -> torch.Tensor:
+        cache, out = model.new_cache(len(ids)), []
+        assert cache.ring_slots < len(ids)  # the ring wraps
+        with torch.inference_mode():
+            for at in range(0, len(ids), step):
+                part = ids[at:at + step]
+                out.append(model(part, cache, logits_at=torch.arange(len(part))).logits)
+        return torch.cat(out)
+
+    long = logits(attention.BLOCKED_ROWS + 17)
+    assert len(blocked) >= 4  # both layers of every full-size chunk
+    blocked.clear()
+    torch.testing.assert_close(long, logits(8), atol=1e-4, rtol=1e-4)
+    assert not blocked
