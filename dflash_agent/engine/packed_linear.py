@@ -19,7 +19,9 @@ CPU repacking (the fast default on the CPU), once at load:
   super-block tails), so every format repacks at the file's own size.
   Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
   so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
-  computed alone (verify steps give what decode steps give, which keeps speculation lossless).
+  computed alone (verify steps give what decode steps give, which keeps speculation lossless). Prompt blocks of
+  GEMM_ROWS rows and more take GEMMs on the rows dequantized exactly instead, in float32 (exact) or bfloat16
+  (Engine.load's `prefill`: the default where the CPU multiplies bf16 natively; `bench --fidelity` measures it).
 - Without a C compiler, torch's own weight-only kernels, both fast only with bfloat16 activations:
   `_weight_int4pack_mm_for_cpu` (tinygemm's layout: 4-bit quants q in groups of 32, each with a bf16 scale and
   zero, w = (q - 8) * scale + zero; Q4_0 and Q4_K map onto it exactly up to bf16 scales, 5- and 8-bit formats

@@ -46,14 +46,15 @@ def test_a_model_transformers_cannot_load_leaves_its_column_out(tmp_path, monkey
     reference, note = _transformers_reference(tmp_path / "gemma-4.gguf", torch.float32)
     assert reference is None and "cannot load gemma-4.gguf (GGUF model with architecture gemma4" in note
     ours = Speed(100.0, 40.0)
-    result = BenchResult(model="gemma-4.gguf", device="cpu", dtype="float32", threads=2, prompt_tokens=8,
-                         decode_tokens=3, repeats=1, ours=ours, exact=Speed(50.0, 10.0), transformers=None,
-                         transformers_note=note)
+    result = BenchResult(model="gemma-4.gguf", device="cpu", dtype="float32", prefill="bfloat16", threads=2,
+                         prompt_tokens=8, decode_tokens=3, repeats=1, ours=ours, exact=Speed(50.0, 10.0),
+                         transformers=None, transformers_note=note)
     out = tmp_path / "cpu.json"
     report(result, out)
     data = json.loads(out.read_text())
     assert data["transformers"] is None and data["ratios"] == {"vs_exact": {"prefill_tok_s": 2.0, "decode_tok_s": 4.0}}
-    assert "no transformers column" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no transformers column" in printed and "bfloat16" in printed and data["prefill"] == "bfloat16"
 
 
 def test_llama_cpp_dir_without_llama_bench(tmp_path):
