@@ -407,7 +407,8 @@ static inline __attribute__((always_inline)) void dequantize_group(int high, con
     const __m128i eights[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
                                _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
     for (int j = 0; j < 4; j++) {
-        __m256 f = _mm256_mul_ps(_mm256_set1_ps(j < 2 ? sd : sd1), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(eights[j])));
+        const __m256 u = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(eights[j]));
+        __m256 f = _mm256_mul_ps(_mm256_set1_ps(j < 2 ? sd : sd1), u);
         if (min) f = _mm256_add_ps(f, _mm256_set1_ps(*min));
         _mm256_storeu_ps(w + 8 * j, f);
     }
@@ -821,16 +822,17 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
                               : scales == DFA_SCALES_Q6K ? kd[b % 8 * 2]
                                                          : scale_at(dn, scales, b);
             const float sd1 = scales == DFA_SCALES_Q6K ? kd[b % 8 * 2 + 1] : sd0; /* the second run of 16 */
+            const uint32_t *qhn = high ? qh + n * (K / 32) * high : NULL;
 #ifdef DFA_AVX2
-            dequantize_group(high, qn, high ? qh + n * (K / 32) * high : NULL, b, offset, sd0, sd1, min, wn + b * 32);
-            continue;
-#endif
+            dequantize_group(high, qn, qhn, b, offset, sd0, sd1, min, wn + b * 32);
+#else
             for (int v = 0; v < 32; v++) {
                 const float sd = v < 16 ? sd0 : sd1;
-                const int u = nibble_value(qn + b * 16, high ? qh + (n * (K / 32) + b) * high : NULL, high, v);
+                const int u = nibble_value(qn + b * 16, high ? qhn + b * high : NULL, high, v);
                 const float a = sd * (float)(u - offset);
                 wn[b * 32 + v] = min ? a + *min : a;
             }
+#endif
         }
     }
 }
