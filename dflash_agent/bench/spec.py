@@ -69,6 +69,8 @@ class VerifyCost:
     rows: int  # new tokens in the step, with logits for each (a block to verify)
     ms: float  # median wall time of the step
     vs_one_row: float  # ms over a one-row decode step's on the same context
+    greedy_ms: float = 0.0  # the same step with only each row's pick (greedy verification: the head screened)
+    greedy_vs_one_row: float = 0.0  # over a one-row greedy decode step's
 
 
 def workloads(engine: Engine, prompt_tokens: int) -> dict[str, list[int]]:
@@ -135,24 +137,26 @@ def quote_prompt(engine: Engine, prompt_tokens: int) -> list[int]:
 
 def verify_costs(engine: Engine, prompt: list[int], rows: tuple[int, ...] = (1, 16, 64),
                  repeats: int = 5) -> list[VerifyCost]:
-    """Steps of `rows` new tokens with logits for every row, as verifying a drafted block takes, after `prompt`,
-    on a cache of its own, timed alternately (median of `repeats`) on whatever path the engine takes for that many
-    rows. Rolled back after each; the rings may then miss keys, which changes no step's cost."""
+    """Steps of `rows` new tokens with logits for every row, as verifying a drafted block takes, and with only every
+    row's pick, as greedy verification takes (GemmaModel.forward's `greedy`), after `prompt`, on a cache of its own,
+    timed alternately (median of `repeats`) on whatever path the engine takes for that many rows. Rolled back after
+    each; the rings may then miss keys, which changes no step's cost."""
     model = engine.model
     cache = model.new_cache(len(prompt) + max(rows) + 1)
     model(torch.tensor(prompt, device=model.device), cache, logits_at=torch.arange(0))
     start = cache.length
     block = torch.tensor((prompt * (max(rows) // len(prompt) + 1))[:max(rows)], device=model.device)
-    times: dict[int, list[float]] = {n: [] for n in rows}
+    times: dict[tuple[int, bool], list[float]] = {(n, greedy): [] for n in rows for greedy in (False, True)}
     for _ in range(repeats + 1):  # the first round warms up
-        for n in rows:
+        for n, greedy in times:
             cache.rollback(start)
             began = time.perf_counter()
-            model(block[:n], cache, logits_at=torch.arange(n, device=model.device))
-            times[n].append(time.perf_counter() - began)
-    median = {n: statistics.median(t[1:]) * 1e3 for n, t in times.items()}
-    one = median[min(rows)] / min(rows)
-    return [VerifyCost(n, median[n], median[n] / one) for n in rows]
+            model(block[:n], cache, logits_at=torch.arange(n, device=model.device), greedy=greedy)
+            times[n, greedy].append(time.perf_counter() - began)
+    median = {key: statistics.median(t[1:]) * 1e3 for key, t in times.items()}
+    one = {greedy: median[min(rows), greedy] / min(rows) for greedy in (False, True)}
+    return [VerifyCost(n, median[n, False], median[n, False] / one[False], median[n, True],
+                       median[n, True] / one[True]) for n in rows]
 
 
 def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:
@@ -234,7 +238,8 @@ def run_spec_bench(
         r.speedup = r.decode_tok_s / ar.decode_tok_s if ar.decode_tok_s else 0.0
     costs = verify_costs(base, prompts["code"])
     for cost in costs:
-        log.info("verify %d rows: %.1f ms, %.2fx a one-row step", cost.rows, cost.ms, cost.vs_one_row)
+        log.info("verify %d rows: %.1f ms, %.2fx a one-row step (greedy: %.1f ms, %.2fx)", cost.rows, cost.ms,
+                 cost.vs_one_row, cost.greedy_ms, cost.greedy_vs_one_row)
     return results, costs
 
 
@@ -296,11 +301,13 @@ def report(results: list[ModeResult], costs: list[VerifyCost], out: Path | None,
     console.print(table)
     for line in versus_llama(results):
         console.print(line)
-    rows = Table(title="verification step vs a one-row decode step, same context (all rows' logits)")
-    for column in ("rows", "ms", "x one row", "ms per row"):
+    rows = Table(title="verification step vs a one-row decode step, same context (all rows' logits; greedy: only "
+                       "each row's pick)")
+    for column in ("rows", "ms", "x one row", "ms per row", "greedy ms", "x one row ", "greedy ms per row"):
         rows.add_column(column, justify="right")
     for cost in costs:
-        rows.add_row(str(cost.rows), f"{cost.ms:.1f}", f"{cost.vs_one_row:.2f}", f"{cost.ms / cost.rows:.2f}")
+        rows.add_row(str(cost.rows), f"{cost.ms:.1f}", f"{cost.vs_one_row:.2f}", f"{cost.ms / cost.rows:.2f}",
+                     f"{cost.greedy_ms:.1f}", f"{cost.greedy_vs_one_row:.2f}", f"{cost.greedy_ms / cost.rows:.2f}")
     console.print(rows)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import time
 
 import torch
 
-from ..kernels.cpu_dot import CpuDot, IntMatrix, LayerCache, LayerWeights, Matrix
+from ..kernels.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
 from .kv_cache import LayerKV
 from .packed_linear import CpuDotWeight, PackedWeight, cpu_dot
 
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 # Rows cost ~9 ms each on 2 cores for the embedded model here (the 262144-row LM head is half of it), where the
 # eager path's float32 GEMMs spend ~18 ms a row on 64 (each weight dequantized per forward): long prompts only.
 MAX_ROWS = 128
+# Greedy steps of this many rows and more screen the LM head (CpuDot.norm_head_argmax): 64 rows cost the embedded
+# model's head 56 ms so against 165 ms whole here; one row streams the screen's bytes for nothing (8 ms against 5).
+SCREEN_ROWS = 2
 
 
 def _int_matrix(weight) -> IntMatrix | None:
@@ -47,7 +51,8 @@ class CpuDecodeLayers:
 
     def __init__(self, lib: CpuDot, layers: list[LayerWeights], keep: list[torch.Tensor],
                  inv_freqs: list[torch.Tensor], head: tuple[torch.Tensor, Matrix, float] | None = None,
-                 embedding: tuple[CpuDotWeight, torch.Tensor] | None = None) -> None:
+                 embedding: tuple[CpuDotWeight, torch.Tensor] | None = None,
+                 screen: HeadScreen | None = None) -> None:
         self.lib, self.layers = lib, (LayerWeights * len(layers))(*layers)
         self._keep = keep  # every tensor the structs point into (norm weights, matrices)
         # each distinct RoPE once (float32, contiguous) and which one each layer takes
@@ -57,6 +62,8 @@ class CpuDecodeLayers:
         self._inv_freqs = [distinct[i].float().contiguous() for i in range(len(index))]
         self._head = head  # (final norm as applied, LM head, eps) when the head is repacked for the C matmuls
         self._embedding = embedding  # (the repacked embedding, its scale) likewise
+        self._screen = screen  # the head's screen for greedy blocks (VNNI builds: elsewhere it would not pay)
+        self._screen_struct = None if screen is None else screen.struct()
 
     @classmethod
     def build(cls, model) -> CpuDecodeLayers | None:
@@ -96,11 +103,16 @@ class CpuDecodeLayers:
         else:
             embedding = None
         head_matrix = _int_matrix(model.output_weight)
-        head = None
+        head = screen = None
         if head_matrix is not None:
             final_norm = (model.norm.offset + model.norm.weight.float()).contiguous()
             head = (final_norm, _struct(head_matrix, keep), config.rms_norm_eps)
-        return cls(lib, layers, keep, model.layer_inv_freqs(), head, embedding)
+            if lib.simd == "avx512" and config.final_softcap is None:
+                began = time.perf_counter()
+                screen = HeadScreen.of(lib, head_matrix)
+                log.info("LM head screen for greedy blocks: %.0f MB in %.1f s", screen.nbytes / 1e6,
+                         time.perf_counter() - began)
+        return cls(lib, layers, keep, model.layer_inv_freqs(), head, embedding, screen)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Scaled embeddings [T, hidden] float32 of token ids [T] on the CPU, as GemmaModel.embed gives them (None:
@@ -117,6 +129,15 @@ class CpuDecodeLayers:
             return None
         norm, matrix, eps = self._head
         return self.lib.norm_linear(hidden.contiguous(), norm, eps, matrix)
+
+    def greedy(self, hidden: torch.Tensor) -> list[int | None] | None:
+        """Each row's argmax of `logits(hidden)`, the same picks bit for bit, through the head's screen (None: no
+        screen, or rows it does not take; a None pick: a row left to the whole head)."""
+        if (self._screen is None or hidden.dim() != 2 or not SCREEN_ROWS <= hidden.shape[0] <= MAX_ROWS
+                or hidden.dtype != torch.float32):
+            return None
+        norm, matrix, eps = self._head
+        return self.lib.norm_head_argmax(hidden.contiguous(), norm, eps, matrix, self._screen, self._screen_struct)
 
     @staticmethod
     def takes(rows: int, kv: list[LayerKV]) -> bool:

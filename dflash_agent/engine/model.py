@@ -23,6 +23,7 @@ from .sampling import torch_argmax
 class ForwardOutput:
     logits: torch.Tensor | None  # [n, vocab] float32, for the positions asked for
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> its output [T, hidden]
+    tokens: list[int] | None = None  # a greedy forward's: each asked-for position's argmax, in place of its logits
 
 
 class Linear(nn.Module):
@@ -234,6 +235,7 @@ class RowGroup:
     ids: torch.Tensor  # [T] token ids at positions cache.length..
     cache: KVCache
     logits_at: torch.Tensor | None = None  # as GemmaModel.forward's
+    greedy: bool = False  # likewise
 
 
 @dataclass(frozen=True)
@@ -367,13 +369,15 @@ class GemmaModel(nn.Module):
         cache: KVCache,
         logits_at: torch.Tensor | None = None,
         capture: tuple[int, ...] = (),
+        greedy: bool = False,
     ) -> ForwardOutput:
         """Run T new tokens at positions cache.length.. and commit them to the cache.
 
         logits_at: indices into the T new tokens whose logits to return (default: the last one); an empty
-        tensor returns none. capture: layer indices whose outputs to return (for the DFlash drafter).
+        tensor returns none. capture: layer indices whose outputs to return (for the DFlash drafter). greedy: return
+        the argmax of each of those positions' logits (`tokens`) instead of the logits (greedy_tokens).
         """
-        return run_to_end(self.forward_steps(ids, cache, logits_at, capture))
+        return run_to_end(self.forward_steps(ids, cache, logits_at, capture, greedy))
 
     @torch.inference_mode()
     def forward_steps(
@@ -382,6 +386,7 @@ class GemmaModel(nn.Module):
         cache: KVCache,
         logits_at: torch.Tensor | None = None,
         capture: tuple[int, ...] = (),
+        greedy: bool = False,
     ) -> Generator[int, None, ForwardOutput]:
         """`forward`, yielding after each layer where the layers run one at a time (layer_steps), so a scheduler
         can serve other requests inside a long prompt chunk without changing what the chunk computes. The cache
@@ -393,16 +398,19 @@ class GemmaModel(nn.Module):
         if self.step_graphs is not None:
             out = self.step_graphs.replay(ids, cache, logits_at, capture)
             if out is not None:
+                if greedy and out.logits is not None:
+                    return ForwardOutput(None, out.captured, [self.argmax(row) for row in out.logits])
                 return out
         plan = self._plan(cache, torch.arange(start, end, device=ids.device), start, end)
         x = self.embed(ids)
         x, captured = yield from self.layer_steps(x, plan, cache.layers, capture, self.per_layer_inputs(ids, x))
         cache.length = end
-        if logits_at is None:
-            return ForwardOutput(self.logits(x[T - 1:]), captured)
-        if logits_at.numel() == 0:
+        if logits_at is not None and logits_at.numel() == 0:
             return ForwardOutput(None, captured)
-        return ForwardOutput(self.logits(x[logits_at]), captured)
+        rows = x[T - 1:] if logits_at is None else x[logits_at]
+        if greedy:
+            return ForwardOutput(None, captured, self.greedy_tokens(rows))
+        return ForwardOutput(self.logits(rows), captured)
 
     @torch.inference_mode()
     def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
@@ -414,7 +422,7 @@ class GemmaModel(nn.Module):
             if group.cache.length + group.ids.shape[0] > group.cache.max_len:
                 raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
         if len(groups) < 2 or not all(self._cpu_kernel_plan(g.ids.shape[0], g.cache) for g in groups):
-            return [self.forward(g.ids, g.cache, g.logits_at, capture) for g in groups]
+            return [self.forward(g.ids, g.cache, g.logits_at, capture, g.greedy) for g in groups]
         plans = []
         for group in groups:
             start = group.cache.length
@@ -430,16 +438,24 @@ class GemmaModel(nn.Module):
             at = torch.tensor([T - 1]) if group.logits_at is None else group.logits_at
             wanted.append(at + offset)
             offset += T
-        rows = torch.cat(wanted)
-        # C's LM head takes MAX_ROWS rows a call; each row alone, so the split changes nothing
+        # the greedy groups' rows in one pass over the head, the others' logits in another (each row alone: the
+        # split changes nothing), C's LM head taking MAX_ROWS rows a call
+        picked = [at for at, g in zip(wanted, groups) if g.greedy]
+        scored = [at for at, g in zip(wanted, groups) if not g.greedy]
+        tokens = self.greedy_tokens(x[torch.cat(picked)]) if picked and torch.cat(picked).numel() else []
+        rows = torch.cat(scored) if scored else torch.zeros(0, dtype=torch.int64)
         logits = torch.cat([self.logits(x[rows[i:i + MAX_ROWS]]) for i in range(0, rows.shape[0], MAX_ROWS)]
                            ) if rows.numel() else None
-        outputs, offset, used = [], 0, 0
+        outputs, offset, used_tokens, used_logits = [], 0, 0, 0
         for group, at in zip(groups, wanted, strict=True):
-            T = group.ids.shape[0]
-            out_logits = None if at.numel() == 0 else logits[used:used + at.numel()]
-            used += at.numel()
-            outputs.append(ForwardOutput(out_logits, {i: h[offset:offset + T] for i, h in captured.items()}))
+            T, n = group.ids.shape[0], at.numel()
+            views = {i: h[offset:offset + T] for i, h in captured.items()}
+            if group.greedy:
+                outputs.append(ForwardOutput(None, views, tokens[used_tokens:used_tokens + n]))
+                used_tokens += n
+            else:
+                outputs.append(ForwardOutput(None if n == 0 else logits[used_logits:used_logits + n], views))
+                used_logits += n
             offset += T
         return outputs
 
@@ -528,6 +544,18 @@ class GemmaModel(nn.Module):
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """Each row's argmax of logits(hidden) [n, hidden] (greedy decoding's picks). The C head screens a block of
+        rows (CpuDecodeLayers.greedy: the same picks, bit for bit, without every logit); a softcap's tanh can tie
+        logits it would tell apart, so a softcapped head is computed whole."""
+        picks = None
+        if self.cpu_layers is not None and self.config.final_softcap is None:
+            picks = self.cpu_layers.greedy(hidden)
+        if picks is None:
+            return [self.argmax(row) for row in self.logits(hidden)]
+        return [self.argmax(self.logits(hidden[i:i + 1])[0]) if pick is None else pick
+                for i, pick in enumerate(picks)]
 
     def argmax(self, logits: torch.Tensor) -> int:
         """The index of the largest of logits [V] (greedy decoding's pick), through the C kernels on the CPU."""

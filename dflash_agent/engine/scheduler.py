@@ -447,7 +447,7 @@ class Scheduler:
             self._guard([task], lambda t=task: planned.append((t, t.plan(draft))))
         if not planned:
             return
-        groups = [RowGroup(p.ids, t.slot.cache, p.logits_at) for t, p in planned]
+        groups = [RowGroup(p.ids, t.slot.cache, p.logits_at, p.greedy) for t, p in planned]
         committed = []
 
         def forward() -> None:

@@ -288,6 +288,7 @@ class PlannedStep:
     arm: tuple[str, int] | None  # the controller's choice, to credit with the step's time (None: not its choice)
     start: int  # the cache's length before the step
     started: float  # perf_counter when it was planned
+    greedy: bool = False  # greedy without a grammar: the target's picks suffice (GemmaModel.forward's `greedy`)
 
 
 class RequestDecoder:
@@ -495,7 +496,7 @@ class RequestDecoder:
         """Commit the anchor and verify a drafted block after it; returns 1..k+1 new tokens."""
         planned = self.plan(anchor, budget)
         return self.commit(planned, self.target(planned.ids, self.cache, logits_at=planned.logits_at,
-                                                capture=self.capture))
+                                                capture=self.capture, greedy=planned.greedy))
 
     def plan(self, anchor: int, budget: int, draft: bool = True) -> PlannedStep:
         """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone: `step`, or
@@ -510,7 +511,7 @@ class RequestDecoder:
         if arm is None:
             ids = torch.tensor([anchor], device=self.target.device)
             return PlannedStep(ids, torch.arange(1, device=ids.device), _Proposal("ar", []), None, start,
-                               time.perf_counter())
+                               time.perf_counter(), self._greedy)
         if arm[0] == "dflash":
             self._feed_drafter()  # the backlog of plain steps, not this step's cost
         started = time.perf_counter()
@@ -519,12 +520,13 @@ class RequestDecoder:
             arm = ("ar", 0)  # no room left to draft: this step measures plain decoding
         proposal = self._propose(arm[0], anchor, k) if k > 0 else _Proposal("ar", [])
         ids = torch.tensor([anchor, *proposal.tokens], device=self.target.device)
-        return PlannedStep(ids, torch.arange(ids.shape[0], device=ids.device), proposal, arm, start, started)
+        return PlannedStep(ids, torch.arange(ids.shape[0], device=ids.device), proposal, arm, start, started,
+                           self._greedy)
 
     def commit(self, planned: PlannedStep, out: ForwardOutput) -> list[int]:
         """Verify the planned block against the target's output over it; returns the 1..k+1 tokens committed."""
         proposal = planned.proposal
-        accepted, bonus = self._verify(proposal, out.logits)
+        accepted, bonus = self._verify(proposal, out)
         keep = 1 + accepted
         self.cache.rollback(planned.start + keep)
         self._queue_features({i: h[:keep] for i, h in out.captured.items()}, keep)
@@ -536,6 +538,11 @@ class RequestDecoder:
         if planned.arm is not None:
             self.controller.record(planned.arm, len(new), time.perf_counter() - planned.started)
         return new
+
+    @property
+    def _greedy(self) -> bool:
+        """Whether a step needs only the target's picks: greedy, and no grammar to mask the logits first."""
+        return self.sampler.params.greedy and self.matcher is None
 
     def _ngram_ready(self, room: int) -> bool:
         return self.ngram is not None and room > 0 and bool(self.ngram.propose(1))
@@ -642,9 +649,16 @@ class RequestDecoder:
             self.matcher.accept(token)
         return token
 
-    def _verify(self, proposal: _Proposal, logits: torch.Tensor) -> tuple[int, int]:
-        """(accepted drafts, bonus token). logits[i] is the target's distribution after the anchor and
-        drafts 0..i-1. The grammar advances over exactly the committed tokens."""
+    def _verify(self, proposal: _Proposal, out: ForwardOutput) -> tuple[int, int]:
+        """(accepted drafts, bonus token). out.logits[i] is the target's distribution after the anchor and
+        drafts 0..i-1 (or out.tokens[i] its pick, a greedy step's). The grammar advances over exactly the committed
+        tokens."""
+        if out.tokens is not None:  # greedy, no grammar
+            for i, draft in enumerate(proposal.tokens):
+                if out.tokens[i] != draft:
+                    return i, out.tokens[i]
+            return len(proposal.tokens), out.tokens[len(proposal.tokens)]
+        logits = out.logits
         for i, draft in enumerate(proposal.tokens):
             row = logits[i]
             if self.matcher is not None:

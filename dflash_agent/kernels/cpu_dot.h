@@ -20,7 +20,7 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 7
+#define DFA_ABI_VERSION 8
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 /* How a layout's scales d are stored (see cpu_dot.c): float32, float16, Q4_K / Q5_K super-block headers, or
@@ -82,6 +82,22 @@ int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, fl
 /* y [T, w->n] = rms_norm(x) * norm @ w^T (0; -1 no memory) */
 int dfa_norm_linear(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w, float *y,
                     int threads);
+/* An LM head as 8-bit integers per block of 32, for dfa_norm_head_argmax's screen (see cpu_layer.c): row n's block b
+ * ~ d (q - 128). Panels of 16 rows, the rows rounded up to 32 (the extra rows zero): q [n_pad / 16, k / 4, 16, 4]
+ * (four consecutive values of each of the 16 rows in turn), the per-block floats [n_pad / 16, k / 32, 16]. */
+typedef struct {
+    const uint8_t *q;
+    const float *d;
+    const float *l1;  /* the sum of |w| over each block, rounded up */
+    const float *err; /* the largest |d (q - 128) - w| of each block, rounded up; NULL: all 0 (a Q8_0 head) */
+    int64_t n, k;
+} dfa_screen;
+
+/* tokens [T]: the index of the first largest of each row of rms_norm(x) * norm @ w^T, as dfa_norm_linear and
+ * dfa_argmax give it, through the screen s of w; -1 for a row left to them (a NaN or an infinity, or too many
+ * candidates). 0; -1 no memory; -2 a screen of another shape. */
+int dfa_norm_head_argmax(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w,
+                         const dfa_screen *s, int64_t *tokens, int threads);
 /* NeoX RoPE tables cos / sin [T, 2 half] at positions pos */
 void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_t half, float *cos, float *sin);
 

@@ -45,7 +45,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 7  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 8  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
 # (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
 # x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
@@ -83,7 +83,9 @@ _SIGNATURES = {
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
     "dfa_release_threads": ([], ctypes.c_int),
     "dfa_norm_linear": ([_P, _I, _P, ctypes.c_float, _P, _P, ctypes.c_int], ctypes.c_int),
+    "dfa_norm_head_argmax": ([_P, _I, _P, ctypes.c_float, _P, _P, _P, ctypes.c_int], ctypes.c_int),
 }
+SCREEN_PANEL = 32  # a HeadScreen's rows come in pairs of panels of 16 (cpu_layer.c's screen_tile)
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,80 @@ class LayerCache(ctypes.Structure):
                 ("window", _I)]
 
 
+class Screen(ctypes.Structure):
+    """cpu_dot.h's dfa_screen (HeadScreen.struct)."""
+
+    _fields_ = [("q", _P), ("d", _P), ("l1", _P), ("err", _P), ("n", _I), ("k", _I)]
+
+
+@dataclass(frozen=True)
+class HeadScreen:
+    """An LM head as 8-bit integers per block of 32, in cpu_dot.h's dfa_screen layout: what CpuDot.norm_head_argmax
+    screens a block's logits with before computing its candidates exactly. Built from the head's own exact
+    dequantization (`of`): a Q8_0 head's own integers and scales, any other requantized, with each block's largest
+    error and sum of |w| for the bound."""
+
+    q: torch.Tensor  # [n_pad / 16, k / 4, 16, 4] uint8: the integers + 128
+    d: torch.Tensor  # [n_pad / 16, k / 32, 16] float32, likewise l1 and err
+    l1: torch.Tensor
+    err: torch.Tensor | None  # None: every block exact
+    n: int
+
+    @classmethod
+    def of(cls, lib: CpuDot, w: IntMatrix, rows_per_chunk: int = 8192) -> HeadScreen:
+        n, k = w.n, w.k
+        padded, blocks = -(-n // SCREEN_PANEL) * SCREEN_PANEL, k // 32
+        q = torch.full((padded, k), 128, dtype=torch.uint8)
+        d, l1, err = (torch.zeros(padded, blocks) for _ in range(3))
+        own = w.bits == 8 and w.group == 32 and w.m is None  # Q8_0: its own integers and scales, exactly
+        for start in range(0, n, rows_per_chunk):
+            end = min(n, start + rows_per_chunk)
+            if own:
+                ints = w.q[start:end].view(end - start, blocks, 32)
+                q[start:end] = (ints.to(torch.int16) + 128).to(torch.uint8).view(end - start, k)
+                d[start:end] = w.d[start:end].float()
+                total = ints.abs().to(torch.int32).sum(2).double()  # exact: at most 32 * 128
+                l1[start:end] = _rounded_up(total * d[start:end].double().abs())
+                continue
+            # in float32, each rounding covered: fl(ints scale) and the difference come within 2^-23 amax of the
+            # exact error (2^-22 added), a sum of 32 within 2^-19 of the exact sum (2^-18 added)
+            exact = lib.dequantize(w.rows(start, end)).view(end - start, blocks, 32)
+            # amax / 127: a Q8_0 block's own scale where its largest integer is 127, and then its integers
+            amax = exact.abs().amax(2)
+            scale = amax / 127
+            ints = (exact / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-127, 127)
+            q[start:end] = (ints + 128).to(torch.uint8).view(end - start, k)
+            d[start:end] = scale
+            err[start:end] = (ints.mul_(scale[..., None]).sub_(exact).abs_().amax(2) + amax * 2.0 ** -22) * _SLACK
+            l1[start:end] = exact.abs().sum(2) * (1 + 2.0 ** -18)
+
+        def panels(t: torch.Tensor) -> torch.Tensor:  # [n_pad, blocks] -> [n_pad / 16, blocks, 16]
+            return t.view(padded // 16, 16, blocks).permute(0, 2, 1).contiguous()
+
+        q = q.view(padded // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return cls(q, panels(d), panels(l1), panels(err) if bool(err.any()) else None, n)
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1] * 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.q, self.d, self.l1, self.err) if t is not None)
+
+    def struct(self) -> Screen:
+        return Screen(self.q.data_ptr(), self.d.data_ptr(), self.l1.data_ptr(), _ptr(self.err), self.n, self.k)
+
+
+_SLACK = 1 + 2.0 ** -20  # a float32 product's rounding, upwards
+
+
+def _rounded_up(v: torch.Tensor) -> torch.Tensor:
+    """float64 v as the float32 at or above each value."""
+    f = v.float()
+    return torch.where(f.double() < v, torch.nextafter(f, torch.tensor(float("inf"))), f)
+
+
 @dataclass(frozen=True)
 class QuantizedActivations:
     """x [M, K] float32 as int16 per block of 32: x ~ xs * xq; xsum is xs times the sum of each block's xq."""
@@ -392,6 +468,26 @@ class CpuDot:
                                     self.threads()):
             raise MemoryError("the CPU LM head could not allocate its scratch memory")
         return y
+
+    def norm_head_argmax(self, x: torch.Tensor, norm: torch.Tensor, eps: float, w: Matrix, screen: HeadScreen,
+                         keep: Screen | None = None) -> list[int | None]:
+        """Each row's argmax of norm_linear(x, norm, eps, w), the first largest as `argmax` picks it, through `screen`
+        (HeadScreen.of the same head): only the logits that can be the largest are computed exactly. None for a
+        row the screen leaves to the full head (a NaN or an infinity in it, or a tie too wide). keep: the screen's
+        struct, where the caller holds one."""
+        if not w.q:
+            raise ValueError("norm_head_argmax of an absent matrix")
+        if screen.n != w.n or screen.k != w.k:
+            raise ValueError(f"a screen of [{screen.n}, {screen.k}] for a head of [{w.n}, {w.k}]")
+        x = _activations(x, w.k)
+        _require(norm, "the norm weight", torch.float32, w.k)
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        status = self.lib.dfa_norm_head_argmax(x.data_ptr(), x.shape[0], norm.data_ptr(), eps, ctypes.byref(w),
+                                               ctypes.byref(keep or screen.struct()), tokens.data_ptr(),
+                                               self.threads())
+        if status:
+            raise MemoryError("the CPU LM head's screen could not allocate its scratch memory")
+        return [None if t < 0 else t for t in tokens.tolist()]
 
     def argmax(self, x: torch.Tensor) -> int:
         """int(torch.argmax(x)) for a CPU tensor (converted to contiguous float32 unless it is), several times faster
@@ -541,7 +637,8 @@ def open_library(path: Path) -> CpuDot | None:
         log.warning("the CPU kernels in %s cannot be used (%s)", path, exc)
         return None
     abi.argtypes, abi.restype = [ctypes.c_int], ctypes.c_int64
-    expected = {-1: ABI_VERSION, 0: ctypes.sizeof(Matrix), 1: ctypes.sizeof(LayerWeights), 2: ctypes.sizeof(LayerCache)}
+    expected = {-1: ABI_VERSION, 0: ctypes.sizeof(Matrix), 1: ctypes.sizeof(LayerWeights), 2: ctypes.sizeof(LayerCache),
+                3: ctypes.sizeof(Screen)}
     found = {which: abi(which) for which in expected}
     if found != expected:
         log.warning("the CPU kernels in %s were built from other sources (ABI %s, expected %s): not used",

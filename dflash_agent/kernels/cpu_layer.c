@@ -8,7 +8,9 @@
  * computed alone, so a row's result never depends on how many rows came with it: verifying a block gives
  * what decoding it token by token gives.
  */
+#include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -294,8 +296,286 @@ done:
 
 /* y [T, w->n] = (x / rms(x) * norm) @ w^T for x [T, w->k]: the final norm and the LM head of a step in one call
  * (each row alone, as everywhere here). Returns 0, or -1 when scratch memory could not be had. */
+/* The greedy pick of many rows' LM head (a verification block), without forming every logit exactly: an 8-bit copy
+ * of the head (dfa_screen) multiplied with VNNI's u8 x s8 dot (64 products per instruction against the exact
+ * path's 16) gives each logit to within a bound, and only a row's candidates, whose upper bound reaches the best
+ * lower bound, are computed exactly, by the matmul norm_linear runs: the pick is the exact path's, bit for bit (its
+ * first largest logit), which keeps greedy speculation lossless.
+ *
+ * Activations x (normed, as norm_linear has them) go to int8 per block of 32 at scale sx_b = max|x_b| / 127, the
+ * head to int8 per block at d_b (a Q8_0 head's own integers). For head row w, the exact path computes
+ * L = sum_b d_b xs_b D_b in float: within 0.51 xs_b |w_b|_1 of w . x per block (its int16 quantization, 0.51 with
+ * float's rounding of x / xs) and 2^-14 |w|_1 max|x| in all (its float rounding: far more than a few thousand blocks
+ * can round). The screen's S = sum_b d_b sx_b I_b (I_b the exact integer dot) is within err_b |x8_b|_1 +
+ * 0.51 sx_b |w_b|_1 per block of w . x (err_b the block's largest |d_b q - w| at repack: 0 for Q8_0), and as much
+ * rounding. The sum of these, widened by 2^-10, plus 2^-21 |S| for S's own rounding, bounds |L - S|. */
+#define SCREEN_TILE 6 /* activation rows per pass over two panels of 16 head rows: 24 accumulators */
+#define SCREEN_MAX 4096 /* candidates past which a row takes the full head instead (a row of zeros: all tie) */
+
+typedef struct {
+    int64_t *n;   /* head rows */
+    float *upper; /* their upper bounds */
+    int64_t len, cap;
+} candidates;
+
+/* Appends head row n with its upper bound; 0, or -1 when the list could not grow (the row then takes the full
+ * head). */
+static int add_candidate(candidates *c, int64_t n, float upper) {
+    if (c->len == c->cap) {
+        const int64_t cap = c->cap ? 2 * c->cap : 64;
+        int64_t *rows = realloc(c->n, (size_t)cap * sizeof(int64_t));
+        if (rows) c->n = rows;
+        float *bounds = rows ? realloc(c->upper, (size_t)cap * sizeof(float)) : NULL;
+        if (!bounds) return -1;
+        c->upper = bounds;
+        c->cap = cap;
+    }
+    c->n[c->len] = n;
+    c->upper[c->len++] = upper;
+    return 0;
+}
+
+/* The activation rows as the screen takes them, SCREEN_TILE rows to a tile (a last tile's missing rows zero), each
+ * tile's values interleaved so that every broadcast of a row's four values lies at a constant offset. */
+typedef struct {
+    int32_t *q;     /* [tiles, K / 4, SCREEN_TILE]: four round(x / sx_b) as bytes */
+    float *sx;      /* [tiles, B, SCREEN_TILE] */
+    int32_t *init;  /* [tiles, B, SCREEN_TILE]: -128 times the sum of the block's q (the head's bytes are q + 128) */
+    float *delta;   /* [T, B]: the bound's factor of |w_b|_1 */
+    float *abs;     /* [T, B]: |x8_b|_1, sx_b times the sum of |q| (the factor of err_b) */
+} screen_x;
+
+/* Row t of x (K values, its int16 block scales xs) into the screen's arrays; 0, or -1 for a row with a NaN or an
+ * infinity (the full head's to pick). */
+static int screen_row(const float *x, const float *xs, int64_t K, int64_t t, const screen_x *out) {
+    const int64_t B = K / 32, tile = t / SCREEN_TILE, r = t % SCREEN_TILE;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < K; i++) {
+        const float a = fabsf(x[i]);
+        if (!(a <= FLT_MAX)) return -1;
+        amax = a > amax ? a : amax;
+    }
+    const float rounding = ldexpf(amax, -14);
+    for (int64_t b = 0; b < B; b++) {
+        float bmax = 0.0f;
+        for (int i = 0; i < 32; i++) bmax = fabsf(x[b * 32 + i]) > bmax ? fabsf(x[b * 32 + i]) : bmax;
+        const float scale = bmax / 127.0f, inv = bmax > 0.0f ? 127.0f / bmax : 0.0f;
+        int32_t sum = 0, total = 0;
+        int8_t q[32];
+        for (int i = 0; i < 32; i++) {
+            int v = (int)nearbyintf(x[b * 32 + i] * inv);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            q[i] = (int8_t)v;
+            sum += v;
+            total += v < 0 ? -v : v;
+        }
+        for (int j = 0; j < 8; j++)
+            memcpy(out->q + (tile * (K / 4) + b * 8 + j) * SCREEN_TILE + r, q + 4 * j, 4);
+        out->sx[(tile * B + b) * SCREEN_TILE + r] = scale;
+        out->init[(tile * B + b) * SCREEN_TILE + r] = -128 * sum;
+        out->delta[t * B + b] = 0.51f * scale + 0.51f * xs[b] + rounding;
+        out->abs[t * B + b] = scale * (float)total;
+    }
+    return 0;
+}
+
+/* Panel pair p (head rows 32 p .. 32 p + 31) against the R rows of tile `tile` (R a constant where inlined): each
+ * row's candidates among them (upper bound at least the row's best lower bound so far, th[t], which it raises)
+ * onto list[t]. */
+static inline __attribute__((always_inline)) void screen_tile(const dfa_screen *s, int R, int64_t p,
+                                                              const screen_x *x, int64_t tile, float *th,
+                                                              candidates *list, int *failed) {
+    const int64_t K = s->k, B = K / 32, t0 = tile * SCREEN_TILE;
+    const int32_t *xq = x->q + tile * (K / 4) * SCREEN_TILE, *init = x->init + tile * B * SCREEN_TILE;
+    const float *sx = x->sx + tile * B * SCREEN_TILE;
+    float logit[SCREEN_TILE][32];
+#ifdef DFA_AVX512
+    const uint8_t *w0 = s->q + 2 * p * 16 * K, *w1 = w0 + 16 * K;
+    const float *d0 = s->d + 2 * p * 16 * B, *d1 = d0 + 16 * B;
+    __m512 acc0[SCREEN_TILE], acc1[SCREEN_TILE];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        __m512i dot0[SCREEN_TILE], dot1[SCREEN_TILE];
+        for (int r = 0; r < R; r++) dot0[r] = dot1[r] = _mm512_set1_epi32(init[b * SCREEN_TILE + r]);
+#pragma GCC unroll 8
+        for (int k4 = 0; k4 < 8; k4++) {
+            const __m512i a = _mm512_loadu_si512(w0 + (8 * b + k4) * 64), c = _mm512_loadu_si512(w1 + (8 * b + k4) * 64);
+            for (int r = 0; r < R; r++) {
+                const __m512i xb = _mm512_set1_epi32(xq[(8 * b + k4) * SCREEN_TILE + r]);
+                dot0[r] = _mm512_dpbusd_epi32(dot0[r], a, xb);
+                dot1[r] = _mm512_dpbusd_epi32(dot1[r], c, xb);
+            }
+        }
+        const __m512 e0 = _mm512_loadu_ps(d0 + b * 16), e1 = _mm512_loadu_ps(d1 + b * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = _mm512_set1_ps(sx[b * SCREEN_TILE + r]);
+            acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0[r]), _mm512_mul_ps(e0, scale), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1[r]), _mm512_mul_ps(e1, scale), acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(logit[r], acc0[r]);
+        _mm512_storeu_ps(logit[r] + 16, acc1[r]);
+    }
+#else
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 32; j++) {
+            const int64_t panel = 2 * p + j / 16, lane = j % 16;
+            float total = 0.0f;
+            for (int64_t b = 0; b < B; b++) {
+                int32_t dot = init[b * SCREEN_TILE + r];
+                for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+                    const int8_t *four = (const int8_t *)(xq + (k / 4) * SCREEN_TILE + r);
+                    dot += (int32_t)s->q[panel * 16 * K + (k / 4) * 64 + lane * 4 + k % 4] * four[k % 4];
+                }
+                total += (float)dot * (s->d[(panel * B + b) * 16 + lane] * sx[b * SCREEN_TILE + r]);
+            }
+            logit[r][j] = total;
+        }
+#endif
+    const float widen = 1.0f + ldexpf(1.0f, -10), own = ldexpf(1.0f, -21);
+    for (int r = 0; r < R; r++) {
+        const float *delta = x->delta + (t0 + r) * B, *abs = x->abs + (t0 + r) * B;
+        float bound[32], upper[32], best = th[t0 + r];
+        for (int half = 0; half < 2; half++) { /* each panel's 16 rows: lane i row 16 (2 p + half) + i */
+            const float *l1 = s->l1 + (2 * p + half) * 16 * B, *err = s->err ? s->err + (2 * p + half) * 16 * B : NULL;
+#ifdef DFA_AVX512
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t b = 0; b < B; b++) {
+                sum = _mm512_fmadd_ps(_mm512_loadu_ps(l1 + b * 16), _mm512_set1_ps(delta[b]), sum);
+                if (err) sum = _mm512_fmadd_ps(_mm512_loadu_ps(err + b * 16), _mm512_set1_ps(abs[b]), sum);
+            }
+            _mm512_storeu_ps(bound + 16 * half, sum);
+#else
+            for (int i = 0; i < 16; i++) {
+                float sum = 0.0f;
+                for (int64_t b = 0; b < B; b++) {
+                    sum += l1[b * 16 + i] * delta[b];
+                    if (err) sum += err[b * 16 + i] * abs[b];
+                }
+                bound[16 * half + i] = sum;
+            }
+#endif
+        }
+        for (int j = 0; j < 32; j++) {
+            const int64_t n = 32 * p + j;
+            const float e = bound[j] * widen + fabsf(logit[r][j]) * own;
+            upper[j] = n < s->n ? logit[r][j] + e : -INFINITY;
+            const float lower = n < s->n ? logit[r][j] - e : -INFINITY;
+            best = lower > best ? lower : best;
+        }
+        th[t0 + r] = best;
+        for (int j = 0; j < 32; j++)
+            if (upper[j] >= best && add_candidate(&list[t0 + r], 32 * p + j, upper[j])) *failed = 1;
+    }
+}
+
+/* Rows' candidates over panel pairs [p0, p1), a tile of rows at a time (R a constant in each call). */
+static void screen_pairs(const dfa_screen *s, const screen_x *x, int64_t T, int64_t p0, int64_t p1, float *th,
+                         candidates *list, int *failed) {
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t tile = 0; tile * SCREEN_TILE < T; tile++) {
+            switch (T - tile * SCREEN_TILE < SCREEN_TILE ? T - tile * SCREEN_TILE : SCREEN_TILE) {
+#define SCREEN_ROWS(R) case R: screen_tile(s, R, p, x, tile, th, list, failed); break;
+                SCREEN_ROWS(1) SCREEN_ROWS(2) SCREEN_ROWS(3) SCREEN_ROWS(4) SCREEN_ROWS(5) SCREEN_ROWS(6)
+#undef SCREEN_ROWS
+            }
+        }
+}
+
+/* Weight row n of w alone, as a matrix of one row (the same bytes). */
+static dfa_matrix matrix_row(const dfa_matrix *w, int64_t n) {
+    const int64_t K = w->k, G = K / w->group, high = w->bits - 4;
+    const int64_t scale_bytes = w->scales == DFA_SCALES_F32   ? G * 4
+                                : w->scales == DFA_SCALES_F16 ? G * 2
+                                : w->scales == DFA_SCALES_K   ? K / 256 * 16
+                                                              : K / 256 * 18;
+    dfa_matrix row = *w;
+    row.q = (const char *)w->q + n * (w->bits == 8 ? K : K / 2);
+    row.qh = w->qh && high > 0 ? w->qh + n * (K / 32) * high : w->qh;
+    row.d = (const char *)w->d + n * scale_bytes;
+    row.m = w->m ? w->m + n * G : NULL;
+    row.n = 1;
+    return row;
+}
+
+int dfa_norm_head_argmax(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w,
+                         const dfa_screen *s, int64_t *tokens, int threads) {
+    const int64_t K = w->k, B = K / 32, pairs = (s->n + 31) / 32;
+    if (s->k != K || s->n != w->n || threads < 1) return -2;
+    if (T <= 0) return 0;
+    float *xn = malloc((size_t)(T * K) * sizeof(float));
+    int16_t *xq = malloc((size_t)(T * K) * sizeof(int16_t));
+    float *xs = malloc((size_t)(2 * T * B) * sizeof(float));
+    const int64_t tiles = (T + SCREEN_TILE - 1) / SCREEN_TILE, padded = tiles * SCREEN_TILE;
+    screen_x rows = {calloc((size_t)(padded * K / 4), sizeof(int32_t)), calloc((size_t)(padded * B), sizeof(float)),
+                     calloc((size_t)(padded * B), sizeof(int32_t)), malloc((size_t)(2 * T * B) * sizeof(float)), NULL};
+    rows.abs = rows.delta ? rows.delta + T * B : NULL;
+    int *ok = malloc((size_t)T * sizeof(int));
+    float *th = malloc((size_t)(threads * T) * sizeof(float));
+    candidates *lists = calloc((size_t)(threads * T), sizeof(candidates));
+    int failed = !(xn && xq && xs && rows.q && rows.sx && rows.init && rows.delta && ok && th && lists);
+    const int status = failed ? -1 : 0;
+    if (!failed) {
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * K, norm, K, eps, xn + t * K);
+        quantize(xn, T, K, xq, xs, threads);
+        for (int64_t t = 0; t < T; t++) ok[t] = screen_row(xn + t * K, xs + t * B, K, t, &rows) == 0;
+        for (int64_t i = 0; i < threads * T; i++) th[i] = -INFINITY;
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+            int mine = 0;
+            screen_pairs(s, &rows, T, pairs * id / count, pairs * (id + 1) / count, th + id * T, lists + id * T, &mine);
+            if (mine) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+        for (int64_t t = 0; t < T; t++) {
+            float best = -INFINITY, top = -INFINITY;
+            int64_t count = 0, pick = -1;
+            for (int i = 0; i < threads; i++) best = th[i * T + t] > best ? th[i * T + t] : best;
+            for (int i = 0; i < threads; i++)
+                for (int64_t j = 0; j < lists[i * T + t].len; j++) count += lists[i * T + t].upper[j] >= best;
+            if (!ok[t] || failed || count > SCREEN_MAX) { /* the full head for this row, in the caller */
+                tokens[t] = -1;
+                continue;
+            }
+            for (int i = 0; i < threads && pick != -2; i++) {
+                const candidates *list = &lists[i * T + t];
+                for (int64_t j = 0; j < list->len; j++) {
+                    const int64_t n = list->n[j];
+                    if (list->upper[j] < best) continue; /* below another thread's best lower bound */
+                    const dfa_matrix row = matrix_row(w, n);
+                    float logit;
+                    dfa_matmul(xq + t * K, xs + t * B, xs + T * B + t * B, 1, K, row.q, (int)row.bits, row.qh,
+                               (int)row.offset, row.d, (int)row.scales, row.m, row.group, 1, &logit, 1);
+                    if (isnan(logit)) { /* NaN is the exact path's pick: let it make it */
+                        pick = -2;
+                        break;
+                    }
+                    if (logit > top || (logit == top && n < pick)) {
+                        top = logit;
+                        pick = n;
+                    }
+                }
+            }
+            tokens[t] = pick < 0 ? -1 : pick;
+        }
+    }
+    if (lists)
+        for (int64_t i = 0; i < threads * T; i++) {
+            free(lists[i].n);
+            free(lists[i].upper);
+        }
+    free(xn); free(xq); free(xs); free(rows.q); free(rows.sx); free(rows.init); free(rows.delta); free(ok);
+    free(th); free(lists);
+    return status;
+}
+
 /* The ABI the Python side (kernels/cpu_dot.py) was written against: DFA_ABI_VERSION, and the size of each struct it
- * mirrors with ctypes (which 0: dfa_matrix, 1: dfa_layer, 2: dfa_kv; else -1). A library built from other sources
+ * mirrors with ctypes (which 0: dfa_matrix, 1: dfa_layer, 2: dfa_kv, 3: dfa_screen; else -1). A library built from other sources
  * (a stale prebuilt variant, an old cache) is refused rather than called with misread structs. */
 #ifndef DFA_SOURCE_DIGEST
 #define DFA_SOURCE_DIGEST "" /* set by every build (setup.py, kernels/cpu_dot.py): the sources it compiled */
@@ -310,6 +590,7 @@ int64_t dfa_abi(int which) {
     case 0: return (int64_t)sizeof(dfa_matrix);
     case 1: return (int64_t)sizeof(dfa_layer);
     case 2: return (int64_t)sizeof(dfa_kv);
+    case 3: return (int64_t)sizeof(dfa_screen);
     default: return -1;
     }
 }

@@ -43,6 +43,7 @@ def test_verification_costs_are_measured_against_a_one_row_step(engine):
     costs = verify_costs(engine, prompt, rows=(1, 4, 20), repeats=2)
     assert [c.rows for c in costs] == [1, 4, 20]
     assert costs[0].vs_one_row == pytest.approx(1.0) and all(c.ms > 0 for c in costs)
+    assert costs[0].greedy_vs_one_row == pytest.approx(1.0) and all(c.greedy_ms > 0 for c in costs)
     assert costs[2].ms > costs[0].ms  # twenty rows of logits cost more than one
 
 

@@ -270,3 +270,30 @@ def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_
 def embedded_c():
     path = resolve_model_path("embedded")
     return build_model(open_checkpoint(path), "cpu", torch.float32, progress=False, repack_cpu=True)
+
+
+def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
+    """GemmaModel.forward(greedy=True): a verification block's picks through the head's screen (VNNI builds) are the
+    argmax of each row's logits, alone and beside other sequences' rows (forward_groups, greedy and not)."""
+    from dflash_agent.engine.model import RowGroup
+
+    model = embedded_c
+    assert (model.cpu_layers._screen is not None) == (cpu_dot().simd == "avx512")
+    torch.manual_seed(11)
+    prompt, block = torch.randint(0, 4096, (40,)), torch.randint(0, 4096, (24,))
+
+    def cache():
+        c = model.new_cache(128)
+        model(prompt, c)
+        return c
+
+    logits = model(block, cache(), logits_at=torch.arange(24)).logits
+    picks = model(block, cache(), logits_at=torch.arange(24), greedy=True)
+    assert picks.logits is None and picks.tokens == [model.argmax(row) for row in logits]
+    assert model(block[:1], cache(), greedy=True).tokens == [model.argmax(logits[0])]
+    outs = model.forward_groups([RowGroup(block, cache(), torch.arange(24), greedy=True),
+                                 RowGroup(block[:5], cache(), torch.arange(5)),
+                                 RowGroup(block[:9], cache(), torch.tensor([2, 8]), greedy=True)])
+    assert outs[0].tokens == picks.tokens and outs[0].logits is None
+    assert torch.equal(outs[1].logits, logits[:5]) and outs[1].tokens is None
+    assert outs[2].tokens == [picks.tokens[2], picks.tokens[8]]
