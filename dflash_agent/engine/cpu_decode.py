@@ -64,6 +64,7 @@ class CpuDecodeLayers:
         self._embedding = embedding  # (the repacked embedding, its scale) likewise
         self._screen = screen  # the head's screen for greedy blocks (VNNI builds: elsewhere it would not pay)
         self._screen_struct = None if screen is None else screen.struct()
+        self._unit_norm = None if head is None else torch.ones_like(head[0])
 
     @classmethod
     def build(cls, model) -> CpuDecodeLayers | None:
@@ -130,13 +131,17 @@ class CpuDecodeLayers:
         norm, matrix, eps = self._head
         return self.lib.norm_linear(hidden.contiguous(), norm, eps, matrix)
 
-    def greedy(self, hidden: torch.Tensor) -> list[int | None] | None:
+    def greedy(self, hidden: torch.Tensor, normed: bool = False) -> list[int | None] | None:
         """Each row's argmax of `logits(hidden)`, the same picks bit for bit, through the head's screen (None: no
-        screen, or rows it does not take; a None pick: a row left to the whole head)."""
+        screen, or rows it does not take; a None pick: a row left to the whole head). normed: rows a drafter's own
+        norm gave, taken as they are up to a positive scale per row (unit norm weights: a drafter's picks need not
+        be the target's to the bit)."""
         if (self._screen is None or hidden.dim() != 2 or not SCREEN_ROWS <= hidden.shape[0] <= MAX_ROWS
                 or hidden.dtype != torch.float32):
             return None
         norm, matrix, eps = self._head
+        if normed:
+            norm, eps = self._unit_norm, 0.0
         return self.lib.norm_head_argmax(hidden.contiguous(), norm, eps, matrix, self._screen, self._screen_struct)
 
     @staticmethod

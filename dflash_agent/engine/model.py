@@ -557,6 +557,16 @@ class GemmaModel(nn.Module):
         return [self.argmax(self.logits(hidden[i:i + 1])[0]) if pick is None else pick
                 for i, pick in enumerate(picks)]
 
+    def draft_picks(self, hidden: torch.Tensor) -> list[int] | None:
+        """A drafter's greedy drafts from its normed rows [n, hidden] through this LM head, where the C head screens
+        them (None: take the drafter's logits): the argmax of hidden @ head^T up to near-ties, which a draft may
+        lose (verification decides), and which a positive output multiplier or a softcap does not move."""
+        picks = None if self.cpu_layers is None else self.cpu_layers.greedy(hidden, normed=True)
+        if picks is None:
+            return None
+        return [self.argmax(F.linear(hidden[i:i + 1], self.output_weight)[0]) if pick is None else pick
+                for i, pick in enumerate(picks)]
+
     def argmax(self, logits: torch.Tensor) -> int:
         """The index of the largest of logits [V] (greedy decoding's pick), through the C kernels on the CPU."""
         if self.cpu_layers is not None and logits.device.type == "cpu":

@@ -585,6 +585,10 @@ class RequestDecoder:
         ids = torch.tensor([anchor] + [config.mask_token_id] * k, device=self.target.device)
         embeds = self.target.embed_tokens.weight[ids] * config.input_embedding_scale
         hidden = self.drafter.draft(embeds, self.drafter_cache)
+        if self._greedy and self.drafter.config.output_multiplier > 0:
+            picks = self.target.draft_picks(hidden[1:])
+            if picks is not None:
+                return _Proposal("dflash", picks)
         logits = self.drafter.logits(hidden[1:], self.target.output_weight)
         tokens: list[int] = []
         probs = [] if not self.sampler.params.greedy else None

@@ -297,3 +297,15 @@ def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
     assert outs[0].tokens == picks.tokens and outs[0].logits is None
     assert torch.equal(outs[1].logits, logits[:5]) and outs[1].tokens is None
     assert outs[2].tokens == [picks.tokens[2], picks.tokens[8]]
+
+
+def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
+    """GemmaModel.draft_picks: a drafter's normed rows' picks over the LM head, as its logits' argmax gives them."""
+    model = embedded_c
+    hidden = F.rms_norm(torch.randn(15, model.config.hidden_size), (model.config.hidden_size,))
+    picks = model.draft_picks(hidden)
+    if model.cpu_layers._screen is None:
+        assert picks is None
+        return
+    assert picks == [model.argmax(row) for row in F.linear(hidden, model.output_weight)]
+    assert model.draft_picks(hidden[:1]) is None  # one row: the whole head
