@@ -131,6 +131,65 @@ static void matmul(const dfa_matrix *w, const int16_t *xq, const float *xs, int6
 #define CHUNK 64
 #define PARTIALS_MAX ((int64_t)8 << 20) /* floats: 32 MiB of chunk partials per pass at most */
 
+#ifdef DFA_AVX2
+/* score[j][u] = q_j . key seen[u] times scale for the n heads (a constant where inlined; d a multiple of 16), each key
+ * read once for all n, top[j] raised to the largest (a NaN score makes it NaN, so it reaches the output). */
+static inline __attribute__((always_inline)) void score_keys(int n, const dfa_kv *kv, const int64_t *seen, int64_t V,
+                                                             int64_t stride, int64_t offset, int64_t d,
+                                                             const float *q, float scale, float score[][CHUNK],
+                                                             float *top) {
+    for (int64_t u = 0; u < V; u++) {
+        const float *key = kv->k + seen[u] * stride + offset;
+        __m256 acc[4][2];
+        for (int j = 0; j < n; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __m256 k0 = _mm256_loadu_ps(key + i), k1 = _mm256_loadu_ps(key + i + 8);
+            for (int j = 0; j < n; j++) {
+                acc[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i), k0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i + 8), k1, acc[j][1]);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const __m256 v = _mm256_add_ps(acc[j][0], acc[j][1]);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            const float sc = _mm_cvtss_f32(h) * scale;
+            score[j][u] = sc;
+            if (!(sc <= top[j])) top[j] = sc;
+        }
+    }
+}
+
+/* out[j] = sum over the V visible slots (in order) of score[j][u] times value row seen[u], for the n heads (a constant
+ * where inlined), 16 values of every head at a time held in registers while each value row is read once for all n
+ * (where a pass per head read it n times and loaded and stored the outputs at every key). Returns how many of the d
+ * values it did (a multiple of 16; attend_chunk does the rest). */
+static inline __attribute__((always_inline)) int64_t weigh_values(int n, const dfa_kv *kv, const int64_t *seen,
+                                                                  int64_t V, int64_t stride, int64_t offset,
+                                                                  int64_t d, float score[][CHUNK], float *out) {
+    int64_t i0 = 0;
+    for (; i0 + 16 <= d; i0 += 16) {
+        __m256 acc[4][2];
+        for (int j = 0; j < n; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t u = 0; u < V; u++) {
+            const float *v = kv->v + seen[u] * stride + offset + i0;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            for (int j = 0; j < n; j++) {
+                const __m256 e = _mm256_set1_ps(score[j][u]);
+                acc[j][0] = _mm256_fmadd_ps(e, v0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(e, v1, acc[j][1]);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            _mm256_storeu_ps(out + j * d + i0, acc[j][0]);
+            _mm256_storeu_ps(out + j * d + i0 + 8, acc[j][1]);
+        }
+    }
+    return i0;
+}
+#endif
+
 /* One chunk of softmax attention: query row q's n heads (sharing KV head kvh) over the visible slots of
  * [s0, s1) (see kernels.attention's rule), each key and value read once for the n heads. out [n, d] gets the
  * chunk's value sum weighted by exp(score - top[j]), total[j] the sum of those weights; top[j] is the chunk's
@@ -151,7 +210,19 @@ static void attend_chunk(const dfa_layer *L, const dfa_kv *kv, const float *q, i
     }
     memset(out, 0, (size_t)(n * d) * sizeof(float));
     if (V == 0) return;
-    for (int64_t u = 0; u < V; u++) {
+    int scored = 0;
+#ifdef DFA_AVX2
+    if (d % 16 == 0) {
+        scored = 1;
+        switch (n) { /* a constant head count, so the sums stay in registers */
+        case 1: score_keys(1, kv, seen, V, stride, kvh * d, d, q, L->scale, score, top); break;
+        case 2: score_keys(2, kv, seen, V, stride, kvh * d, d, q, L->scale, score, top); break;
+        case 4: score_keys(4, kv, seen, V, stride, kvh * d, d, q, L->scale, score, top); break;
+        default: scored = 0;
+        }
+    }
+#endif
+    for (int64_t u = 0; u < V && !scored; u++) {
         const float *key = kv->k + seen[u] * stride + kvh * d;
         for (int64_t j = 0; j < n; j++) {
             const float sc = dot(q + j * d, key, d) * L->scale;
@@ -164,12 +235,21 @@ static void attend_chunk(const dfa_layer *L, const dfa_kv *kv, const float *q, i
             score[j][u] = expf(score[j][u] - top[j]);
             total[j] += score[j][u];
         }
-    for (int64_t u = 0; u < V; u++) {
+    int64_t i0 = 0;
+#ifdef DFA_AVX2
+    switch (n) { /* a constant head count, so the outputs stay in registers */
+    case 1: i0 = weigh_values(1, kv, seen, V, stride, kvh * d, d, score, out); break;
+    case 2: i0 = weigh_values(2, kv, seen, V, stride, kvh * d, d, score, out); break;
+    case 4: i0 = weigh_values(4, kv, seen, V, stride, kvh * d, d, score, out); break;
+    default: break;
+    }
+#endif
+    for (int64_t u = 0; u < V; u++) { /* what is left: e v summed in key order, as above */
         const float *v = kv->v + seen[u] * stride + kvh * d;
         for (int64_t j = 0; j < n; j++) {
             const float e = score[j][u];
             float *o = out + j * d;
-            for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
+            for (int64_t i = i0; i < d; i++) o[i] = fmaf(e, v[i], o[i]);
         }
     }
 }

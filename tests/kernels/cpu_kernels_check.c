@@ -230,6 +230,58 @@ static void check_norm_linear(void) {
     free_matrix(&w), free(x), free(norm);
 }
 
+static float from_half(uint16_t h) {
+    const int e = h >> 10 & 0x1F, m = h & 0x3FF;
+    const float v = e ? ldexpf((float)(m | 0x400), e - 25) : ldexpf((float)m, -24);
+    return h & 0x8000 ? -v : v;
+}
+
+/* A Q8_0 head's screen as kernels.cpu_dot.HeadScreen.of builds it: its own integers + 128 in panels of 16 rows, its
+ * scales, each block's sum of |w| rounded up; err NULL. */
+static dfa_screen screen_of(const dfa_matrix *w) {
+    const int64_t N = w->n, K = w->k, B = K / 32, padded = (N + 31) / 32 * 32;
+    uint8_t *q = malloc((size_t)(padded * K));
+    float *d = calloc((size_t)(padded * B), sizeof(float)), *l1 = calloc((size_t)(padded * B), sizeof(float));
+    memset(q, 128, (size_t)(padded * K));
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < B; b++) {
+            const float scale = from_half(((const uint16_t *)w->d)[n * B + b]);
+            double total = 0.0;
+            for (int64_t i = b * 32; i < b * 32 + 32; i++) {
+                const int8_t v = ((const int8_t *)w->q)[n * K + i];
+                q[(n / 16) * 16 * K + (i / 4) * 64 + (n % 16) * 4 + i % 4] = (uint8_t)(v + 128);
+                total += fabs((double)scale * v);
+            }
+            d[(n / 16 * B + b) * 16 + n % 16] = scale;
+            l1[(n / 16 * B + b) * 16 + n % 16] = (float)(total * (1.0 + 1e-6));
+        }
+    return (dfa_screen){q, d, l1, NULL, N, K};
+}
+
+/* Seven rows' picks through the screen (a tile of six and one more; 70 head rows, the last panels part padding):
+ * each the first largest of norm_linear's logits, or -1 (left to the whole head); a row with a NaN gives -1. */
+static void check_norm_head_argmax(void) {
+    enum { T = 7, K = 128, N = 70 };
+    dfa_matrix w = matrix(&LAYOUTS[Q8_0], N, K);
+    const dfa_screen s = screen_of(&w);
+    float *x = activations(T, K), *norm = floats(K, 0.5f, 1.5f), y[T * N], found[T];
+    x[6 * K + 5] = NAN;
+    int64_t picks[T];
+    if (dfa_norm_head_argmax(x, T, norm, 1e-6f, &w, &s, picks, THREADS)) fail("norm_head_argmax", "failed");
+    if (dfa_norm_linear(x, T, norm, 1e-6f, &w, y, THREADS)) fail("norm_head_argmax", "norm_linear failed");
+    int screened = 0;
+    for (int t = 0; t < T; t++) {
+        found[t] = (float)picks[t];
+        screened += picks[t] >= 0;
+        if (picks[t] >= 0 && picks[t] != dfa_argmax(y + t * N, N, 1)) fail("norm_head_argmax", "not argmax's pick");
+    }
+    if (picks[6] != -1) fail("norm_head_argmax", "a NaN row was screened");
+    if (screened < T - 2) fail("norm_head_argmax", "the screen left most rows to the whole head");
+    record("norm_head_argmax", found, T);
+    free_matrix(&w), free(x), free(norm);
+    free((void *)s.q), free((void *)s.d), free((void *)s.l1);
+}
+
 /* One decoder layer (every layout among its matrices) decoding three rows over a cache of 67 keys (two chunks of
  * keys), with full and with sliding attention; then the same rows one call each, which must give the same bits. */
 static void check_layer(int64_t window) {
@@ -297,6 +349,7 @@ int main(int argc, char **argv) {
     check_dequantize();
     check_argmax();
     check_norm_linear();
+    check_norm_head_argmax();
     check_layer(0);
     check_layer(16);
     fclose(out);
