@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..kernels.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
+from .host_memory import available_ram_bytes
 from .kv_cache import LayerKV
 from .packed_linear import CpuDotWeight, PackedWeight, cpu_dot
 
@@ -30,6 +31,8 @@ MAX_ROWS = 128
 # Greedy steps of this many rows and more screen the LM head (CpuDot.norm_head_argmax): 64 rows cost the embedded
 # model's head 56 ms so against 165 ms whole here; one row streams the screen's bytes for nothing (8 ms against 5).
 SCREEN_ROWS = 2
+SCREEN_BYTES_PER_WEIGHT = 1.375  # a HeadScreen's: the integers, and three floats per block of 32
+SCREEN_SHARE = 0.1  # of the available RAM at most for the screen: a 31B's head would take 1.4 GB
 
 
 def _int_matrix(weight) -> IntMatrix | None:
@@ -108,7 +111,9 @@ class CpuDecodeLayers:
         if head_matrix is not None:
             final_norm = (model.norm.offset + model.norm.weight.float()).contiguous()
             head = (final_norm, _struct(head_matrix, keep), config.rms_norm_eps)
-            if lib.simd == "avx512" and config.final_softcap is None:
+            ram = available_ram_bytes()
+            fits = ram is None or head_matrix.n * head_matrix.k * SCREEN_BYTES_PER_WEIGHT <= ram * SCREEN_SHARE
+            if lib.simd == "avx512" and config.final_softcap is None and fits:
                 began = time.perf_counter()
                 screen = HeadScreen.of(lib, head_matrix)
                 log.info("LM head screen for greedy blocks: %.0f MB in %.1f s", screen.nbytes / 1e6,

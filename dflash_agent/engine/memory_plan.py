@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
 from .config import ModelConfig
 from .drafter import DrafterCache, DrafterConfig, DrafterError
 from .errors import MemoryPlanError, OptionError
+from .host_memory import available_ram_bytes
 from .kv_cache import DEFAULT_SLACK, KVCache
 from .packed_linear import keeps_packed
 from .quant import PackedTensor
@@ -300,21 +300,6 @@ def gpu_context_size(
 # --- the engine on the CPU ---------------------------------------------------------------------------------------
 
 CPU_SHARE = 0.5  # of the available RAM: the rest is left to the prefix cache's stored conversations and the OS
-
-
-def available_ram_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else the physical RAM; None when neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def cpu_weights(tensors: dict[str, torch.Tensor | PackedTensor], dtype: torch.dtype, c_kernels: bool,

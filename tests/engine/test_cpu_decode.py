@@ -309,3 +309,16 @@ def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
         return
     assert picks == [model.argmax(row) for row in F.linear(hidden, model.output_weight)]
     assert model.draft_picks(hidden[:1]) is None  # one row: the whole head
+
+
+def test_no_screen_where_it_would_crowd_the_ram(embedded_c, monkeypatch):
+    from dflash_agent.engine import cpu_decode
+
+    if cpu_dot().simd != "avx512":
+        pytest.skip("the screen is built for VNNI builds only")
+    head = embedded_c.output_weight.cpu.matrix
+    need = head.n * head.k * cpu_decode.SCREEN_BYTES_PER_WEIGHT / cpu_decode.SCREEN_SHARE
+    monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 0.9))
+    assert CpuDecodeLayers.build(embedded_c)._screen is None
+    monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 1.1))
+    assert CpuDecodeLayers.build(embedded_c)._screen is not None
