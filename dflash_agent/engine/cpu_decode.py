@@ -113,7 +113,7 @@ class CpuDecodeLayers:
             head = (final_norm, _struct(head_matrix, keep), config.rms_norm_eps)
             ram = available_ram_bytes()
             fits = ram is None or head_matrix.n * head_matrix.k * SCREEN_BYTES_PER_WEIGHT <= ram * SCREEN_SHARE
-            if lib.simd == "avx512" and config.final_softcap is None and fits:
+            if lib.simd == "avx512" and config.final_softcap is None and head_matrix.k % 32 == 0 and fits:
                 began = time.perf_counter()
                 screen = HeadScreen.of(lib, head_matrix)
                 log.info("LM head screen for greedy blocks: %.0f MB in %.1f s", screen.nbytes / 1e6,

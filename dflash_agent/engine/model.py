@@ -399,7 +399,7 @@ class GemmaModel(nn.Module):
             out = self.step_graphs.replay(ids, cache, logits_at, capture)
             if out is not None:
                 if greedy and out.logits is not None:
-                    return ForwardOutput(None, out.captured, [self.argmax(row) for row in out.logits])
+                    return ForwardOutput(None, out.captured, torch.argmax(out.logits, dim=-1).tolist())
                 return out
         plan = self._plan(cache, torch.arange(start, end, device=ids.device), start, end)
         x = self.embed(ids)
@@ -553,7 +553,10 @@ class GemmaModel(nn.Module):
         if self.cpu_layers is not None and self.config.final_softcap is None:
             picks = self.cpu_layers.greedy(hidden)
         if picks is None:
-            return [self.argmax(row) for row in self.logits(hidden)]
+            logits = self.logits(hidden)
+            if logits.device.type != "cpu":  # one argmax, one synchronization for the block
+                return torch.argmax(logits, dim=-1).tolist()
+            return [self.argmax(row) for row in logits]
         return [self.argmax(self.logits(hidden[i:i + 1])[0]) if pick is None else pick
                 for i, pick in enumerate(picks)]
 
