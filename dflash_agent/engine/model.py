@@ -549,6 +549,8 @@ class GemmaModel(nn.Module):
         """Each row's argmax of logits(hidden) [n, hidden] (greedy decoding's picks). The C head screens a block of
         rows (CpuDecodeLayers.greedy: the same picks, bit for bit, without every logit); a softcap's tanh can tie
         logits it would tell apart, so a softcapped head is computed whole."""
+        if hidden.shape[0] > MAX_ROWS:  # C's LM head takes MAX_ROWS rows a call; each row alone: no change
+            return [t for i in range(0, hidden.shape[0], MAX_ROWS) for t in self.greedy_tokens(hidden[i:i + MAX_ROWS])]
         picks = None
         if self.cpu_layers is not None and self.config.final_softcap is None:
             picks = self.cpu_layers.greedy(hidden)

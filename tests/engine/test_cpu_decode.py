@@ -322,3 +322,34 @@ def test_no_screen_where_it_would_crowd_the_ram(embedded_c, monkeypatch):
     assert CpuDecodeLayers.build(embedded_c)._screen is None
     monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 1.1))
     assert CpuDecodeLayers.build(embedded_c)._screen is not None
+
+
+def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_c):
+    """Two sequences' 65-row blocks in one step: 130 greedy rows, more than the C head takes at once, each picked as
+    its block alone picks it (never through the prefill GEMM, whose bfloat16 sums differ)."""
+    from dflash_agent.engine.model import RowGroup
+
+    model = embedded_c
+    torch.manual_seed(12)
+    prompts = [torch.randint(0, 4096, (n,)) for n in (30, 50)]
+    blocks = [torch.randint(0, 4096, (65,)) for _ in prompts]
+
+    def cache(prompt):
+        c = model.new_cache(160)
+        model(prompt, c)
+        return c
+
+    alone = [model(b, cache(p), logits_at=torch.arange(65), greedy=True).tokens for p, b in zip(prompts, blocks)]
+    layers, asked = model.cpu_layers, []
+    for name in ("greedy", "logits"):
+        original = getattr(layers, name)
+        setattr(layers, name, lambda hidden, *a, f=original, **k: asked.append(hidden.shape[0]) or f(hidden, *a, **k))
+    try:
+        together = model.forward_groups([RowGroup(b, cache(p), torch.arange(65), greedy=True)
+                                         for p, b in zip(prompts, blocks)])
+    finally:
+        del layers.greedy, layers.logits
+    assert asked and max(asked) <= MAX_ROWS and sum(asked) >= 130, asked
+    assert [o.tokens for o in together] == alone
+    logits = model(blocks[0], cache(prompts[0]), logits_at=torch.arange(65)).logits
+    assert alone[0] == [model.argmax(row) for row in logits]
