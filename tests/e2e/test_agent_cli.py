@@ -104,7 +104,8 @@ def test_ctrl_c_interrupts_a_running_command(repo):
     (["--server", "http://127.0.0.1:9/v1"], "cannot reach the server at http://127.0.0.1:9/v1"),
 ])
 def test_bad_input_is_one_line(repo, extra, fragment):
-    proc = cli("run", "x", "--repo", str(repo), *extra)
+    # --sandbox off: without bubblewrap the default mode warns on a line of its own, which is not this test's concern
+    proc = cli("run", "x", "--repo", str(repo), "--sandbox", "off", *extra)
     assert_one_line_error(proc, fragment)
 
 
