@@ -49,7 +49,8 @@ def model_options(f):
     f = click.option("--prefill", type=click.Choice(PREFILL), default="auto", show_default=True,
                      help="Prompt GEMMs on the CPU C kernels' path: float32 (exact on the dequantized weights) or "
                           "bfloat16 (2-3x faster where the CPU has AVX512_BF16 or AMX; `bench --fidelity` reports "
-                          "its top-1 agreement with exact); auto: bfloat16 on such a CPU, else float32.")(f)
+                          "its top-1 agreement with exact); auto: bfloat16 on such a CPU where it measures faster at "
+                          "load, else float32.")(f)
     f = click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads [default: the physical cores].")(f)
     f = click.option("--sampling-defaults", type=click.Choice(SAMPLING_DEFAULTS), default="model", show_default=True,
