@@ -444,8 +444,7 @@ class GemmaModel(nn.Module):
         scored = [at for at, g in zip(wanted, groups) if not g.greedy]
         tokens = self.greedy_tokens(x[torch.cat(picked)]) if picked and torch.cat(picked).numel() else []
         rows = torch.cat(scored) if scored else torch.zeros(0, dtype=torch.int64)
-        logits = torch.cat([self.logits(x[rows[i:i + MAX_ROWS]]) for i in range(0, rows.shape[0], MAX_ROWS)]
-                           ) if rows.numel() else None
+        logits = torch.cat([self.logits(x[chunk]) for chunk in rows.split(MAX_ROWS)]) if rows.numel() else None
         outputs, offset, used_tokens, used_logits = [], 0, 0, 0
         for group, at in zip(groups, wanted, strict=True):
             T, n = group.ids.shape[0], at.numel()
@@ -550,7 +549,7 @@ class GemmaModel(nn.Module):
         rows (CpuDecodeLayers.greedy: the same picks, bit for bit, without every logit); a softcap's tanh can tie
         logits it would tell apart, so a softcapped head is computed whole."""
         if hidden.shape[0] > MAX_ROWS:  # C's LM head takes MAX_ROWS rows a call; each row alone: no change
-            return [t for i in range(0, hidden.shape[0], MAX_ROWS) for t in self.greedy_tokens(hidden[i:i + MAX_ROWS])]
+            return [t for chunk in hidden.split(MAX_ROWS) for t in self.greedy_tokens(chunk)]
         picks = None
         if self.cpu_layers is not None and self.config.final_softcap is None:
             picks = self.cpu_layers.greedy(hidden)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_agent.engine.cpu_decode import MAX_ROWS, CpuDecodeLayers
+from dflash_agent.engine.model import RowGroup
 from dflash_agent.engine.packed_linear import cpu_dot
 from dflash_agent.engine.weights import build_model, open_checkpoint, resolve_model_path
 
@@ -327,8 +328,6 @@ def test_no_screen_where_it_would_crowd_the_ram(embedded_c, monkeypatch):
 def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_c):
     """Two sequences' 65-row blocks in one step: 130 greedy rows, more than the C head takes at once, each picked as
     its block alone picks it (never through the prefill GEMM, whose bfloat16 sums differ)."""
-    from dflash_agent.engine.model import RowGroup
-
     model = embedded_c
     torch.manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,)) for n in (30, 50)]
