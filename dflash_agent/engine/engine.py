@@ -173,7 +173,7 @@ class Engine:
         prefill_gemm = prefill_dtype(prefill)
         if repack_cpu and cpu_dot() is not None:
             log.info("prompt blocks: %s GEMMs%s", str(prefill_gemm).removeprefix("torch."),
-                     " (--prefill float32: exact)" if prefill_gemm == torch.bfloat16 else "")
+                     " (--prefill float32: exact)" if prefill_gemm != torch.float32 else "")
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
         enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)

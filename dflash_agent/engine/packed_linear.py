@@ -20,8 +20,9 @@ CPU repacking (the fast default on the CPU), once at load:
   Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
   so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
   computed alone (verify steps give what decode steps give, which keeps speculation lossless). Prompt blocks of
-  GEMM_ROWS rows and more take GEMMs on the rows dequantized exactly instead, in float32 (exact) or bfloat16
-  (Engine.load's `prefill`: the default where the CPU multiplies bf16 natively; `bench --fidelity` measures it).
+  GEMM_ROWS rows and more take GEMMs instead (Engine.load's `prefill`, see prefill_dtype): int8 activations
+  against the file's integers (CpuDot.gemm_int8, VNNI's byte dots), or on the rows dequantized exactly in float32
+  (exact) or bfloat16; `bench --fidelity` measures what int8 and bfloat16 cost.
 - Without a C compiler, torch's own weight-only kernels, both fast only with bfloat16 activations:
   `_weight_int4pack_mm_for_cpu` (tinygemm's layout: 4-bit quants q in groups of 32, each with a bf16 scale and
   zero, w = (q - 8) * scale + zero; Q4_0 and Q4_K map onto it exactly up to bf16 scales, 5- and 8-bit formats
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags
+from ..kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
 from ..kernels.cpu_dot import load as load_cpu_dot
 from ..kernels.dispatch import PACKED_TYPES, triton_runs
 from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, _unpack, dequantize
@@ -56,6 +57,9 @@ _GEMM_SLICE_BYTES = 16 << 20  # dequantized float32 weights per GEMM: the LM hea
 _ROWS_PER_CHUNK = 8192  # repack big matrices in row slices, so loading never expands one to float32 whole
 # bfloat16 prompt GEMMs round their inputs: taken only where they beat float32's by this much on this machine
 BF16_GAIN = 1.2
+# what the int8 prompt GEMMs gain over float32's (Q4_K [4096, 1024] at 256 rows: 1.5-2.1x on an Emerald Rapids VM):
+# where the VNNI build runs, bfloat16 is taken only where it measures more (AMX)
+INT8_GAIN = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +71,19 @@ def cpu_dot() -> CpuDot | None:
 
 
 def prefill_dtype(choice: str) -> torch.dtype:
-    """The dtype of CpuDotWeight's prefill GEMMs for Engine.load's `prefill` (engine.types.PREFILL): auto takes
-    bfloat16 where the CPU multiplies it natively (AVX512_BF16 or AMX) and torch's bf16 GEMM is measured to beat
-    float32's by BF16_GAIN, else float32, whose GEMMs are exact on the dequantized rows. The flags alone do not say it:
-    oneDNN's bf16 GEMMs ran 2-3x float32's on a Zen 4 and 0.6x on an Emerald Rapids VM that hides AMX."""
+    """The dtype of CpuDotWeight's prefill GEMMs for Engine.load's `prefill` (engine.types.PREFILL). auto takes int8
+    where the kernels' AVX-512 VNNI build runs (98.8% top-1 agreement with exact on the embedded model), bfloat16
+    where the CPU multiplies it natively (AVX512_BF16 or AMX) and torch's bf16 GEMM is measured to beat float32's by
+    BF16_GAIN (by INT8_GAIN where int8 runs), else float32, whose GEMMs are exact on the dequantized rows. The flags
+    alone do not say it: oneDNN's bf16 GEMMs ran 2-3x float32's on a Zen 4 and 0.6x on an Emerald Rapids VM that hides
+    AMX."""
     if choice == "auto":
         flags = cpu_flags() or frozenset()
-        native = bool(flags & {"avx512_bf16", "amx_bf16"})
-        return torch.bfloat16 if native and bfloat16_gemm_gain() >= BF16_GAIN else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
+        int8 = supports("x86_64_v4_vnni", flags)
+        if flags & {"avx512_bf16", "amx_bf16"} and bfloat16_gemm_gain() >= (INT8_GAIN if int8 else BF16_GAIN):
+            return torch.bfloat16
+        return torch.int8 if int8 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[choice]
 
 
 @functools.cache
@@ -95,8 +103,7 @@ def bfloat16_gemm_gain() -> float:
         return min(times)
 
     gain = best_seconds(torch.float32) / best_seconds(torch.bfloat16)
-    log.info("bfloat16 GEMMs run %.2fx float32's here: %s prompt GEMMs", gain,
-             "bfloat16" if gain >= BF16_GAIN else "float32")
+    log.info("bfloat16 GEMMs run %.2fx float32's here", gain)
     return gain
 
 
@@ -316,11 +323,12 @@ class CpuInt4:
 class CpuDotWeight:
     """A matrix repacked for kernels.cpu_dot (an IntMatrix): the integers and scales of its GGUF format
     (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8. Blocks of GEMM_ROWS
-    rows and more (prefill) take GEMMs in `prefill` (float32 or bfloat16) on the rows dequantized exactly."""
+    rows and more (prefill) take GEMMs in `prefill`: float32 or bfloat16 on the rows dequantized exactly, or int8
+    (the activations quantized to int8 per block of 32 against the weight's own integers, CpuDot.gemm_int8)."""
 
     def __init__(self, lib: CpuDot, matrix: IntMatrix, prefill: torch.dtype = torch.float32) -> None:
-        if prefill not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"prefill GEMMs run in float32 or bfloat16, not {prefill}")
+        if prefill not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"prefill GEMMs run in float32, bfloat16 or int8, not {prefill}")
         self.lib, self.matrix, self.out_features, self.prefill = lib, matrix, matrix.n, prefill
 
     @classmethod
@@ -375,8 +383,10 @@ class CpuDotWeight:
 
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows at once (prefill): GEMMs in self.prefill on rows dequantized exactly, at most a few MiB of
-        them at a time."""
+        """Many rows at once (prefill): int8 GEMMs on the packed weight, or GEMMs in self.prefill on rows dequantized
+        exactly, at most a few MiB of them at a time."""
+        if self.prefill == torch.int8:
+            return self.lib.gemm_int8(x, self.matrix)
         x = x.to(self.prefill)
         step = max(1, _GEMM_SLICE_BYTES // (4 * x.shape[1]))
         if step >= self.out_features:

@@ -17,9 +17,11 @@ SAMPLING_DEFAULTS = ("model", "none")
 # packed = also torch's int4 / int8 kernels on the CPU; exact = dequantized at load.
 WEIGHTS = ("auto", "exact", "packed")
 # The GEMMs of prompt blocks on the CPU C kernels' path (Engine.load's `prefill`): float32 on the rows dequantized
-# exactly, or bfloat16 (weights and activations rounded to bf16, float32 sums); auto = bfloat16 where the CPU
-# multiplies bf16 natively (AVX512_BF16 or AMX) and torch's bf16 GEMM measures faster, else float32.
-PREFILL = ("auto", "float32", "bfloat16")
+# exactly, bfloat16 (weights and activations rounded to bf16, float32 sums) or int8 (activations quantized to int8
+# per block of 32 against the weights' own integers, VNNI's byte dots); auto = bfloat16 where the CPU multiplies bf16
+# natively (AVX512_BF16 or AMX) and torch's bf16 GEMM measures faster, else int8 where the VNNI kernels run, else
+# float32 (packed_linear.prefill_dtype).
+PREFILL = ("auto", "float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)

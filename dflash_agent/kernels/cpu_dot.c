@@ -837,6 +837,300 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
     }
 }
 
+/* Prompt GEMMs with int8 activations (dfa_gemm_i8): what llama.cpp prefills with. The activations are quantized to
+ * int8 per block of 32 (x ~ xs q, q in -127..127, round to nearest even) and multiplied with the weights' own
+ * integers as unsigned bytes u (u4 / u5 / u6 as stored; s8 as q + 128, offset 128), so that AVX-512 VNNI's vpdpbusd
+ * forms 64 byte products per instruction, four times float32's multiply-adds. Each weight row's runs (of 32 values,
+ * or 16 for u6 and s8 groups of 16: `runs` per block) contribute
+ *     acc += (float)(sum u q - offset sum q) * xs * d  (+ m * xs * sum q where the layout has offsets m),
+ * the integer part exact (at most 32 * 255 * 127 per run), the offset subtracted in the integer sum, so an infinite
+ * activation keeps the sign of its weight. Gemma's normed activations have a few channels far larger than the rest,
+ * which would leave their blocks' other values a handful of levels: the GEMM_OUTLIERS channels with the largest |x|
+ * over the call's rows are taken out of the int8 blocks and multiplied in float32 with the weights dequantized
+ * exactly (LLM.int8()'s decomposition; top-1 agreement on the embedded model 96.4% without, 98.8% with). So a row's
+ * result depends on the rows called with it. Not the exact path: `bench --fidelity` reports its agreement.
+ * Weights are unpacked a panel of GEMM_COLS rows at a time into bytes [K / 4, GEMM_COLS, 4] (four consecutive inputs
+ * of each row in turn: one vector holds four inputs of 16 rows), with the panel's scales as floats, then every tile of
+ * GEMM_TILE activation rows passes over the panel; the unpacking is paid once per panel for all M rows. Every build
+ * computes the same operations per output in the same order (the scalar code with fmaf where the vector code fuses),
+ * so every build gives the same bits. */
+#define GEMM_COLS 16
+#define GEMM_TILE 8
+#define GEMM_OUTLIERS 16
+
+/* One block of 32 activations -> int8 at scale amax / 127 (its return), the sums of the integers of its two runs of
+ * 16 in sums. NaN, infinities and blocks too small for a float scale as quantize_rare_block: a NaN block gets a NaN
+ * scale, infinities +-127 at an infinite scale. */
+static float quantize_block_i8(const float *v, int8_t *q, int32_t sums[2]) {
+    float amax = 0.0f;
+    int any_nan = 0;
+    for (int i = 0; i < 32; i++) {
+        any_nan |= isnan(v[i]);
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int rare = any_nan || !(amax <= FLT_MAX && inv <= FLT_MAX);
+    const double rare_inv = amax > 0.0f && !isinf(amax) ? 127.0 / (double)amax : 0.0;
+    int32_t s[2] = {0, 0};
+#if defined(DFA_AVX512)
+    if (!rare) {
+        for (int h = 0; h < 2; h++) {
+            const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * h), _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtsepi32_epi8(i));
+            s[h] = _mm512_reduce_add_epi32(i);
+        }
+        sums[0] = s[0], sums[1] = s[1];
+        return amax / 127.0f;
+    }
+#endif
+    for (int i = 0; i < 32; i++) {
+        const int qi = !rare ? (int)nearbyintf(v[i] * inv)
+                       : any_nan ? 0
+                       : isinf(v[i]) ? (v[i] > 0.0f ? 127 : -127)
+                                     : (int)nearbyint((double)v[i] * rare_inv);
+        q[i] = (int8_t)qi;
+        s[i / 16] += qi;
+    }
+    sums[0] = s[0], sums[1] = s[1];
+    return any_nan ? NAN : amax / 127.0f;
+}
+
+/* The 32 values of group b of weight row n as unsigned bytes in order (s8: q + 128). */
+static inline void group_u8(const dfa_matrix *w, int64_t n, int64_t b, uint8_t out[32]) {
+    const int64_t K = w->k;
+    if (w->bits == 8) {
+        const int8_t *qn = (const int8_t *)w->q + n * K + b * 32;
+        for (int v = 0; v < 32; v++) out[v] = (uint8_t)(qn[v] + 128);
+        return;
+    }
+    const int high = (int)w->bits - 4;
+    const uint8_t *qn = (const uint8_t *)w->q + n * (K / 2);
+    const uint32_t *qhn = high ? w->qh + n * (K / 32) * high : NULL;
+#if defined(DFA_AVX2)
+    /* group_bytes' qwords hold runs R0 R2 R1 R3: 0xD8 puts them in order */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(group_bytes(high, qn, qhn, b), 0xD8));
+#else
+    for (int v = 0; v < 32; v++) out[v] = (uint8_t)nibble_value(qn + b * 16, high ? qhn + b * high : NULL, high, v);
+#endif
+}
+
+/* Whether a layout's runs are of 16 (two scales per group of 32): u6 (Q6_K), s8 with groups of 16. */
+static inline int gemm_runs(const dfa_matrix *w) { return w->scales == DFA_SCALES_Q6K || w->group == 16 ? 2 : 1; }
+
+/* The scales d and offsets m (0 where the layout has none) of each of row n's runs, as the exact path forms them. */
+static void run_scales(const dfa_matrix *w, int64_t n, float *d, float *m) {
+    const int64_t K = w->k, B = K / 32, G = K / w->group;
+    const int scales = (int)w->scales;
+    const char *dn = (const char *)w->d + n * row_scale_bytes(scales, K, w->group);
+    if (scales == DFA_SCALES_K) {
+        for (int64_t s = 0; s < B / 8; s++) k_scales((const uint8_t *)dn + s * 16, d + s * 8, m + s * 8);
+    } else if (scales == DFA_SCALES_Q6K) {
+        for (int64_t s = 0; s < B / 8; s++) q6_scales((const uint8_t *)dn + s * 18, d + s * 16);
+        for (int64_t r = 0; r < 2 * B; r++) m[r] = 0.0f;
+    } else {
+        for (int64_t g = 0; g < G; g++) {
+            d[g] = scale_at(dn, scales, g);
+            m[g] = w->m ? w->m[n * G + g] : 0.0f;
+        }
+    }
+}
+
+/* Weight rows [n0, n0 + cols) as a panel: bytes wp [K / 4, GEMM_COLS, 4], the runs' scales sd and offsets mv
+ * [runs K / 32, GEMM_COLS], and wf [n_out, GEMM_COLS] the weights of the outlier inputs out[] as the exact
+ * dequantization gives them (d (u - offset), then + m); the columns past cols zero. scratch: 2 runs K / 32 floats. */
+static void pack_panel(const dfa_matrix *w, int offset, int64_t n0, int cols, const int64_t *out, int n_out,
+                       uint8_t *wp, float *sd, float *mv, float *wf, float *scratch) {
+    const int64_t K = w->k, B = K / 32, runs = gemm_runs(w), R = B * runs;
+    if (cols < GEMM_COLS) {
+        memset(wp, 0, (size_t)(K * GEMM_COLS));
+        memset(sd, 0, (size_t)(R * GEMM_COLS) * sizeof(float));
+        memset(mv, 0, (size_t)(R * GEMM_COLS) * sizeof(float));
+        memset(wf, 0, (size_t)(n_out * GEMM_COLS) * sizeof(float));
+    }
+    for (int c = 0; c < cols; c++) {
+        uint8_t values[32];
+        for (int64_t b = 0; b < B; b++) {
+            group_u8(w, n0 + c, b, values);
+            for (int j = 0; j < 8; j++) memcpy(wp + ((b * 8 + j) * GEMM_COLS + c) * 4, values + 4 * j, 4);
+        }
+        run_scales(w, n0 + c, scratch, scratch + R);
+        for (int64_t r = 0; r < R; r++) {
+            sd[r * GEMM_COLS + c] = scratch[r];
+            mv[r * GEMM_COLS + c] = scratch[R + r];
+        }
+        for (int o = 0; o < n_out; o++) {
+            const int64_t k = out[o], run = k / (32 / runs);
+            const int u = wp[((k / 4) * GEMM_COLS + c) * 4 + k % 4];
+            const float v = scratch[run] * (float)(u - offset);
+            wf[o * GEMM_COLS + c] = v + scratch[R + run];
+        }
+    }
+}
+
+/* out [GEMM_TILE, GEMM_COLS]: GEMM_TILE activation rows (xq [., K], xs [., K / 32]; per run, xo the integer offset
+ * term -offset sum q and xm the float xs sum q; xf [., n_out] the outlier inputs) against a panel (runs and has_m
+ * constants where inlined). */
+static inline __attribute__((always_inline)) void gemm_tile(int runs, int has_m, const uint8_t *wp, const float *sd,
+                                                            const float *mv, const float *wf, int n_out,
+                                                            const int8_t *xq, const float *xs, const int32_t *xo,
+                                                            const float *xm, const float *xf, int64_t K, float *out) {
+    const int64_t B = K / 32, R = B * runs;
+#if defined(DFA_AVX512)
+    __m512 acc[GEMM_TILE];
+    for (int i = 0; i < GEMM_TILE; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t run = 0; run < R; run++) { /* a run's integer sums, then its float terms: one set of sums live */
+        const int64_t b = run / runs;
+        __m512i p[GEMM_TILE];
+        for (int i = 0; i < GEMM_TILE; i++) p[i] = _mm512_set1_epi32(xo[i * R + run]);
+        for (int j = 0; j < 8 / runs; j++) {
+            const int64_t quad = run * (8 / runs) + j; /* inputs 4 quad .. 4 quad + 3 */
+            const __m512i wv = _mm512_loadu_si512((const void *)(wp + quad * GEMM_COLS * 4));
+            for (int i = 0; i < GEMM_TILE; i++) {
+                int32_t four;
+                memcpy(&four, xq + i * K + quad * 4, 4);
+                p[i] = _mm512_dpbusd_epi32(p[i], wv, _mm512_set1_epi32(four));
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sd + run * GEMM_COLS);
+        const __m512 mvec = has_m ? _mm512_loadu_ps(mv + run * GEMM_COLS) : _mm512_setzero_ps();
+        for (int i = 0; i < GEMM_TILE; i++) {
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(p[i]), _mm512_set1_ps(xs[i * B + b]));
+            acc[i] = _mm512_fmadd_ps(t, s, acc[i]);
+            if (has_m) acc[i] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(xm[i * R + run]), acc[i]);
+        }
+    }
+    for (int o = 0; o < n_out; o++) {
+        const __m512 wo = _mm512_loadu_ps(wf + o * GEMM_COLS);
+        for (int i = 0; i < GEMM_TILE; i++) acc[i] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xf[i * n_out + o]), acc[i]);
+    }
+    for (int i = 0; i < GEMM_TILE; i++) _mm512_storeu_ps(out + i * GEMM_COLS, acc[i]);
+#else
+    for (int i = 0; i < GEMM_TILE; i++)
+        for (int c = 0; c < GEMM_COLS; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < B; b++)
+                for (int h = 0; h < runs; h++) {
+                    const int64_t run = b * runs + h;
+                    int32_t p = xo[i * R + run];
+                    for (int k = 32 / runs * h; k < 32 / runs * (h + 1); k++)
+                        p += (int32_t)wp[((b * 8 + k / 4) * GEMM_COLS + c) * 4 + k % 4] * xq[i * K + b * 32 + k];
+                    const float t = (float)p * xs[i * B + b];
+                    acc = fmaf(t, sd[run * GEMM_COLS + c], acc);
+                    if (has_m) acc = fmaf(mv[run * GEMM_COLS + c], xm[i * R + run], acc);
+                }
+            for (int o = 0; o < n_out; o++) acc = fmaf(wf[o * GEMM_COLS + c], xf[i * n_out + o], acc);
+            out[i * GEMM_COLS + c] = acc;
+        }
+#endif
+}
+
+/* Every tile of the activation rows against one panel, stored into y's rows below M (the arrays hold whole tiles). */
+static inline __attribute__((always_inline)) void gemm_panel(int runs, int has_m, const uint8_t *wp, const float *sd,
+                                                             const float *mv, const float *wf, int n_out,
+                                                             const int8_t *xq, const float *xs, const int32_t *xo,
+                                                             const float *xm, const float *xf, int64_t M, int64_t K,
+                                                             int64_t N, int64_t n0, int cols, float *y) {
+    const int64_t B = K / 32, R = B * runs;
+    float out[GEMM_TILE * GEMM_COLS];
+    for (int64_t r0 = 0; r0 < M; r0 += GEMM_TILE) {
+        gemm_tile(runs, has_m, wp, sd, mv, wf, n_out, xq + r0 * K, xs + r0 * B, xo + r0 * R, xm + r0 * R,
+                  xf + r0 * n_out, K, out);
+        for (int i = 0; i < GEMM_TILE && r0 + i < M; i++)
+            memcpy(y + (r0 + i) * N + n0, out + i * GEMM_COLS, (size_t)cols * sizeof(float));
+    }
+}
+
+/* out[0..n) (ascending): the n channels of x [M, K] with the largest |x| over the rows, the first of equals; a NaN
+ * counts for nothing (its block's scale is NaN: the row comes out NaN). */
+static void outlier_channels(const float *x, int64_t M, int64_t K, int n, int64_t *out, float *amax, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
+        for (int64_t k = k0; k < k1; k++) amax[k] = 0.0f;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = k0; k < k1; k++) {
+                const float a = fabsf(x[r * K + k]);
+                amax[k] = a > amax[k] ? a : amax[k];
+            }
+    }
+    for (int o = 0; o < n; o++) {
+        int64_t best = -1;
+        for (int64_t k = 0; k < K; k++)
+            if (amax[k] >= 0.0f && (best < 0 || amax[k] > amax[best])) best = k;
+        amax[best] = -1.0f; /* taken */
+        int at = o;
+        for (; at > 0 && out[at - 1] > best; at--) out[at] = out[at - 1];
+        out[at] = best;
+    }
+}
+
+int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float *y, int threads) {
+    if (K != w->k || K % 32 || M < 1 || w->n < 1) return -2;
+    const int runs = gemm_runs(w), has_m = w->m != NULL || w->scales == DFA_SCALES_K;
+    const int offset = w->bits == 8 ? 128 : (int)w->offset;
+    const int n_out = K / 32 < GEMM_OUTLIERS ? (int)(K / 32) : GEMM_OUTLIERS;
+    const int64_t N = w->n, B = K / 32, R = B * runs, padded = (M + GEMM_TILE - 1) / GEMM_TILE * GEMM_TILE;
+    if (threads < 1) threads = 1;
+    /* the rows past M (up to a whole tile) stay zero: computed, never stored */
+    int8_t *xq = calloc((size_t)(padded * K), 1);
+    float *xs = calloc((size_t)(padded * (B + R + n_out)), sizeof(float));
+    float *xm = xs ? xs + padded * B : NULL, *xf = xs ? xm + padded * R : NULL;
+    int32_t *xo = calloc((size_t)(padded * R), sizeof(int32_t));
+    float *amax = malloc((size_t)K * sizeof(float));
+    int64_t out[GEMM_OUTLIERS];
+    /* per thread: a panel's bytes, scales, offsets and outlier weights, and one row's run scales */
+    const size_t panel_bytes =
+        ((size_t)(K * GEMM_COLS) + (size_t)(2 * R * GEMM_COLS + n_out * GEMM_COLS + 2 * R) * sizeof(float) + 63) / 64 *
+        64;
+    uint8_t *panels = aligned_alloc(64, panel_bytes * (size_t)threads);
+    const int status = xq && xs && xo && amax && panels ? 0 : -1;
+    if (status == 0) {
+        outlier_channels(x, M, K, n_out, out, amax, threads);
+        for (int64_t r = 0; r < M; r++)
+            for (int o = 0; o < n_out; o++) xf[r * n_out + o] = x[r * K + out[o]];
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * B > 64)
+        for (int64_t i = 0; i < M * B; i++) {
+            const int64_t r = i / B, b = i % B;
+            float block[32];
+            const float *v = x + i * 32;
+            for (int o = 0; o < n_out; o++) /* the block without its outliers, where it has any */
+                if (out[o] / 32 == b) {
+                    if (v != block) v = memcpy(block, x + i * 32, sizeof block);
+                    block[out[o] % 32] = 0.0f;
+                }
+            int32_t sums[2];
+            const float scale = quantize_block_i8(v, xq + i * 32, sums);
+            xs[i] = scale;
+            for (int h = 0; h < runs; h++) {
+                const int32_t sum = runs == 2 ? sums[h] : sums[0] + sums[1];
+                xo[r * R + b * runs + h] = -offset * sum;
+                xm[r * R + b * runs + h] = scale * (float)sum;
+            }
+        }
+        const int64_t n_panels = (N + GEMM_COLS - 1) / GEMM_COLS;
+#pragma omp parallel num_threads(threads)
+        {
+            uint8_t *wp = panels + panel_bytes * (size_t)omp_get_thread_num();
+            float *sd = (float *)(wp + K * GEMM_COLS), *mv = sd + R * GEMM_COLS, *wf = mv + R * GEMM_COLS,
+                  *scratch = wf + n_out * GEMM_COLS;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < n_panels; p++) {
+                const int64_t n0 = p * GEMM_COLS;
+                const int cols = (int)(N - n0 < GEMM_COLS ? N - n0 : GEMM_COLS);
+                pack_panel(w, offset, n0, cols, out, n_out, wp, sd, mv, wf, scratch);
+                if (runs == 2)
+                    gemm_panel(2, 0, wp, sd, mv, wf, n_out, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+                else if (has_m)
+                    gemm_panel(1, 1, wp, sd, mv, wf, n_out, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+                else
+                    gemm_panel(1, 0, wp, sd, mv, wf, n_out, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+            }
+        }
+    }
+    free(xq), free(xs), free(xo), free(amax), free(panels);
+    return status;
+}
+
 /* y [M, N] = x [M, K] float32 @ w^T in one call (decode, verification): the activations are quantized into a
  * scratch buffer here, which saves the caller three allocations and a crossing into C per matmul. bits 4, 5, 6
  * or 8 picks the layout (qh: u5 and u6 only). Returns 0, or -1 when the scratch could not be had (y is then

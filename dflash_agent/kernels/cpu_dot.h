@@ -20,7 +20,7 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 8
+#define DFA_ABI_VERSION 9
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 /* How a layout's scales d are stored (see cpu_dot.c): float32, float16, Q4_K / Q5_K super-block headers, or
@@ -58,6 +58,10 @@ typedef struct {  /* a weight in one of cpu_dot.c's layouts */
     const float *m;
     int64_t group, bits, offset, n, k, scales;
 } dfa_matrix;
+
+/* y [M, w->n] = x [M, K] @ w^T with x quantized to int8 per block of 32 (prompt GEMMs, see cpu_dot.c): 0; -1 no
+ * memory; -2 K is not the weight's */
+int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float *y, int threads);
 
 typedef struct {
     dfa_matrix q_proj, k_proj, v_proj, o_proj, gate, up, down; /* v_proj.q NULL: the values are the raw keys */

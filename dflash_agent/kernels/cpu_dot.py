@@ -45,7 +45,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 8  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 9  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
 # (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
 # x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
@@ -78,6 +78,7 @@ _SIGNATURES = {
     "dfa_dequantize": ([_P, ctypes.c_int, _P, ctypes.c_int, _P, ctypes.c_int, _P, _I, _I, _I, _P, _P, ctypes.c_int],
                        None),
     "dfa_linear": ([_P, _I, _I, *_WEIGHT, _P, ctypes.c_int], ctypes.c_int),
+    "dfa_gemm_i8": ([_P, _I, _I, _P, _P, ctypes.c_int], ctypes.c_int),
     "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int], ctypes.c_int),
     "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
@@ -416,6 +417,17 @@ class CpuDot:
         y = torch.empty(rows, w.n)
         if self.lib.dfa_linear(x.data_ptr(), rows, k, *w.args(), y.data_ptr(), self.threads()):
             raise MemoryError("the CPU matmul could not allocate its scratch memory")
+        return y
+
+    def gemm_int8(self, x: torch.Tensor, w: IntMatrix) -> torch.Tensor:
+        """y [M, N] ~ x [M, K] @ w^T with x quantized to int8 per block of 32 (a prompt's GEMMs, as llama.cpp's):
+        not the exact path (int16 activations, `linear`). Fast where the library has VNNI (simd avx512)."""
+        x = _activations(x, w.k)
+        rows, k = x.shape
+        y = torch.empty(rows, w.n)
+        if rows and self.lib.dfa_gemm_i8(x.data_ptr(), rows, k, ctypes.byref(w.struct()), y.data_ptr(),
+                                         self.threads()):
+            raise MemoryError("the CPU int8 GEMM could not allocate its scratch memory")
         return y
 
     def layers_forward(self, layers: ctypes.Array, caches: ctypes.Array, x: torch.Tensor, q_pos: torch.Tensor,

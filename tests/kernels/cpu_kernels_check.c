@@ -191,6 +191,24 @@ static void check_linear(const layout *l, int64_t K) {
     free_matrix(&w), free(x), free(y);
 }
 
+/* The int8 prompt GEMM: every build the same bits (the test holds them equal); a NaN makes its row NaN only. */
+static void check_gemm_i8(const layout *l, int64_t K) {
+    const int64_t N = 21, M = 11; /* a panel of 16 and 5 columns; a tile of 8 rows and 3 */
+    char name[40];
+    dfa_matrix w = matrix(l, N, K);
+    float *x = activations(M, K), *y = malloc((size_t)(M * N) * sizeof(float));
+    for (int64_t r = 0; r < M; r++) x[r * K + 3] *= 50.0f; /* an outlier channel */
+    if (dfa_gemm_i8(x, M, K, &w, y, THREADS)) fail(l->name, "dfa_gemm_i8 failed");
+    snprintf(name, sizeof name, "gemm_i8.%s.%lld", l->name, (long long)K);
+    record(name, y, M * N);
+    x[4 * K + 40] = NAN;
+    dfa_gemm_i8(x, M, K, &w, y, THREADS);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t n = 0; n < N; n++)
+            if ((r == 4) != isnan(y[r * N + n])) fail(l->name, "a NaN activation's row is not NaN, or another is");
+    free_matrix(&w), free(x), free(y);
+}
+
 static void check_dequantize(void) {
     const int64_t N = 6, K = 256, ids[3] = {4, 0, 5};
     float *w = malloc((size_t)(N * K) * sizeof(float));
@@ -345,6 +363,7 @@ int main(int argc, char **argv) {
         const int super = LAYOUTS[i].scales == DFA_SCALES_K || LAYOUTS[i].scales == DFA_SCALES_Q6K; /* of 256 */
         check_linear(&LAYOUTS[i], super ? 256 : 96); /* 96: an odd number of blocks, the tail */
         check_linear(&LAYOUTS[i], super ? 768 : 256);
+        check_gemm_i8(&LAYOUTS[i], super ? 512 : 96);
     }
     check_dequantize();
     check_argmax();

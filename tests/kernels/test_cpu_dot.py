@@ -284,7 +284,7 @@ def test_shapes_dtypes_and_devices_are_checked_before_c_reads_them(lib):
     matrix, w = _layout(8, 32, True, k=256)
     narrow, head = torch.randn(1, 64), matrix.struct()
     for call in (lambda: lib.linear(narrow, matrix), lambda: lib.linear(torch.randn(256), matrix),
-                 lambda: lib.matmul(lib.quantize(narrow), matrix), lambda: lib.norm_linear(narrow, torch.ones(256),
+                 lambda: lib.gemm_int8(narrow, matrix), lambda: lib.matmul(lib.quantize(narrow), matrix), lambda: lib.norm_linear(narrow, torch.ones(256),
                                                                                             1e-6, head)):
         with pytest.raises(ValueError, match="against a matrix of 256 inputs"):
             call()
@@ -310,6 +310,65 @@ def test_shapes_dtypes_and_devices_are_checked_before_c_reads_them(lib):
     assert torch.equal(lib.linear(x.double(), matrix), lib.linear(x.contiguous(), matrix))
     norm = torch.rand(256)
     assert torch.equal(lib.norm_linear(x, norm, 1e-6, head), lib.norm_linear(x.contiguous(), norm, 1e-6, head))
+
+
+# The int8 prompt GEMM (CpuDot.gemm_int8, cpu_dot.c's dfa_gemm_i8): int8 activations per block of 32 against the
+# weights' own integers, the GEMM_OUTLIERS channels of largest |x| in float32 on the exactly dequantized weights.
+
+def _int8_reference(x: torch.Tensor, w: torch.Tensor, outliers: int = 16) -> torch.Tensor:
+    """The int8 GEMM's arithmetic in float64: the outlier channels out of the blocks, each block at amax / 127
+    rounded to nearest even, the outliers' products exact."""
+    taken = x.abs().amax(0).topk(min(outliers, x.shape[1] // 32)).indices
+    rest = x.clone()
+    rest[:, taken] = 0
+    blocks = rest.double().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127)
+    return (q * scale).view_as(x) @ w.double().T + x[:, taken].double() @ w[:, taken].double().T
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_int8_gemm_is_int8_arithmetic_with_the_outliers_in_float(each_build, layout):
+    matrix, w = _layout(*layout)
+    x = torch.randn(19, matrix.k)  # two tiles of 8 and 3 rows; 37 weight rows: panels of 16, 16 and 5
+    x[:, 5] *= 40  # outlier channels, as Gemma's normed activations have
+    x[:, 300] *= -60
+    y, exact = each_build.gemm_int8(x, matrix), x.double() @ w.double().T
+    assert y.shape == (19, 37) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), _int8_reference(x, w), rtol=0, atol=1e-5 * float(exact.abs().max()))
+    error = float((y - exact).norm() / exact.norm())
+    assert 1e-5 < error < 1e-2  # int8's rounding, not the exact path's
+
+
+def test_every_build_gives_the_int8_gemm_the_same_bits():
+    """The same integer sums and the same float operations per output, in the same order, on every ISA."""
+    builds = [cpu_dot.open_library(path) for path in map(cpu_dot.prebuilt, cpu_dot.VARIANTS) if path is not None]
+    if len(builds) < 2:
+        pytest.skip("fewer than two builds installed")
+    for layout in LAYOUTS.values():
+        matrix, _ = _layout(*layout)
+        x = torch.randn(13, matrix.k) * torch.logspace(-2, 1, matrix.k)
+        first = builds[0].gemm_int8(x, matrix)
+        for other in builds[1:]:
+            assert torch.equal(other.gemm_int8(x, matrix), first), (layout, other.simd)
+
+
+@pytest.mark.parametrize("layout", ["u4 Q4_K", "u6 Q6_K", "s8 Q8_0"])
+def test_int8_gemm_propagates_nan_and_inf(each_build, layout):
+    matrix, w = _layout(*LAYOUTS[layout])
+    x = torch.randn(11, matrix.k)
+    clean = each_build.gemm_int8(x, matrix)
+    x[2, 37] = float("nan")
+    y = each_build.gemm_int8(x, matrix)
+    assert torch.isnan(y[2]).all()
+    others = [r for r in range(11) if r != 2]
+    assert torch.equal(y[others], clean[others])  # a NaN picks no outlier channel: the other rows unchanged
+    x[2, 37], x[5, 70] = 0.0, float("-inf")
+    y, ref = each_build.gemm_int8(x, matrix), x @ w.T
+    assert not torch.isfinite(y[5]).any()
+    infinite = torch.isinf(ref[5])  # where float32 gives an infinity, the same one (its weight's sign kept)
+    assert infinite.any() and torch.equal(y[5][infinite], ref[5][infinite])
+    assert torch.isfinite(y[others[:4]]).all()
 
 
 # The LM-head screen (CpuDot.norm_head_argmax, cpu_layer.c): each row's pick is the one the whole head gives
