@@ -948,23 +948,27 @@ static void pack_panel(const dfa_matrix *w, int offset, int64_t n0, int cols, co
         memset(wf, 0, (size_t)(n_out * GEMM_COLS) * sizeof(float));
     }
     for (int c = 0; c < cols; c++) {
-        uint8_t values[32];
-        for (int64_t b = 0; b < B; b++) {
-            group_u8(w, n0 + c, b, values);
-            for (int j = 0; j < 8; j++) memcpy(wp + ((b * 8 + j) * GEMM_COLS + c) * 4, values + 4 * j, 4);
-        }
         run_scales(w, n0 + c, scratch, scratch + R);
         for (int64_t r = 0; r < R; r++) {
             sd[r * GEMM_COLS + c] = scratch[r];
             mv[r * GEMM_COLS + c] = scratch[R + r];
         }
-        for (int o = 0; o < n_out; o++) {
+    }
+    /* a group of every row, then the next: each group's 512 bytes are written while in L1 (row by row, a panel past
+     * L1's size, K = 4096, was written from L2 16 times over) */
+    for (int64_t b = 0; b < B; b++)
+        for (int c = 0; c < cols; c++) {
+            uint8_t values[32];
+            group_u8(w, n0 + c, b, values);
+            for (int j = 0; j < 8; j++) memcpy(wp + ((b * 8 + j) * GEMM_COLS + c) * 4, values + 4 * j, 4);
+        }
+    for (int o = 0; o < n_out; o++)
+        for (int c = 0; c < cols; c++) {
             const int64_t k = out[o], run = k / (32 / runs);
             const int u = wp[((k / 4) * GEMM_COLS + c) * 4 + k % 4];
-            const float v = scratch[run] * (float)(u - offset);
-            wf[o * GEMM_COLS + c] = v + scratch[R + run];
+            const float v = sd[run * GEMM_COLS + c] * (float)(u - offset);
+            wf[o * GEMM_COLS + c] = v + mv[run * GEMM_COLS + c];
         }
-    }
 }
 
 /* out [GEMM_TILE, GEMM_COLS]: GEMM_TILE activation rows (xq [., K], xs [., K / 32]; per run, xo the integer offset
