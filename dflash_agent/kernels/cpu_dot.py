@@ -425,8 +425,11 @@ class CpuDot:
         x = _activations(x, w.k)
         rows, k = x.shape
         y = torch.empty(rows, w.n)
-        if rows and self.lib.dfa_gemm_i8(x.data_ptr(), rows, k, ctypes.byref(w.struct()), y.data_ptr(),
-                                         self.threads()):
+        status = self.lib.dfa_gemm_i8(x.data_ptr(), rows, k, ctypes.byref(w.struct()), y.data_ptr(),
+                                      self.threads()) if rows else 0
+        if status == -2:
+            raise ValueError(f"the int8 GEMM refused activations of {k} inputs against a matrix of {w.k}")
+        if status:
             raise MemoryError("the CPU int8 GEMM could not allocate its scratch memory")
         return y
 
