@@ -132,6 +132,17 @@ def test_matmul_is_the_float_matmul_and_dequantize_is_exact(lib, layout):
         lib.dequantize(matrix, torch.tensor([3, 37]))
 
 
+def test_q4k_blocks_past_the_on_stack_order_give_each_rows_bits(lib):
+    """Q4_K's activations are reordered once per matmul, on the stack up to 32768 values and in memory past it:
+    a block of 72 rows of 512 (a verify step's) gives each row the bits it has alone."""
+    matrix, w = _layout(*LAYOUTS["u4 Q4_K"])
+    x = torch.randn(72, matrix.k)
+    y = lib.matmul(lib.quantize(x), matrix)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-3 * float((x @ w.T).abs().max()))
+    for row in (0, 9, 71):
+        assert torch.equal(lib.matmul(lib.quantize(x[row:row + 1]), matrix), y[row:row + 1])
+
+
 def test_layouts_are_checked():
     q, d = torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1)
     with pytest.raises(ValueError, match="high bits"):
