@@ -952,15 +952,10 @@ static void matmul_q4k(const int16_t *xq, const float *xs, const float *xsum, in
     int16_t *ordered = !DFA_Q4K_ORDER ? NULL
                        : M * K <= Q4K_STACK_VALUES ? on_stack
                                                    : (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-    if (ordered) { /* else (no memory) the rows as they are, shuffled as they are read: the same bits */
-        q4k_order(xq, M, K, ordered);
-        if (M == 1) OVER_PANELS(1, q4k_panel, ordered, 1, xs, xsum, 1, K, q, d, N, y);
-        else OVER_PANELS(M, q4k_panel, ordered, 1, xs, xsum, M, K, q, d, N, y);
-    } else if (M == 1) {
-        OVER_PANELS(1, q4k_panel, xq, 0, xs, xsum, 1, K, q, d, N, y);
-    } else {
-        OVER_PANELS(M, q4k_panel, xq, 0, xs, xsum, M, K, q, d, N, y);
-    }
+    if (ordered) q4k_order(xq, M, K, ordered); /* else (no memory) the rows as they are, shuffled as they are read */
+    const int16_t *x = ordered ? ordered : xq;
+    if (M == 1) OVER_PANELS(1, q4k_panel, x, ordered != NULL, xs, xsum, 1, K, q, d, N, y);
+    else OVER_PANELS(M, q4k_panel, x, ordered != NULL, xs, xsum, M, K, q, d, N, y);
     if (ordered != on_stack) free(ordered);
 }
 #endif
@@ -968,14 +963,14 @@ static void matmul_q4k(const int16_t *xq, const float *xs, const float *xsum, in
 static void matmul_nibbles(int high, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                            const uint8_t *q, const uint32_t *qh, int offset, const void *d, int scales,
                            const float *m, int64_t N, float *y, int threads) {
-    const int64_t B = K / 32,
-                  ahead = rows_ahead(K / 2 + (4 * high + (m ? 4 : 0)) * B + row_scale_bytes(scales, K, 32));
 #if defined(DFA_AVX2)
     if (high == 0 && scales == DFA_SCALES_K && offset == 0 && !m) {
         matmul_q4k(xq, xs, xsum, M, K, q, (const uint8_t *)d, N, y, threads);
         return;
     }
 #endif
+    const int64_t B = K / 32,
+                  ahead = rows_ahead(K / 2 + (4 * high + (m ? 4 : 0)) * B + row_scale_bytes(scales, K, 32));
     /* u6 comes with Q6_K tails only, and Q6_K's offset of 32 */
     if (high == 2 && M == 1 && offset == 32) NIBBLE_ROWS(2, 1, DFA_SCALES_Q6K, 32);
     else if (high == 2 && offset == 32) NIBBLE_ROWS(2, M, DFA_SCALES_Q6K, 32);
