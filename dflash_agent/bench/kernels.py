@@ -5,12 +5,12 @@ shared memory per launch, checked against the budgets below.
 The launches are not a hand-kept list: they come from the same functions the engine launches through
 (kernels.quant_matmul.quant_matmul_launch, kernels.attention_triton.cache_attention_launch), called with meta
 tensors of the shapes the engine passes them:
-- matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (each routed expert a matrix of
-  its own, as the model launches them) at each quantization (bench.synthetic.quant_types,
-  plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), the CUDA-graph buckets up to the
-  drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
-  target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0 blocks) launch
-  the same Q4_0 kernels at its block's rows.
+- matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (the routed experts' stacks
+  through kernels.quant_matmul.grouped_launch, as the model launches them) at each quantization
+  (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), the
+  CUDA-graph buckets up to the drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the
+  drafter's LM head (the target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0
+  blocks) launch the same Q4_0 kernels at its block's rows.
 - attention: each layer kind of the target (sliding head_dim 256 over its ring, full head_dim 512 over the
   cache) with bf16 and q8 KV, at the same rows, where the engine routes them to the kernel (model._plan: sliding
   layers only for blocks within the ring's slack), at a context within one key chunk and a long one (so both the
@@ -83,7 +83,7 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
 
 def _matmul_launches(model: str, config: ModelConfig,
                      drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
-    from ..kernels.quant_matmul import quant_matmul_launch
+    from ..kernels.quant_matmul import grouped_launch, launch_shape, quant_matmul_launch
 
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
     rows = _phase_rows(drafter)
@@ -97,12 +97,22 @@ def _matmul_launches(model: str, config: ModelConfig,
         for name, phase, m in uses:
             weight = head if name.startswith("drafter") else name
             qtype = types[weight]
-            n, k = shapes[weight][-2:]  # an expert stack [experts, n, k] launches one expert's matrix at a time
+            n, k = shapes[weight][-2:]
             block, type_size = GGML_QUANT_SIZES[qtype]
             x = torch.empty(m, k, dtype=DTYPE, device=meta)
-            raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
-            y = torch.empty(m, n, dtype=DTYPE, device=meta)
-            launch = quant_matmul_launch(x, raw, qtype, y).launch
+            if len(shapes[weight]) == 3:  # an expert stack: m tokens' top k of its matrices in one grouped launch
+                experts = shapes[weight][0]
+                shape = launch_shape(m, qtype)  # were every token's rows one expert's: the widest tile
+                tiles = -(-m * config.moe.top_k // shape.block_m)
+                raw = torch.empty(experts * n * (k // block) * type_size, dtype=torch.uint8, device=meta)
+                y = torch.empty(tiles * shape.block_m, n, dtype=DTYPE, device=meta)
+                x_rows = torch.empty(tiles * shape.block_m, dtype=torch.int32, device=meta)
+                tile_expert = torch.empty(tiles, dtype=torch.int32, device=meta)
+                launch = grouped_launch(x, raw, qtype, experts, x_rows, tile_expert, y, shape).launch
+            else:
+                raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
+                y = torch.empty(m, n, dtype=DTYPE, device=meta)
+                launch = quant_matmul_launch(x, raw, qtype, y).launch
             short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
             yield phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
 

@@ -198,7 +198,7 @@ class DecodeSpeed:
     context: int
     tok_s: float  # through CUDA graphs, as the engine decodes
     tok_s_eager: float
-    bytes_per_token: int  # weights + the KV the step reads
+    bytes_per_token: int  # the weights a token reads (a MoE's top k experts, not all) + the KV the step reads
     roofline_tok_s: float  # copy bandwidth / bytes per token
     roofline_fraction: float
 
@@ -340,11 +340,9 @@ def run_synthetic_bench(model: str, quant: str, ctx_size: int | None, draft_quan
     if not torch.cuda.is_available():
         raise UserError("bench --synthetic needs a CUDA GPU (--plan-only --gpu-memory SIZE prints the memory plan "
                         "without one)")
-    if model != "gemma4-31b":
-        raise UserError(f"bench --synthetic {model} prints its memory plan only (--plan-only --gpu-memory SIZE): "
-                        "the timed run needs grouped expert kernels, which are not built yet")
-    return measure(model, gemma4_31b_config(), gemma4_31b_drafter_config(), quant, ctx_size or DEFAULT_CTX,
-                   draft_quant, torch.device("cuda"), iters)
+    target, drafter = SYNTHETIC_CONFIGS[model]
+    return measure(model, target(), drafter(), quant, ctx_size or DEFAULT_CTX, draft_quant, torch.device("cuda"),
+                   iters)
 
 
 @torch.inference_mode()
@@ -381,6 +379,10 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     cache = target.new_cache(ctx_size)
     dcache = drafter.new_cache(ctx_size)
     loaded = sum(b.packed.nbytes if isinstance(b, PackedWeight) else b.nbytes for b in target.buffers())
+    read = loaded  # what a decode step reads of the weights: a MoE token only its top k of each layer's experts
+    if config.moe is not None:
+        stacks = sum(b.packed.nbytes for b in target.buffers() if isinstance(b, PackedWeight) and b.dim() == 3)
+        read = loaded - stacks + stacks * config.moe.top_k // config.moe.num_experts
 
     one = torch.zeros(1, dtype=torch.long, device=device)
     block = torch.zeros(block_size, dtype=torch.long, device=device)
@@ -403,7 +405,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     graphed: dict[int, float] = {}
     for c in measured:
         graphed[c] = step_ms(one, c, None)
-        per_token = loaded + _kv_bytes_read(cache, c)
+        per_token = read + _kv_bytes_read(cache, c)
         roofline = bandwidth / per_token
         tok_s = 1e3 / graphed[c]
         decode.append(DecodeSpeed(c, tok_s, 1e3 / eager[c], per_token, roofline, tok_s / roofline))

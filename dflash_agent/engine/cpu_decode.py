@@ -42,22 +42,58 @@ def _int_matrix(weight) -> IntMatrix | None:
     return weight.cpu.matrix
 
 
-def _struct(matrix: IntMatrix, keep: list[torch.Tensor]) -> Matrix:
+def _struct(matrix: IntMatrix, keep: list) -> Matrix:
     """matrix's C struct, its tensors added to keep: the struct holds bare pointers, and a weight re-placed or
     reloaded after `build` must not free memory C still reads."""
     keep.extend(matrix.tensors())
     return matrix.struct()
 
 
+def _float(tensor: torch.Tensor, keep: list) -> int:
+    tensor = tensor.float().contiguous()
+    keep.append(tensor)
+    return tensor.data_ptr()
+
+
+def _add_experts(weights: LayerWeights, layer, config, keep: list, norm) -> bool:
+    """A MoE layer's router and routed experts into its LayerWeights (False: its expert stacks are not repacked for
+    the C matmuls, one matrix per expert). The router may be repacked or float: llama.cpp keeps it in float."""
+    stacks = [layer.experts.gate_up_proj, layer.experts.down_proj]
+    if not all(isinstance(s, PackedWeight) and s.experts is not None for s in stacks):
+        return False
+    found = [[_int_matrix(m) for m in s.experts] for s in stacks]
+    if any(m is None for f in found for m in f):
+        return False
+    gate_up, down = ((Matrix * len(f))(*(_struct(m, keep) for m in f)) for f in found)
+    keep += [gate_up, down]
+    router = layer.router
+    router_matrix = _int_matrix(router.proj.weight)
+    if router_matrix is not None:
+        weights.router = _struct(router_matrix, keep)
+    elif isinstance(router.proj.weight, PackedWeight):
+        return False
+    else:
+        weights.router_w = _float(router.proj.weight, keep)
+    weights.router_scale = _float(router.scale, keep)
+    weights.expert_scale = _float(router.per_expert_scale, keep)
+    weights.expert_gate_up, weights.expert_down = ctypes.addressof(gate_up), ctypes.addressof(down)
+    weights.post_ff_norm_1 = norm(layer.post_feedforward_layernorm_1)
+    weights.pre_ff_norm_2 = norm(layer.pre_feedforward_layernorm_2)
+    weights.post_ff_norm_2 = norm(layer.post_feedforward_layernorm_2)
+    weights.experts, weights.top_k, weights.expert_width = (config.moe.num_experts, config.moe.top_k,
+                                                            config.moe.intermediate_size)
+    return True
+
+
 class CpuDecodeLayers:
     """The C layers of one model (see the module doc); `build` gives None when the model does not qualify."""
 
-    def __init__(self, lib: CpuDot, layers: list[LayerWeights], keep: list[torch.Tensor],
+    def __init__(self, lib: CpuDot, layers: list[LayerWeights], keep: list,
                  inv_freqs: list[torch.Tensor], head: tuple[torch.Tensor, Matrix, float] | None = None,
                  embedding: tuple[CpuDotWeight, torch.Tensor] | None = None,
                  screen: HeadScreen | None = None) -> None:
         self.lib, self.layers = lib, (LayerWeights * len(layers))(*layers)
-        self._keep = keep  # every tensor the structs point into (norm weights, matrices)
+        self._keep = keep  # every tensor and array the structs point into (norm weights, matrices)
         # each distinct RoPE once (float32, contiguous) and which one each layer takes
         index: dict[int, int] = {}
         self._rope_of_layer = [index.setdefault(id(f), len(index)) for f in inv_freqs]
@@ -75,17 +111,16 @@ class CpuDecodeLayers:
         lib = cpu_dot()
         if lib is None or model.device.type != "cpu" or model.dtype != torch.float32:
             return None
-        if not model.config.dense:
-            log.info("the C layers run dense decoders only: this model's layers run in torch")
-            return None
         config, keep, layers = model.config, [], []
 
-        def norm(module) -> int:
+        def norm(module) -> int | None:
+            if module is None:  # a KV-sharing layer's K norm
+                return None
             weight = (module.offset + module.weight.float()).contiguous()
             keep.append(weight)
             return weight.data_ptr()
 
-        for layer, spec in zip(model.layers, config.layers, strict=True):
+        for index, (layer, spec) in enumerate(zip(model.layers, config.layers, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
             found = [None if m is None else _int_matrix(m.weight) for m in linears]
@@ -93,14 +128,25 @@ class CpuDecodeLayers:
                 return None
             matrices = [Matrix() if f is None else _struct(f, keep) for f in found]
             scalar = 1.0 if layer.layer_scalar is None else float(layer.layer_scalar)
-            layers.append(LayerWeights(
+            weights = LayerWeights(
                 *matrices,
                 norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
                 norm(layer.pre_feedforward_layernorm), norm(layer.post_feedforward_layernorm),
                 norm(attn.q_norm), norm(attn.k_norm),
-                config.hidden_size, config.num_heads, spec.num_kv_heads, spec.head_dim, config.intermediate_size,
-                int(attn.v_norm is not None), config.rms_norm_eps, attn.scale, scalar,
-            ))
+                config.hidden_size, config.num_heads, spec.num_kv_heads, spec.head_dim,
+                config.layer_intermediate_size(index), int(attn.v_norm is not None), config.rms_norm_eps,
+                attn.scale, scalar,
+            )
+            if layer.experts is not None and not _add_experts(weights, layer, config, keep, norm):
+                return None
+            if config.per_layer_input:
+                found = [_int_matrix(m.weight) for m in (layer.per_layer_input_gate, layer.per_layer_projection)]
+                if None in found:
+                    return None
+                weights.per_layer_gate, weights.per_layer_proj = (_struct(m, keep) for m in found)
+                weights.post_per_layer_norm = norm(layer.post_per_layer_input_norm)
+                weights.per_layer_width = config.per_layer_input
+            layers.append(weights)
         embedding = model.embed_tokens.weight
         if isinstance(embedding, PackedWeight) and isinstance(embedding.cpu, CpuDotWeight):
             embedding = (embedding.cpu, torch.tensor(config.embed_scale, dtype=torch.float32))
@@ -154,18 +200,21 @@ class CpuDecodeLayers:
         """Whether a forward of `rows` new tokens over caches `kv` runs here (before its plan is made)."""
         return rows <= MAX_ROWS and all(layer.k_scale is None and layer.k.dtype == torch.float32 for layer in kv)
 
-    def forward(self, x: torch.Tensor, plan, kv: list[LayerKV],
-                capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward(self, x: torch.Tensor, plan, kv: list[LayerKV], capture: tuple[int, ...],
+                per_layer: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over embeddings x [T, hidden] with a "kernel" StepPlan (engine.model), in one C call; as
-        GemmaModel.layers_forward."""
-        return self.forward_groups(x, [(plan, kv)], capture)
+        GemmaModel.layers_forward (per_layer: a PLE model's inputs [T, layers, width])."""
+        return self.forward_groups(x, [(plan, kv)], capture, per_layer)
 
     def forward_groups(self, x: torch.Tensor, groups: list[tuple], capture: tuple[int, ...],
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       per_layer: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The layers over the rows of several sequences in one C call: x [T, hidden] holds each group's rows in
         turn, a group is (its "kernel" StepPlan, its caches), and each row attends to its own group's caches. Every
-        weight is read once for all rows; a row's result is what `forward` of its group alone gives."""
+        weight is read once for all rows; a row's result is what `forward` of its group alone gives. A KV-sharing
+        layer's cache is its owner's (the same LayerKV): it reads the keys the owner wrote earlier in the call."""
         x = x.contiguous()
+        if per_layer is not None:
+            per_layer = per_layer.float().contiguous()
         query = torch.cat([plan.positions for plan, _ in groups]).contiguous()
         bounds = torch.tensor([0, *itertools.accumulate(plan.positions.shape[0] for plan, _ in groups)])
         n, g = len(self.layers), len(groups)
@@ -195,5 +244,5 @@ class CpuDecodeLayers:
         cos = pointers(*(tables[r][0].data_ptr() for r in self._rope_of_layer))
         sin = pointers(*(tables[r][1].data_ptr() for r in self._rope_of_layer))
         copies = pointers(*(captured[i].data_ptr() if i in captured else None for i in range(n)))
-        self.lib.layers_forward(self.layers, caches, x, query, cos, sin, copies, bounds)
+        self.lib.layers_forward(self.layers, caches, x, query, cos, sin, copies, bounds, per_layer)
         return x, captured

@@ -16,6 +16,7 @@ from .config import LayerSpec, ModelConfig, MoESpec
 from .cpu_decode import MAX_ROWS
 from .errors import ContextOverflowError
 from .kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
+from .packed_linear import PackedWeight
 from .sampling import torch_argmax
 
 
@@ -173,6 +174,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], weights / experts [N, k] -> the weighted sum of each token's experts [N, hidden]."""
+        if isinstance(self.gate_up_proj, PackedWeight) and isinstance(self.down_proj, PackedWeight):
+            grouped = self._grouped(x, weights, experts)
+            if grouped is not None:
+                return grouped
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():
             token, slot = torch.where(experts == expert)
@@ -180,6 +185,22 @@ class Experts(nn.Module):
             y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+        """forward through two grouped launches where the Triton kernels run (each a matmul of every token's chosen
+        experts: PackedWeight.expert_linear), else None. One token (decode) chooses k distinct experts, which the
+        kernel takes as k GEMV rows without asking the GPU how many rows each expert has."""
+        n, k = experts.shape
+        chosen = experts.reshape(-1)
+        single = n == 1
+        token_rows = torch.arange(n, device=x.device).repeat_interleave(k)
+        gate_up = self.gate_up_proj.expert_linear(x, token_rows, chosen, single)
+        if gate_up is None:
+            return None
+        gate, up = gate_up.chunk(2, dim=-1)
+        pair_rows = torch.arange(n * k, device=x.device)
+        y = self.down_proj.expert_linear(F.gelu(gate, approximate="tanh") * up, pair_rows, chosen, single)
+        return (y.view(n, k, -1) * weights[..., None].to(y.dtype)).sum(dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -429,9 +450,10 @@ class GemmaModel(nn.Module):
             end = start + group.ids.shape[0]
             plans.append(self._plan(group.cache, torch.arange(start, end), start, end))
             group.cache.length = end
+        ids = torch.cat([g.ids for g in groups])
+        x = self.embed(ids)
         x, captured = self.cpu_layers.forward_groups(
-            self.embed(torch.cat([g.ids for g in groups])), [(p, g.cache.layers) for p, g in zip(plans, groups)],
-            capture)
+            x, [(p, g.cache.layers) for p, g in zip(plans, groups)], capture, self.per_layer_inputs(ids, x))
         wanted, offset = [], 0
         for group in groups:
             T = group.ids.shape[0]
@@ -509,10 +531,10 @@ class GemmaModel(nn.Module):
         """The one layer loop (layers_forward's), yielding the layers done after each but the last; the C
         layers (engine.cpu_decode) run all of them in one call and yield nothing."""
         rows = x.shape[0] if x.dim() == 2 else None
-        if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
-            return self.cpu_layers.forward(x, plan, kv, capture)
         if (per_layer is None) != (not self.config.per_layer_input):
             raise ValueError("per-layer inputs go with a PLE model, and only with one")
+        if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
+            return self.cpu_layers.forward(x, plan, kv, capture, per_layer)
         tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
         shared: dict[int, StepKeys] | None = {} if self._shares_kv else None
         captured: dict[int, torch.Tensor] = {}

@@ -200,6 +200,18 @@ class PackedWeight(torch.Tensor):
             return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0])
         return F.linear(x, self.packed.dequantize(self.dtype))
 
+    def expert_linear(self, x: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
+                      single: bool) -> torch.Tensor | None:
+        """y [P, out] with y[p] = x[rows[p]] @ W[chosen[p]]^T for a stack W [experts, out, in], every pair in one
+        grouped launch (kernels.quant_matmul.grouped_quant_matmul; single: no expert twice in `chosen`), where the
+        Triton kernels run; None elsewhere, where the caller takes the experts one at a time."""
+        if self.dim() != 3 or not triton_runs(x):
+            return None
+        from ..kernels.quant_matmul import grouped_quant_matmul
+
+        return grouped_quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], self.shape[1], rows,
+                                    chosen, single)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[*ids.shape, in] in the weight's dtype."""
         if isinstance(self.cpu, CpuDotWeight) and ids.device.type == "cpu":

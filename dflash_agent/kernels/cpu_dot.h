@@ -20,7 +20,7 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 9
+#define DFA_ABI_VERSION 10
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 /* How a layout's scales d are stored (see cpu_dot.c): float32, float16, Q4_K / Q5_K super-block headers, or
@@ -64,11 +64,26 @@ typedef struct {  /* a weight in one of cpu_dot.c's layouts */
 int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float *y, int threads);
 
 typedef struct {
-    dfa_matrix q_proj, k_proj, v_proj, o_proj, gate, up, down; /* v_proj.q NULL: the values are the raw keys */
+    /* v_proj.q NULL: the values are the raw keys; k_proj.q NULL: the layer writes no K / V and attends over the
+     * cache it is given (a KV-sharing layer, given the owner layer's) */
+    dfa_matrix q_proj, k_proj, v_proj, o_proj, gate, up, down;
     /* norm weights as applied, offset + w, float32 */
     const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, v_norm; /* v_norm: values RMS-normed, no weight */
     float eps, scale, layer_scalar;
+    /* A MoE layer's routed experts beside the dense MLP (engine.model.Router / Experts); experts 0: none. Each
+     * row's top_k of `experts` by the router, their GeGLU MLPs (expert_width wide) weighted and summed. */
+    dfa_matrix router;                 /* [experts, hidden]; q NULL: router_w [experts, hidden] float32 instead */
+    const float *router_w, *router_scale, *expert_scale; /* router_scale [hidden], expert_scale [experts] */
+    const dfa_matrix *expert_gate_up;  /* [experts]: each [2 expert_width, hidden], the gate's rows first */
+    const dfa_matrix *expert_down;     /* [experts]: each [hidden, expert_width] */
+    const float *post_ff_norm_1, *pre_ff_norm_2, *post_ff_norm_2;
+    int64_t experts, top_k, expert_width;
+    /* E2B / E4B's per-layer input (per_layer_width 0: none): x += post_per_layer_norm(per_layer_proj(
+     * gelu(per_layer_gate(x)) * the layer's slice of the per-layer inputs)), before the layer scalar */
+    dfa_matrix per_layer_gate, per_layer_proj; /* [width, hidden], [hidden, width] */
+    const float *post_per_layer_norm;
+    int64_t per_layer_width;
 } dfa_layer;
 
 typedef struct {
@@ -82,7 +97,8 @@ typedef struct {
 /* cpu_layer.c: n decoder layers over x [T, hidden] in place (0; -1 no memory; -2 bad groups or slots) */
 int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
                        const int64_t *q_pos, const float *const *cos, const float *const *sin,
-                       float *const *capture, const int64_t *groups, int64_t G, int threads);
+                       float *const *capture, const int64_t *groups, int64_t G, const float *per_layer,
+                       int threads);
 /* y [T, w->n] = rms_norm(x) * norm @ w^T (0; -1 no memory) */
 int dfa_norm_linear(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w, float *y,
                     int threads);

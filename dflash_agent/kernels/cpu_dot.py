@@ -45,7 +45,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 9  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 10  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
 # (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
 # x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
@@ -79,7 +79,7 @@ _SIGNATURES = {
                        None),
     "dfa_linear": ([_P, _I, _I, *_WEIGHT, _P, ctypes.c_int], ctypes.c_int),
     "dfa_gemm_i8": ([_P, _I, _I, _P, _P, ctypes.c_int], ctypes.c_int),
-    "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int], ctypes.c_int),
+    "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _P, ctypes.c_int], ctypes.c_int),
     "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
     "dfa_release_threads": ([], ctypes.c_int),
@@ -263,6 +263,11 @@ class LayerWeights(ctypes.Structure):
         (name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
     ] + [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "v_norm")] + [
         (name, ctypes.c_float) for name in ("eps", "scale", "layer_scalar")
+    ] + [("router", Matrix)] + [  # a MoE layer's routed experts (experts 0: none)
+        (name, _P) for name in ("router_w", "router_scale", "expert_scale", "expert_gate_up", "expert_down",
+                                "post_ff_norm_1", "pre_ff_norm_2", "post_ff_norm_2")
+    ] + [(name, _I) for name in ("experts", "top_k", "expert_width")] + [  # E2B / E4B's per-layer input
+        ("per_layer_gate", Matrix), ("per_layer_proj", Matrix), ("post_per_layer_norm", _P), ("per_layer_width", _I)
     ]
 
 
@@ -435,12 +440,13 @@ class CpuDot:
 
     def layers_forward(self, layers: ctypes.Array, caches: ctypes.Array, x: torch.Tensor, q_pos: torch.Tensor,
                        cos: ctypes.Array, sin: ctypes.Array, capture: ctypes.Array,
-                       groups: torch.Tensor | None = None) -> None:
+                       groups: torch.Tensor | None = None, per_layer: torch.Tensor | None = None) -> None:
         """The decoder layers (cpu_layer.c, arrays of LayerWeights and LayerCache) over x [T, hidden] float32, in
         place; q_pos [T] int64; cos / sin: each layer's RoPE tables [T, head_dim] float32; capture: where each
         layer's output is copied (None: nowhere). groups [G + 1] int64: the rows of G sequences (sequence g owns
         rows groups[g]:groups[g + 1]), caches then [layers * G], layer i's cache of sequence g at i * G + g, its
-        write slots indexed by the sequence's own rows; None: one sequence. All contiguous; the structs must point
+        write slots indexed by the sequence's own rows; None: one sequence. per_layer [T, layers, width] float32:
+        a PLE model's per-layer inputs (None for other models). All contiguous; the structs must point
         at live tensors, each LayerCache's `slots` no more than its caches hold (C checks the write slots and
         n_keys against it)."""
         n = len(layers)
@@ -453,11 +459,15 @@ class CpuDot:
                              f"tables and {len(capture)} capture pointers")
         _require(x, "x", torch.float32, None, layers[0].hidden if n else None)
         _require(q_pos, "q_pos", torch.int64, x.shape[0])
+        if per_layer is not None:
+            _require(per_layer, "per_layer", torch.float32, x.shape[0], n, layers[0].per_layer_width if n else None)
         status = self.lib.dfa_layers_forward(layers, caches, len(layers), x.data_ptr(), x.shape[0], q_pos.data_ptr(),
-                                             cos, sin, capture, groups.data_ptr(), g, self.threads())
+                                             cos, sin, capture, groups.data_ptr(), g,
+                                             None if per_layer is None else per_layer.data_ptr(), self.threads())
         if status == -2:
-            raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots), or groups "
-                             f"{groups.tolist()} that do not split the {x.shape[0]} rows")
+            raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots), a top_k "
+                             "outside a MoE layer's experts, per-layer inputs missing or of unequal widths, or "
+                             f"groups {groups.tolist()} that do not split the {x.shape[0]} rows")
         if status != 0:
             raise MemoryError("the CPU decoder layer could not allocate its scratch memory")
 

@@ -302,9 +302,159 @@ static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const
 
 /* x [T, hidden] float32 is updated in place to the layer's output; returns 0, or -1 when scratch memory
  * could not be had (x is then untouched). */
+/* Each of T rows' experts: top[t k + j] the expert, weight[t k + j] its weight, as engine.model.Router gives them
+ * (rms_norm(x) times the learned scale and hidden^-0.5, a softmax over every expert, the top k with the first of
+ * equal probabilities first, renormalised, times each expert's own scale). x: the residual stream [T, hidden]. */
+static int route(const dfa_layer *L, const float *x, int64_t T, int64_t *top, float *weight, int threads) {
+    const int64_t H = L->hidden, E = L->experts, k = L->top_k;
+    const float c = (float)(1.0 / sqrt((double)H));
+    float *h = malloc((size_t)(T * H) * sizeof(float));
+    float *p = malloc((size_t)(T * E) * sizeof(float));
+    int16_t *xq = malloc((size_t)(T * H) * sizeof(int16_t));
+    float *xs = malloc((size_t)(2 * T * (H / 32 + 1)) * sizeof(float));
+    int status = -1;
+    if (!h || !p || !xq || !xs) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        float *ht = h + t * H;
+        rms_norm(x + t * H, NULL, H, L->eps, ht);
+        for (int64_t i = 0; i < H; i++) ht[i] = ht[i] * L->router_scale[i] * c;
+    }
+    if (L->router.q) {
+        quantize(h, T, H, xq, xs, threads);
+        matmul(&L->router, xq, xs, T, p, threads);
+    } else {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t e = 0; e < E; e++) p[t * E + e] = dot(h + t * H, L->router_w + e * H, H);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        float *pt = p + t * E, top_p = -INFINITY, sum = 0.0f, chosen = 0.0f;
+        for (int64_t e = 0; e < E; e++) top_p = pt[e] > top_p ? pt[e] : top_p;
+        for (int64_t e = 0; e < E; e++) sum += pt[e] = expf(pt[e] - top_p);
+        for (int64_t e = 0; e < E; e++) pt[e] /= sum;
+        for (int64_t j = 0; j < k; j++) { /* k rounds of the largest not yet taken: k is 8 of 128 */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= top[t * k + i] == e;
+                if (!taken && (best < 0 || pt[e] > pt[best])) best = e;
+            }
+            top[t * k + j] = best;
+            chosen += weight[t * k + j] = pt[best];
+        }
+        for (int64_t j = 0; j < k; j++)
+            weight[t * k + j] = weight[t * k + j] / chosen * L->expert_scale[top[t * k + j]];
+    }
+    status = 0;
+done:
+    free(h); free(p); free(xq); free(xs);
+    return status;
+}
+
+/* out [T, hidden] = each row's chosen experts' GeGLU MLPs over xn (pre_ff_norm_2 of the residual), weighted and
+ * summed in ascending expert order as engine.model.Experts sums them. The rows that chose an expert go through its
+ * matrices together, each row computed alone, so a row's sum never depends on the rows beside it. The experts are
+ * dealt to the threads whole (a decode step's 8 are small matmuls, where splitting each across the threads paid a
+ * parallel region and a barrier per matrix), each into scratch of its own; a matrix's bits do not depend on how
+ * many threads compute it. */
+static int run_experts(const dfa_layer *L, const float *xn, const int64_t *top, const float *weight, int64_t T,
+                       float *out, int threads) {
+    const int64_t H = L->hidden, W = L->expert_width, k = L->top_k, E = L->experts, widest = W > H ? W : H;
+    const int64_t picks = T * k, B = widest / 32 + 1;
+    int64_t *start = malloc((size_t)(E + 1) * sizeof(int64_t)); /* expert e's rows: start[e] .. start[e + 1] - 1 */
+    int64_t *used = malloc((size_t)picks * sizeof(int64_t));
+    int64_t *rows = malloc((size_t)picks * sizeof(int64_t));
+    float *row_w = malloc((size_t)picks * sizeof(float));
+    float *in = malloc((size_t)(picks * H) * sizeof(float));
+    float *gate_up = malloc((size_t)(picks * 2 * W) * sizeof(float));
+    float *act = malloc((size_t)(picks * W) * sizeof(float));
+    float *y = malloc((size_t)(picks * H) * sizeof(float));
+    int16_t *xq = malloc((size_t)(picks * widest) * sizeof(int16_t));
+    float *xs = malloc((size_t)(2 * picks * B) * sizeof(float));
+    int status = -1;
+    if (!start || !used || !rows || !row_w || !in || !gate_up || !act || !y || !xq || !xs) goto done;
+    int64_t n_used = 0;
+    start[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t R = start[e];
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < k; j++)
+                if (top[t * k + j] == e) {
+                    rows[R] = t;
+                    row_w[R] = weight[t * k + j];
+                    memcpy(in + R * H, xn + t * H, (size_t)H * sizeof(float));
+                    R++;
+                    break;
+                }
+        if (R > start[e]) used[n_used++] = e;
+        start[e + 1] = R;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n_used > 1)
+    for (int64_t u = 0; u < n_used; u++) {
+        const int64_t e = used[u], s = start[e], R = start[e + 1] - s;
+        int16_t *eq = xq + s * widest;
+        float *es = xs + 2 * s * B, *gu = gate_up + s * 2 * W, *a = act + s * W;
+        quantize(in + s * H, R, H, eq, es, 1);
+        matmul(&L->expert_gate_up[e], eq, es, R, gu, 1);
+        for (int64_t r = 0; r < R; r++) {
+            memcpy(a + r * W, gu + r * 2 * W, (size_t)W * sizeof(float));
+            gelu_times(a + r * W, gu + r * 2 * W + W, W);
+        }
+        quantize(a, R, W, eq, es, 1);
+        matmul(&L->expert_down[e], eq, es, R, y + s * H, 1);
+    }
+    memset(out, 0, (size_t)(T * H) * sizeof(float));
+    for (int64_t r = 0; r < start[E]; r++) /* ascending experts: each row's sum in engine.model's order */
+        for (int64_t i = 0; i < H; i++) out[rows[r] * H + i] += y[r * H + i] * row_w[r];
+    status = 0;
+done:
+    free(start); free(used); free(rows); free(row_w); free(in); free(gate_up); free(act); free(y); free(xq); free(xs);
+    return status;
+}
+
+/* ffn [T, hidden] (the dense MLP's output) becomes post_ff_norm_1(ffn) + post_ff_norm_2(the routed experts' sum)
+ * for the residual stream x: a MoE layer's feed-forward before its post_ff_norm. */
+static int add_experts(const dfa_layer *L, const float *x, int64_t T, float *ffn, int threads) {
+    const int64_t H = L->hidden;
+    int64_t *top = malloc((size_t)(T * L->top_k) * sizeof(int64_t));
+    float *weight = malloc((size_t)(T * L->top_k) * sizeof(float));
+    float *xn = malloc((size_t)(T * H) * sizeof(float));
+    float *routed = malloc((size_t)(T * H) * sizeof(float));
+    int status = -1;
+    if (!top || !weight || !xn || !routed || route(L, x, T, top, weight, threads)) goto done;
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->pre_ff_norm_2, H, L->eps, xn + t * H);
+    if (run_experts(L, xn, top, weight, T, routed, threads)) goto done;
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(ffn + t * H, L->post_ff_norm_1, H, L->eps, ffn + t * H);
+        rms_norm(routed + t * H, L->post_ff_norm_2, H, L->eps, routed + t * H);
+        for (int64_t i = 0; i < H; i++) ffn[t * H + i] += routed[t * H + i];
+    }
+    status = 0;
+done:
+    free(top); free(weight); free(xn); free(routed);
+    return status;
+}
+
+/* x [T, hidden] += post_per_layer_norm(per_layer_proj(gelu(per_layer_gate(x)) * pl)): a PLE layer's per-layer
+ * input, pl row t at pl + t * stride. Scratch: gate [T, width], out [T, hidden], xq / xs for T rows of the wider. */
+static void add_per_layer(const dfa_layer *L, float *x, int64_t T, const float *pl, int64_t stride, float *gate,
+                          float *out, int16_t *xq, float *xs, int threads) {
+    const int64_t H = L->hidden, P = L->per_layer_width;
+    quantize(x, T, H, xq, xs, threads);
+    matmul(&L->per_layer_gate, xq, xs, T, gate, threads);
+    for (int64_t t = 0; t < T; t++) gelu_times(gate + t * P, pl + t * stride, P);
+    quantize(gate, T, P, xq, xs, threads);
+    matmul(&L->per_layer_proj, xq, xs, T, out, threads);
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(out + t * H, L->post_per_layer_norm, H, L->eps, out + t * H);
+        for (int64_t i = 0; i < H; i++) x[t * H + i] += out[t * H + i];
+    }
+}
+
 static int layer_forward(const dfa_layer *L, const dfa_kv *kvs, const int64_t *groups, int64_t G, float *x,
-                         int64_t T, const int64_t *q_pos, const float *cos, const float *sin, int threads) {
-    const int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->intermediate;
+                         int64_t T, const int64_t *q_pos, const float *cos, const float *sin, const float *pl,
+                         int64_t pl_stride, int threads) {
+    const int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d;
+    const int64_t I = L->intermediate > L->per_layer_width ? L->intermediate : L->per_layer_width;
     const int64_t widest = I > nq ? (I > H ? I : H) : (nq > H ? nq : H);
     float *xn = malloc((size_t)(T * widest) * sizeof(float));
     float *q = malloc((size_t)(T * nq) * sizeof(float));
@@ -322,10 +472,11 @@ static int layer_forward(const dfa_layer *L, const dfa_kv *kvs, const int64_t *g
     for (int64_t t = 0; t < T; t++) rms_norm(x + t * H, L->input_norm, H, L->eps, xn + t * H);
     quantize(xn, T, H, xq, xs, threads);
     matmul(&L->q_proj, xq, xs, T, q, threads);
-    matmul(&L->k_proj, xq, xs, T, k, threads);
-    if (L->v_proj.q)
+    const int owns_kv = L->k_proj.q != NULL; /* else the owner layer wrote this step's keys before */
+    if (owns_kv) matmul(&L->k_proj, xq, xs, T, k, threads);
+    if (owns_kv && L->v_proj.q)
         matmul(&L->v_proj, xq, xs, T, v, threads);
-    else
+    else if (owns_kv)
         memcpy(v, k, (size_t)(T * nkv) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < L->heads; h++) {
@@ -333,7 +484,7 @@ static int layer_forward(const dfa_layer *L, const dfa_kv *kvs, const int64_t *g
             rms_norm(qh, L->q_norm, d, L->eps, qh);
             rope(qh, cos + t * d, sin + t * d, d);
         }
-        for (int64_t h = 0; h < L->kv_heads; h++) {
+        for (int64_t h = 0; owns_kv && h < L->kv_heads; h++) {
             float *kh = k + (t * L->kv_heads + h) * d, *vh = v + (t * L->kv_heads + h) * d;
             rms_norm(kh, L->k_norm, d, L->eps, kh);
             rope(kh, cos + t * d, sin + t * d, d);
@@ -343,7 +494,7 @@ static int layer_forward(const dfa_layer *L, const dfa_kv *kvs, const int64_t *g
     for (int64_t g = 0; g < G; g++) { /* each sequence's rows write its own cache, then attend to it */
         const dfa_kv *kv = kvs + g;
         const int64_t t0 = groups[g], rows = groups[g + 1] - groups[g];
-        for (int64_t t = t0; t < t0 + rows; t++) {
+        for (int64_t t = t0; owns_kv && t < t0 + rows; t++) {
             memcpy(kv->k + kv->write_slots[t - t0] * nkv, k + t * nkv, (size_t)nkv * sizeof(float));
             memcpy(kv->v + kv->write_slots[t - t0] * nkv, v + t * nkv, (size_t)nkv * sizeof(float));
         }
@@ -364,10 +515,13 @@ static int layer_forward(const dfa_layer *L, const dfa_kv *kvs, const int64_t *g
     gelu_times(gate, up, T * I);
     quantize(gate, T, I, xq, xs, threads);
     matmul(&L->down, xq, xs, T, xn, threads);
+    if (L->experts && add_experts(L, x, T, xn, threads)) goto done;
     for (int64_t t = 0; t < T; t++) {
         rms_norm(xn + t * H, L->post_ff_norm, H, L->eps, xn + t * H);
-        for (int64_t i = 0; i < H; i++) x[t * H + i] = (x[t * H + i] + xn[t * H + i]) * L->layer_scalar;
+        for (int64_t i = 0; i < H; i++) x[t * H + i] += xn[t * H + i];
     }
+    if (L->per_layer_width) add_per_layer(L, x, T, pl, pl_stride, gate, xn, xq, xs, threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] *= L->layer_scalar;
     status = 0;
 done:
     free(xn); free(q); free(k); free(v); free(att); free(gate); free(up); free(xq); free(xs);
@@ -708,14 +862,23 @@ void dfa_rope_table(const int64_t *pos, int64_t T, const float *inv_freq, int64_
  * ascending from 0 to T) and layer i's cache kvs[i * G + g], whose write_slots are indexed by the group's own rows.
  * The matmuls read each weight once for all rows (every row computed alone); norms, RoPE and attention go row by
  * row, so a row's result never depends on the other sequences in its step. Layer i reads the RoPE tables
- * cos[i] / sin[i] and copies its output into capture[i] unless that is NULL. Returns 0; -2 when the groups do not
- * split the rows or a write slot or n_keys lies outside a layer's cache (checked for every layer first: nothing is
- * then written, as a slot past the end would write over the heap); or -1 when scratch memory could not be had (x
- * then holds the output of the layers before the one that failed). */
+ * cos[i] / sin[i] and copies its output into capture[i] unless that is NULL; a PLE model's layer i reads its input
+ * of row t at per_layer + (t * n + i) * width ([T, n, width], the same width for every layer). Returns 0; -2 when
+ * the groups do not split the rows, a MoE layer's top_k is not within its experts, a PLE model comes without
+ * per_layer or with layers of different widths, or a write slot or n_keys lies outside a layer's
+ * cache (checked for every layer first: nothing is then written, as a slot past the end would write over the
+ * heap); or -1 when scratch memory could not be had (x then holds the output of the layers before the one that
+ * failed). */
 int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, float *x, int64_t T,
                        const int64_t *q_pos, const float *const *cos, const float *const *sin,
-                       float *const *capture, const int64_t *groups, int64_t G, int threads) {
+                       float *const *capture, const int64_t *groups, int64_t G, const float *per_layer,
+                       int threads) {
     if (G < 1 || groups[0] != 0 || groups[G] != T) return -2;
+    for (int64_t i = 0; i < n; i++) {
+        if (layers[i].experts && !(layers[i].top_k >= 1 && layers[i].top_k <= layers[i].experts)) return -2;
+        if (layers[i].per_layer_width && (!per_layer || layers[i].per_layer_width != layers[0].per_layer_width))
+            return -2;
+    }
     for (int64_t g = 0; g < G; g++)
         if (groups[g + 1] < groups[g]) return -2;
     for (int64_t i = 0; i < n * G; i++) {
@@ -726,7 +889,10 @@ int dfa_layers_forward(const dfa_layer *layers, const dfa_kv *kvs, int64_t n, fl
             if (kv->write_slots[t] < 0 || kv->write_slots[t] >= kv->slots) return -2;
     }
     for (int64_t i = 0; i < n; i++) {
-        if (layer_forward(layers + i, kvs + i * G, groups, G, x, T, q_pos, cos[i], sin[i], threads)) return -1;
+        const int64_t P = layers[i].per_layer_width;
+        if (layer_forward(layers + i, kvs + i * G, groups, G, x, T, q_pos, cos[i], sin[i],
+                          P ? per_layer + i * P : NULL, n * P, threads))
+            return -1;
         if (capture[i]) memcpy(capture[i], x, (size_t)(T * layers[i].hidden) * sizeof(float));
     }
     return 0;

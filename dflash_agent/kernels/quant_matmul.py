@@ -292,11 +292,14 @@ def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
 # divisible by 16) keeps one compiled kernel per launch shape instead of a recompile for each.
 @triton.jit(do_not_specialize=["M", "STEPS"])
 def _quant_matmul_kernel(
-    x_ptr, w_ptr, h_ptr, y_ptr,
-    M, N, stride_xm, stride_ym, stride_ys, row_bytes, STEPS,
+    x_ptr, w_ptr, h_ptr, y_ptr, x_row_ptr, expert_ptr,
+    M, N, stride_xm, stride_ym, stride_ys, row_bytes, STEPS, expert_bytes,
     FORMAT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
-    # program (n, m, s) writes rows m, columns n of y's split s: the products over K steps s*STEPS..(s+1)*STEPS-1
+    # program (n, m, s) writes rows m, columns n of y's split s: the products over K steps s*STEPS..(s+1)*STEPS-1.
+    # GROUPED (a MoE layer's experts, grouped_quant_matmul): w is a stack of matrices of expert_bytes each, tile m
+    # multiplies with matrix expert_ptr[m], and y's row r is x's row x_row_ptr[r] (-1: a padding row, left 0).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -304,12 +307,23 @@ def _quant_matmul_kernel(
     n_ok = n < N
     # Rows past N read row 0 (always in bounds) and are dropped at the store: no masks on weight loads.
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)
+    if GROUPED:
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        w_ptr += expert * expert_bytes
+        h_ptr += expert * (expert_bytes // 2)
     w_rows = w_ptr + n_safe * row_bytes
     h_rows = h_ptr + n_safe * (row_bytes // 2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    x_row = m
+    if GROUPED:
+        x_row = tl.load(x_row_ptr + m, mask=m_ok, other=-1)
+        m_ok = m_ok & (x_row >= 0)
+        x_row = tl.where(m_ok, x_row, 0)
     first = pid_s * STEPS
     if BLOCK_M == 1:
+        if GROUPED:  # the tile's one row
+            x_ptr += tl.load(x_row_ptr + pid_m).to(tl.int64) * stride_xm
         gemv = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for step in range(first, first + STEPS):
             blk = step * NB + tl.arange(0, NB)
@@ -327,7 +341,7 @@ def _quant_matmul_kernel(
                 gemv = _q6_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, True, BLOCK_N, DOT)
         acc = gemv[None, :]
     else:
-        x_rows = x_ptr + m.to(tl.int64) * stride_xm
+        x_rows = x_ptr + x_row.to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(first, first + STEPS):
             if FORMAT == 0:
@@ -416,9 +430,88 @@ def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizat
     # The fp16 scales are read through a half view of the same bytes (every scale sits at an even offset).
     launch = Launch(
         _quant_matmul_kernel, grid,
-        (x, raw, raw.view(torch.float16), out, m, out_features, x.stride(0), out.stride(-2),
-         out.stride(0) if partials is not None else 0, row_bytes, steps // split),
+        (x, raw, raw.view(torch.float16), out, None, None, m, out_features, x.stride(0), out.stride(-2),
+         out.stride(0) if partials is not None else 0, row_bytes, steps // split, 0),
         dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
-             num_warps=shape.num_warps),
+             GROUPED=False, num_warps=shape.num_warps),
+    )
+    return QuantMatmulLaunch(launch, y, partials)
+
+
+def grouped_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, experts: int,
+                         out_features: int, x_rows: torch.Tensor, chosen: torch.Tensor,
+                         single: bool = False) -> torch.Tensor:
+    """y [P, out_features] with y[p] = x[x_rows[p]] @ W[chosen[p]]^T, where `raw` holds a stack W [experts,
+    out_features, K] of packed GGUF matrices (a MoE layer's experts): every pair of one launch. single: no expert
+    appears twice in `chosen` (one token's top k), which a decode step knows without asking the GPU: each pair is
+    a GEMV program row. Otherwise the pairs are sorted by expert and each expert's rows padded to whole tiles of
+    the verification or prefill shape (for the most rows any expert has), so a tile reads one expert's weights once
+    for all its rows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    pairs = chosen.shape[0]
+    y = torch.empty(pairs, out_features, device=x.device, dtype=x.dtype)
+    if pairs == 0:
+        return y
+    x_rows, chosen = x_rows.to(torch.int32), chosen.to(torch.int32)
+    most = 1 if single else int(torch.bincount(chosen, minlength=experts).max())
+    shape = launch_shape(most, qtype)
+    if shape.block_m == 1:
+        grouped_launch(x, raw, qtype, experts, x_rows, chosen, y, shape)()
+        return y
+    bm = shape.block_m
+    order = torch.argsort(chosen, stable=True)
+    by_expert = chosen[order].long()
+    counts = torch.bincount(chosen, minlength=experts)
+    tiles = (counts + bm - 1) // bm
+    first_row = (torch.cumsum(tiles, 0) - tiles) * bm  # each expert's first padded row
+    first_pair = torch.cumsum(counts, 0) - counts  # and first sorted pair
+    padded = first_row[by_expert] + torch.arange(pairs, device=x.device) - first_pair[by_expert]
+    tile_expert = torch.repeat_interleave(torch.arange(experts, device=x.device, dtype=torch.int32), tiles)
+    padded_rows = torch.full((tile_expert.shape[0] * bm,), -1, device=x.device, dtype=torch.int32)
+    padded_rows[padded] = x_rows[order]
+    out = torch.empty(padded_rows.shape[0], out_features, device=x.device, dtype=x.dtype)
+    grouped_launch(x, raw, qtype, experts, padded_rows, tile_expert, out, shape)()
+    y[order] = out[padded]
+    return y
+
+
+def grouped_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, experts: int,
+                   x_rows: torch.Tensor, tile_expert: torch.Tensor, y: torch.Tensor,
+                   shape: LaunchShape) -> QuantMatmulLaunch:
+    """The launch for y [M, N] (M a whole number of shape.block_m tiles) where tile t multiplies matrix
+    tile_expert[t] of the stack in `raw` with x's rows x_rows [M] int32 (-1: a padding row). Shared by
+    grouped_quant_matmul and the compile report (meta tensors are enough for the latter)."""
+    if qtype not in _CODES:
+        raise ValueError(f"no packed matmul kernel for {qtype.name}")
+    m, out_features = y.shape
+    k = x.shape[1]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"{qtype.name} rows need a multiple of {block} values, got {k}")
+    row_bytes = k // block * type_size
+    expert_bytes = out_features * row_bytes
+    if raw.dtype != torch.uint8 or raw.numel() != experts * expert_bytes or not raw.is_contiguous():
+        raise ValueError(f"expected {experts * expert_bytes} contiguous uint8 bytes for {experts} {qtype.name} "
+                         f"[{out_features}, {k}] matrices, got {raw.numel()} {raw.dtype}")
+    if m % shape.block_m or tile_expert.shape[0] != m // shape.block_m or x_rows.shape[0] != m:
+        raise ValueError(f"{m} rows are not {tile_expert.shape[0]} tiles of {shape.block_m}")
+    nb = _blocks_per_step(qtype, k, shape.blocks)
+    steps = k // (nb * block)
+    tiles = triton.cdiv(out_features, shape.block_n) * (m // shape.block_m)
+    split = 1
+    if shape.block_m <= VERIFY_ROWS:  # as quant_matmul_launch splits
+        split = split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
+    partials = None
+    if split > 1:
+        partials = torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    out = y if partials is None else partials
+    grid = (triton.cdiv(out_features, shape.block_n), m // shape.block_m, split)
+    launch = Launch(
+        _quant_matmul_kernel, grid,
+        (x, raw, raw.view(torch.float16), out, x_rows, tile_expert, m, out_features, x.stride(0), out.stride(-2),
+         out.stride(0) if partials is not None else 0, row_bytes, steps // split, expert_bytes),
+        dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
+             GROUPED=True, num_warps=shape.num_warps),
     )
     return QuantMatmulLaunch(launch, y, partials)

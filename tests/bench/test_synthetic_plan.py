@@ -22,7 +22,7 @@ from dflash_agent.bench.synthetic import (
     synthetic_weight_bytes,
 )
 from dflash_agent.cli import main
-from dflash_agent.engine.memory_plan import DrafterPlan, GiB, drafter_weight_bytes
+from dflash_agent.engine.memory_plan import DrafterPlan, GiB, drafter_weight_bytes, weight_bytes
 from dflash_agent.engine.model import GemmaModel
 
 
@@ -160,12 +160,17 @@ def test_report_writes_json_and_png(tmp_path) -> None:
     assert "decode at" in synthetic.report(result, out, as_json=False)
 
 
-def test_measurements_run_end_to_end_on_a_tiny_config() -> None:
+@pytest.mark.parametrize("layout", ["dense", "moe"])
+def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
     # every step the GPU run takes (random packed target and quantized drafter, decode at two contexts,
-    # verify, draft, append, roofline and projection arithmetic), at a tiny Gemma 4 on the CPU; timings are
-    # not asserted
+    # verify, draft, append, roofline and projection arithmetic), at a tiny Gemma 4 (dense, or 26B-A4B's layout)
+    # on the CPU; timings are not asserted
     from dflash_agent.engine.drafter import DrafterConfig
-    from tests.engine.test_packed_linear import tiny_gemma4_config
+    from tests.engine.test_packed_linear import tiny_family_config
+    from tests.engine.test_packed_linear import tiny_gemma4_config as dense_config
+
+    def tiny_gemma4_config():
+        return dense_config() if layout == "dense" else tiny_family_config("moe")
 
     dconfig = DrafterConfig.from_dict(dict(
         hidden_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
@@ -176,8 +181,13 @@ def test_measurements_run_end_to_end_on_a_tiny_config() -> None:
                                iters=1, contexts=(32, 64), reference=64, copy_bytes=1 << 20)
     assert [d.context for d in result.decode] == [32, 64] and result.reference_context == 64
     assert result.weight_bytes == synthetic_weight_bytes(tiny_gemma4_config(), "Q4_K_M")
+    config = tiny_gemma4_config()
+    shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
+    stacks = weight_bytes([(shapes[name], qtype) for name, qtype in quant_types(config, "Q4_K_M").items()
+                           if qtype is not None and len(shapes[name]) == 3], torch.bfloat16)
+    read = result.weight_bytes - stacks // 2  # a MoE token reads 2 of each layer's 4 experts
     for d in result.decode:
-        assert d.bytes_per_token > result.weight_bytes and d.tok_s > 0
+        assert read < d.bytes_per_token < read + 2**20 and d.tok_s > 0  # plus the KV: 0.1 MB
         assert d.roofline_fraction == pytest.approx(d.tok_s / d.roofline_tok_s)
     assert result.decode[1].bytes_per_token > result.decode[0].bytes_per_token  # more KV at 64 than at 32
     total_ms = result.drafter_step_ms + result.verify16_ms + result.append_context_ms

@@ -1,6 +1,7 @@
 """engine.cpu_decode: decode and verify steps through the C decoder layer (kernels/cpu_layer.c) give what the
 eager layers give on the same repacked weights, row for row, on Gemma 4's structure (two head sizes, shared
-keys and values, value norms, layer scalars, a sliding ring) and on the embedded Gemma 3."""
+keys and values, value norms, layer scalars, a sliding ring), on 26B-A4B's routed experts, on E2B / E4B's per-layer
+inputs and shared K / V, and on the embedded Gemma 3."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch.nn.functional as F
 
 from dflash_agent.engine.cpu_decode import MAX_ROWS, CpuDecodeLayers
 from dflash_agent.engine.model import RowGroup
-from dflash_agent.engine.packed_linear import cpu_dot
+from dflash_agent.engine.packed_linear import PackedWeight, cpu_dot
+from dflash_agent.engine.quant import dequantize
 from dflash_agent.engine.weights import build_model, open_checkpoint, resolve_model_path
 
-from .test_packed_linear import VOCAB, run_steps, tiny_packed_checkpoint
+from .test_packed_linear import VOCAB, run_steps, tiny_family_config, tiny_packed_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
 
@@ -49,6 +51,58 @@ def test_c_layers_match_the_eager_layers_on_gemma4_structure(tiny, monkeypatch):
         # 5e-5 to 1.1e-4 relative; a wrong norm, RoPE or mask gives 1e-1 and more
         assert (c - eager).norm() / eager.norm() < 1e-3
         assert torch.equal(c.argmax(-1), eager.argmax(-1))
+
+
+def _family_model(kind: str, float_router: bool = False):
+    """tiny_family_config's layout ("moe": 26B-A4B's routed experts; "ple": E2B / E4B's per-layer inputs and shared
+    K / V), packed and repacked; float_router: the router's matrix kept in float, as llama.cpp's converter and
+    quantizer keep it."""
+    ckpt = tiny_packed_checkpoint(config=tiny_family_config(kind))
+    if float_router:
+        for name, tensor in list(ckpt.tensors.items()):
+            if name.endswith("router.proj.weight"):
+                ckpt.tensors[name] = dequantize(tensor.raw, tensor.qtype, tensor.shape).float()
+    return build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True)
+
+
+@pytest.mark.parametrize(("kind", "float_router"), [("moe", False), ("moe", True), ("ple", False)],
+                         ids=["moe", "moe-float-router", "ple"])
+def test_c_layers_match_the_eager_layers_on_the_gemma4_family(kind, float_router, monkeypatch):
+    """26B-A4B's layers (router, routed experts beside the dense MLP, their three extra norms) and E2B / E4B's (the
+    per-layer input, layers reading their owner's K / V, the double-wide MLPs) in the C call: every step of
+    run_steps goes there and gives the eager layers' logits."""
+    model = _family_model(kind, float_router)
+    assert model.cpu_layers is not None
+    if kind == "moe":
+        assert isinstance(model.layers[0].router.proj.weight, PackedWeight) != float_router
+    else:
+        assert model.layers[3].self_attn.k_proj is None and model.config.per_layer_input
+    calls = []
+    forward = CpuDecodeLayers.forward
+    monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
+    c_steps = run_steps(model)
+    assert calls == [13, 1, 5, 1]
+    for c, eager in zip(c_steps, _eager(model), strict=True):
+        # measured: MoE 4e-5 to 8e-5, PLE up to 7e-4 (its eager steps differ as much from the model dequantized at
+        # load); a wrong expert, norm or shared key gives 1e-1
+        assert (c - eager).norm() / eager.norm() < 2e-3
+        assert torch.equal(c.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["moe", "ple"])
+def test_family_rows_in_a_block_give_what_each_alone_gives(kind):
+    """A verified block's rows go through each expert together and through shared K / V in one call: every row's
+    logits are those of decoding it alone."""
+    model = _family_model(kind)
+    torch.manual_seed(3)
+    ids = torch.randint(0, VOCAB, (40,))
+    block = model.new_cache(64)
+    model(ids[:12], block)
+    together = model(ids[12:40], block, logits_at=torch.arange(28)).logits
+    single = model.new_cache(64)
+    model(ids[:12], single)
+    alone = torch.cat([model(ids[i:i + 1], single).logits for i in range(12, 40)])
+    assert torch.equal(together, alone)
 
 
 def test_a_verified_block_gives_what_token_by_token_decoding_gives(tiny):
@@ -219,13 +273,13 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(ti
     assert torch.isfinite(run(3)).all() and all(c[:, 3].any() and not c[:, :3].any() for c in caches)
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "embedded"])
+@pytest.mark.parametrize("model_name", ["tiny", "moe", "ple", "embedded"])
 def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_name, tiny, embedded_c):
     """GemmaModel.forward_groups: decode rows and verification blocks of four sequences (different lengths, one
     past its sliding window) in one C call give bit for bit the logits and captures of each run alone."""
     from dflash_agent.engine.model import RowGroup
 
-    model = tiny if model_name == "tiny" else embedded_c
+    model = {"tiny": tiny, "embedded": embedded_c}.get(model_name) or _family_model(model_name)
     vocab = model.config.vocab_size
     window = model.config.sliding_window
     torch.manual_seed(7)
@@ -247,7 +301,7 @@ def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_
     calls = []
     layers = model.cpu_layers
     forward_groups = layers.forward_groups
-    layers.forward_groups = lambda x, groups, cap: calls.append(len(groups)) or forward_groups(x, groups, cap)
+    layers.forward_groups = lambda x, groups, *rest: calls.append(len(groups)) or forward_groups(x, groups, *rest)
     try:
         together_caches = caches()
         calls.clear()

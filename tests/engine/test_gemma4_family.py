@@ -15,8 +15,9 @@ PROMPT_LEN = 21  # longer than the sliding window below
 
 
 def moe_config():
-    """26B-A4B's layout, shrunk: every layer a dense MLP plus 8 experts, 2 per token."""
-    return gemma4_config(intermediate_size=48, enable_moe_block=True, num_experts=8, top_k_experts=2,
+    """26B-A4B's layout, shrunk: every layer a dense MLP plus 8 experts, 2 per token (widths multiples of 32, so the
+    converter's Q8_0 file repacks whole for the C layers)."""
+    return gemma4_config(intermediate_size=32, enable_moe_block=True, num_experts=8, top_k_experts=2,
                          moe_intermediate_size=32)
 
 

@@ -301,8 +301,11 @@ static void check_norm_head_argmax(void) {
 }
 
 /* One decoder layer (every layout among its matrices) decoding three rows over a cache of 67 keys (two chunks of
- * keys), with full and with sliding attention; then the same rows one call each, which must give the same bits. */
-static void check_layer(int64_t window) {
+ * keys), with full and with sliding attention; then the same rows one call each, which must give the same bits.
+ * family 1: with 26B-A4B's routed experts (4, 2 a row, a float router) and E2B's per-layer input as well; family 2:
+ * a layer that shares another's K / V (no K / V matrices), which must leave the cache as it found it. */
+enum { FAMILY_EXPERTS = 4, FAMILY_TOP = 2, FAMILY_WIDTH = 64, FAMILY_PLE = 64 };
+static void check_layer(int64_t window, int family) {
     enum { H = 256, HEADS = 2, KVH = 1, D = 32, I = 96, SLOTS = 80, PAST = 67, T = 3 };
     dfa_matrix m[7] = {matrix(&LAYOUTS[Q4_K], HEADS * D, H), matrix(&LAYOUTS[Q5_K], KVH * D, H),
                        matrix(&LAYOUTS[Q5_0], KVH * D, H),   matrix(&LAYOUTS[Q4_0], H, HEADS * D),
@@ -312,6 +315,27 @@ static void check_layer(int64_t window) {
     for (int i = 0; i < 6; i++) norms[i] = floats(i < 4 ? H : D, 0.5f, 1.5f);
     dfa_layer L = {m[0], m[1], m[2], m[3], m[4], m[5], m[6], norms[0], norms[1], norms[2], norms[3], norms[4],
                    norms[5], H, HEADS, KVH, D, I, 1, 1e-6f, 1.0f, 0.7f};
+    dfa_matrix gate_up[FAMILY_EXPERTS], down[FAMILY_EXPERTS], ple[2];
+    float *family_f[7] = {NULL}, *per_layer = NULL;
+    if (family == 1) {
+        for (int e = 0; e < FAMILY_EXPERTS; e++) {
+            gate_up[e] = matrix(&LAYOUTS[e % 2 ? Q4_0 : Q4_K], 2 * FAMILY_WIDTH, H);
+            down[e] = matrix(&LAYOUTS[Q8_0], H, FAMILY_WIDTH);
+        }
+        ple[0] = matrix(&LAYOUTS[Q4_0], FAMILY_PLE, H), ple[1] = matrix(&LAYOUTS[Q8_0], H, FAMILY_PLE);
+        family_f[0] = floats(FAMILY_EXPERTS * H, -0.2f, 0.2f); /* the router, float as llama.cpp keeps it */
+        family_f[1] = floats(H, 0.5f, 1.5f), family_f[2] = floats(FAMILY_EXPERTS, 0.5f, 1.5f);
+        for (int i = 3; i < 7; i++) family_f[i] = floats(H, 0.5f, 1.5f);
+        per_layer = floats(T * FAMILY_PLE, -1.0f, 1.0f);
+        L.router_w = family_f[0], L.router_scale = family_f[1], L.expert_scale = family_f[2];
+        L.expert_gate_up = gate_up, L.expert_down = down;
+        L.post_ff_norm_1 = family_f[3], L.pre_ff_norm_2 = family_f[4], L.post_ff_norm_2 = family_f[5];
+        L.experts = FAMILY_EXPERTS, L.top_k = FAMILY_TOP, L.expert_width = FAMILY_WIDTH;
+        L.per_layer_gate = ple[0], L.per_layer_proj = ple[1], L.post_per_layer_norm = family_f[6];
+        L.per_layer_width = FAMILY_PLE;
+    } else if (family == 2) {
+        L.k_proj = L.v_proj = (dfa_matrix){0};
+    }
     float *k0 = floats(SLOTS * KVH * D, -1.0f, 1.0f), *v0 = floats(SLOTS * KVH * D, -1.0f, 1.0f);
     float *k = malloc(sizeof(float) * SLOTS * KVH * D), *v = malloc(sizeof(float) * SLOTS * KVH * D);
     float *x0 = activations(T, H), x[T * H], alone[T * H], inv_freq[D / 2], cos[T * D], sin[T * D];
@@ -325,8 +349,14 @@ static void check_layer(int64_t window) {
     dfa_kv kv = {k, v, SLOTS, slots, NULL, PAST + T, window};
     const float *c[1] = {cos}, *s[1] = {sin};
     float *capture[1] = {NULL};
-    if (dfa_layers_forward(&L, &kv, 1, x, T, pos, c, s, capture, groups, 1, THREADS)) fail("layer", "failed");
-    record(window ? "layer.sliding" : "layer.full", x, T * H);
+    if (dfa_layers_forward(&L, &kv, 1, x, T, pos, c, s, capture, groups, 1, per_layer, THREADS))
+        fail("layer", "failed");
+    static const char *names[3][2] = {{"layer.full", "layer.sliding"}, {"layer.family.full", "layer.family.sliding"},
+                                      {"layer.shared.full", "layer.shared.sliding"}};
+    record(names[family][window != 0], x, T * H);
+    const size_t cache_bytes = sizeof(float) * SLOTS * KVH * D;
+    if (family == 2 && (memcmp(k, k0, cache_bytes) || memcmp(v, v0, cache_bytes)))
+        fail("layer", "a layer sharing K / V wrote the cache");
 
     memcpy(k, k0, sizeof(float) * SLOTS * KVH * D), memcpy(v, v0, sizeof(float) * SLOTS * KVH * D);
     memcpy(alone, x0, sizeof alone);
@@ -334,7 +364,8 @@ static void check_layer(int64_t window) {
         const int64_t one[2] = {0, 1};
         dfa_kv kv1 = {k, v, SLOTS, slots + t, NULL, PAST + t + 1, window};
         const float *c1[1] = {cos + t * D}, *s1[1] = {sin + t * D};
-        dfa_layers_forward(&L, &kv1, 1, alone + t * H, 1, pos + t, c1, s1, capture, one, 1, THREADS);
+        dfa_layers_forward(&L, &kv1, 1, alone + t * H, 1, pos + t, c1, s1, capture, one, 1,
+                           per_layer ? per_layer + t * FAMILY_PLE : NULL, THREADS);
     }
     if (memcmp(alone, x, sizeof x)) fail("layer", "rows decoded one at a time differ from the block's");
 
@@ -342,10 +373,20 @@ static void check_layer(int64_t window) {
     int64_t bad[T] = {PAST, PAST + 1, SLOTS};
     dfa_kv outside = {k, v, SLOTS, bad, NULL, PAST + T, window};
     memcpy(x, x0, sizeof x);
-    if (dfa_layers_forward(&L, &outside, 1, x, T, pos, c, s, capture, groups, 1, THREADS) != -2 ||
+    if (dfa_layers_forward(&L, &outside, 1, x, T, pos, c, s, capture, groups, 1, per_layer, THREADS) != -2 ||
         memcmp(x, x0, sizeof x))
         fail("layer", "a write slot outside the cache was not refused untouched");
 
+    if (family == 1) { /* a per-layer input left out is refused too */
+        memcpy(x, x0, sizeof x);
+        if (dfa_layers_forward(&L, &kv, 1, x, T, pos, c, s, capture, groups, 1, NULL, THREADS) != -2 ||
+            memcmp(x, x0, sizeof x))
+            fail("layer", "a PLE layer without its per-layer input was not refused untouched");
+        for (int e = 0; e < FAMILY_EXPERTS; e++) free_matrix(&gate_up[e]), free_matrix(&down[e]);
+        free_matrix(&ple[0]), free_matrix(&ple[1]);
+    }
+    for (int i = 0; i < 7; i++) free(family_f[i]);
+    free(per_layer);
     for (int i = 0; i < 7; i++) free_matrix(&m[i]);
     for (int i = 0; i < 6; i++) free(norms[i]);
     free(k0), free(v0), free(k), free(v), free(x0);
@@ -369,8 +410,10 @@ int main(int argc, char **argv) {
     check_argmax();
     check_norm_linear();
     check_norm_head_argmax();
-    check_layer(0);
-    check_layer(16);
+    for (int family = 0; family < 3; family++) {
+        check_layer(0, family);
+        check_layer(16, family);
+    }
     fclose(out);
     printf("%d failed\n", failures);
     return failures ? 1 : 0;

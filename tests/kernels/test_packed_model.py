@@ -28,11 +28,17 @@ def test_kernel_path_matches_cpu_model(kernels, cache_kind) -> None:
 
 @pytest.mark.parametrize("kind", ["moe", "ple"])
 def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
-    """26B-A4B's experts (one packed matmul per chosen expert) and E2B / E4B's per-layer inputs and shared KV on
-    the kernel path, against the plain CPU model."""
+    """26B-A4B's experts (two grouped launches a layer: decode steps' GEMV rows, longer steps' tiles by expert) and
+    E2B / E4B's per-layer inputs and shared KV on the kernel path, against the plain CPU model."""
     ckpt = tiny_packed_checkpoint(config=tiny_family_config(kind))
     packed = build_model(ckpt, kernels.device, torch.float32, progress=False, packed=True)
-    kernel_logits = [logits.cpu() for logits in run_steps(packed)]
+    qm, grouped = kernels.load("quant_matmul"), []
+    launch = qm.grouped_quant_matmul
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qm, "grouped_quant_matmul", lambda *a: grouped.append(a[-1]) or launch(*a))
+        kernel_logits = [logits.cpu() for logits in run_steps(packed)]
+    # run_steps: a prefill, a decode step, a verify block and another decode step, over 2 MoE layers
+    assert grouped == ([False] * 4 + [True] * 4 + [False] * 4 + [True] * 4 if kind == "moe" else [])
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(CPU_KERNELS_ENV, raising=False)
         plain = build_model(ckpt, "cpu", torch.float32, progress=False)

@@ -128,3 +128,30 @@ def test_quant_linear_q4_is_q4_0_blocks_and_runs_on_the_kernel(kernels) -> None:
     x = torch.randn(3, K)
     y = layer.to(kernels.device)(x.to(kernels.device)).cpu()
     check(y, x, expanded)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 5, 24])
+@pytest.mark.parametrize("per_pair", [False, True], ids=["gate-up", "down"])
+def test_grouped_experts_match_each_expert_alone(kernels, qtype, tokens, per_pair) -> None:
+    """A MoE layer's chosen experts in one launch (grouped_quant_matmul): a decode step's pairs as GEMV rows; a
+    verification block's and a prompt's grouped by expert into padded 16- and 64-row tiles (24 tokens of 4 experts,
+    top 2: some expert has more than 16 rows). Every pair is x's row times its expert's matrix: a token's row for
+    each of its experts (the gate and up projection), or a row of its own (the down projection)."""
+    qm = kernels.load("quant_matmul")
+    experts, top = 4, 2
+    raw = torch.cat([random_weight(qtype, N, K, seed=e) for e in range(experts)])
+    chosen = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top]
+                          for t in range(tokens)]).reshape(-1)
+    rows = torch.arange(tokens * top) if per_pair else torch.arange(tokens).repeat_interleave(top)
+    x = torch.randn(rows.shape[0] if per_pair else tokens, K)
+    got = qm.grouped_quant_matmul(x.to(kernels.device), raw.to(kernels.device), qtype, experts, N,
+                                  rows.to(kernels.device), chosen.to(kernels.device), single=tokens == 1).cpu()
+    bytes_per = raw.numel() // experts
+    for p in range(rows.shape[0]):
+        e = int(chosen[p])
+        w = dequantize(raw[e * bytes_per:(e + 1) * bytes_per], qtype, (N, K))
+        check(got[p:p + 1], x[rows[p]:rows[p] + 1], w)
+    with pytest.raises(ValueError, match="contiguous uint8 bytes"):
+        qm.grouped_quant_matmul(x.to(kernels.device), raw[:-1].to(kernels.device), qtype, experts, N,
+                                rows.to(kernels.device), chosen.to(kernels.device))
