@@ -396,23 +396,31 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def _checked_row_bytes(raw: torch.Tensor, qtype: GGMLQuantizationType, matrices: int, n: int, k: int) -> int:
+    """The bytes of a row of `matrices` packed [n, k] matrices in `raw`, after checking raw holds exactly them."""
+    if qtype not in _CODES:
+        supported = ", ".join(t.name for t in sorted(SUPPORTED_TYPES, key=lambda t: t.value))
+        raise ValueError(f"no packed matmul kernel for {qtype.name} (supported: {supported})")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"{qtype.name} rows need a multiple of {block} values, got {k}")
+    row_bytes = k // block * type_size
+    if raw.dtype != torch.uint8 or raw.numel() != matrices * n * row_bytes or not raw.is_contiguous():
+        what = f"a {qtype.name}" if matrices == 1 else f"{matrices} {qtype.name}"
+        raise ValueError(f"expected {matrices * n * row_bytes} contiguous uint8 bytes for {what} [{n}, {k}] "
+                         f"matri{'x' if matrices == 1 else 'ces'}, got {raw.numel()} {raw.dtype}")
+    return row_bytes
+
+
 def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
                         y: torch.Tensor) -> QuantMatmulLaunch | None:
     """The launch (and the buffers it writes) for y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking
     the operands; None when M = 0. Shared by `quant_matmul` and the compile report (meta tensors are enough for
     the latter, which plans for an RTX 4090's SMs)."""
-    if qtype not in _CODES:
-        supported = ", ".join(t.name for t in sorted(SUPPORTED_TYPES, key=lambda t: t.value))
-        raise ValueError(f"no packed matmul kernel for {qtype.name} (supported: {supported})")
     m, k = x.shape
     out_features = y.shape[1]
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    if k % block:
-        raise ValueError(f"{qtype.name} rows need a multiple of {block} values, got {k}")
-    row_bytes = k // block * type_size
-    if raw.dtype != torch.uint8 or raw.numel() != out_features * row_bytes or not raw.is_contiguous():
-        raise ValueError(f"expected {out_features * row_bytes} contiguous uint8 bytes for a {qtype.name} "
-                         f"[{out_features}, {k}] weight, got {raw.numel()} {raw.dtype}")
+    row_bytes = _checked_row_bytes(raw, qtype, 1, out_features, k)
+    block = GGML_QUANT_SIZES[qtype][0]
     if raw.device != x.device:
         raise ValueError(f"weight on {raw.device}, activations on {x.device}")
     if m == 0:
@@ -482,18 +490,11 @@ def grouped_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationTy
     """The launch for y [M, N] (M a whole number of shape.block_m tiles) where tile t multiplies matrix
     tile_expert[t] of the stack in `raw` with x's rows x_rows [M] int32 (-1: a padding row). Shared by
     grouped_quant_matmul and the compile report (meta tensors are enough for the latter)."""
-    if qtype not in _CODES:
-        raise ValueError(f"no packed matmul kernel for {qtype.name}")
     m, out_features = y.shape
     k = x.shape[1]
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    if k % block:
-        raise ValueError(f"{qtype.name} rows need a multiple of {block} values, got {k}")
-    row_bytes = k // block * type_size
+    row_bytes = _checked_row_bytes(raw, qtype, experts, out_features, k)
+    block = GGML_QUANT_SIZES[qtype][0]
     expert_bytes = out_features * row_bytes
-    if raw.dtype != torch.uint8 or raw.numel() != experts * expert_bytes or not raw.is_contiguous():
-        raise ValueError(f"expected {experts * expert_bytes} contiguous uint8 bytes for {experts} {qtype.name} "
-                         f"[{out_features}, {k}] matrices, got {raw.numel()} {raw.dtype}")
     if m % shape.block_m or tile_expert.shape[0] != m // shape.block_m or x_rows.shape[0] != m:
         raise ValueError(f"{m} rows are not {tile_expert.shape[0]} tiles of {shape.block_m}")
     nb = _blocks_per_step(qtype, k, shape.blocks)
