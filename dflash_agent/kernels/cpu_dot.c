@@ -305,7 +305,7 @@ static inline void k_scales2(const uint8_t *header, int n, float d[16], float m[
 
 #if defined(DFA_AVX512)
 /* k_scales for the n (1..4) super-blocks of a row from `header`, four headers at once (one per 128-bit lane), for
- * the AVX-512 Q4_K rows (q4k_rows). Each super-block's 8 floats are stored as one 32-byte store, as they are
+ * the AVX-512 Q4_K rows (q4_rows). Each super-block's 8 floats are stored as one 32-byte store, as they are
  * loaded: a load from inside a wider store waits for it to reach the cache. */
 static inline void k_scales4(const uint8_t *header, int n, float d[32], float m[32]) {
     const __m512i h = _mm512_maskz_loadu_epi8(n == 4 ? ~0ULL : (1ULL << (16 * n)) - 1, header);
@@ -809,27 +809,29 @@ static inline __attribute__((always_inline)) void nibbles_panel(int high, const 
     } while (0)
 
 #if defined(DFA_AVX2)
-/* Activation rows per q4k_rows call (TILE's 8 spilled AVX-512's accumulators) */
-#define Q4K_ROWS 4
-/* Q4_K (u4, K headers, no offset) for AVX2 and AVX-512 alike: the same integers and the same float operations in
- * the same order, so every vector build gives the same bits. A group's 16 bytes widen to int16 at once, their low
+/* Activation rows per q4_rows call (TILE's 8 spilled AVX-512's accumulators) */
+#define Q4_ROWS 4
+/* Q4_K (u4, K headers, no offset) and Q4_0 (`half`: u4, a float16 scale per group, offset 8) for AVX2 and AVX-512
+ * alike: the same integers and the same float operations in the same order, so every vector build gives the same
+ * bits. A group's 16 bytes widen to int16 at once, their low
  * nibbles in one register and their high ones in another (AVX-512: a pair of groups' 32 bytes), against activations
  * in the order those come in: per pair of groups, values 0-7 and 16-23 of each, then 8-15 and 24-31 of each
- * (q4k_order; or, `ordered` 0, the rows as they are, shuffled as they are read). Lane l of a group's eight is the
+ * (q4_order; or, `ordered` 0, the rows as they are, shuffled as they are read). Lane l of a group's eight is the
  * dot of the four values its bytes 2l and 2l + 1 hold; the even groups accumulate in one chain, the odd ones in
  * another (AVX-512: the two halves of one register), summed by acc_sum at the end. In order, a group took two
  * unpacks and a variable shift more (row_nibbles), and its header's scales a scalar unpacking each (k_scales):
- * decode-step Q4_K matmuls run 1.4x as fast with AVX-512 (in L2; 1.2x from memory), 1.1x with AVX2. One row or
- * Q4K_ROWS, the same operations per row. */
-static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *qn, const uint8_t *dn, const int16_t *xq,
-                                                           int ordered, const float *xs, const float *xsum,
-                                                           int64_t K, int64_t r0, int rows, float *out) {
-    enum { R = Q4K_ROWS };
-    const int64_t B = K / 32;
+ * decode-step Q4_K matmuls run 1.4x as fast with AVX-512 (in L2; 1.2x from memory), 1.1x with AVX2; Q4_0 ones
+ * (the offset subtracted as int16) 1.56x and 1.26x. One row or Q4_ROWS, the same operations per row. */
+static inline __attribute__((always_inline)) void q4_rows(int half, const uint8_t *qn, const uint8_t *dn,
+                                                          const int16_t *xq, int ordered, const float *xs,
+                                                          const float *xsum, int64_t K, int64_t r0, int rows,
+                                                          float *out) {
+    enum { R = Q4_ROWS };
+    const int64_t B = K / 32; /* Q4_K: whole super-blocks of 8 groups; Q4_0: pairs of groups, the last 8 maybe not */
     __m256 mins[R];
     float kds[32], kms[32];
 #if defined(DFA_AVX512)
-    const __m512i low = _mm512_set1_epi16(0x0F);
+    const __m512i low = _mm512_set1_epi16(0x0F), eight = _mm512_set1_epi16(half ? 8 : 0);
     const __m512i pick0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i pick[4] = {pick0, _mm512_add_epi32(pick0, _mm512_set1_epi32(2)),
                              _mm512_add_epi32(pick0, _mm512_set1_epi32(4)),
@@ -837,23 +839,43 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *qn, co
     __m512 acc[R];
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
 #else
-    const __m256i low = _mm256_set1_epi16(0x0F);
+    const __m256i low = _mm256_set1_epi16(0x0F), eight = _mm256_set1_epi16(half ? 8 : 0);
     __m256 acc[2][R]; /* [group % 2] */
     for (int i = 0; i < rows; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
 #endif
     for (int i = 0; i < rows; i++) mins[i] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < B / 8; s++) {
+    for (int64_t s = 0; s < (B + 7) / 8; s++) {
+        const int pairs = B - s * 8 < 8 ? (int)(B - s * 8) / 2 : 4;
 #if defined(DFA_AVX512)
-        if (s % 4 == 0) k_scales4(dn + s * 16, B / 8 - s < 4 ? (int)(B / 8 - s) : 4, kds, kms);
         __m512 prod[R];
 #else
-        if (s % 2 == 0) k_scales2(dn + s * 16, B / 8 - s < 2 ? 1 : 2, kds + s % 4 * 8, kms + s % 4 * 8);
         float prod[R][8]; /* broadcast from memory: a load, where a permute took the shuffle port */
 #endif
-        const __m256 kd = _mm256_loadu_ps(kds + s % 4 * 8), km = _mm256_loadu_ps(kms + s % 4 * 8);
+        /* the last groups of a Q4_0 row: 2, 4 or 6 scales, and as many of the rows', loaded masked (through a buffer
+         * on the stack, the stores' forwarding to the vector load stalled: rows of 704 ran no faster than before) */
+        const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * pairs),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 kd;
+        if (half && pairs == 4) {
+            kd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dn + s * 16)));
+        } else if (half) { /* a pair's two float16 scales are one 32-bit word */
+            const __m128i words = _mm_cmpgt_epi32(_mm_set1_epi32(pairs), _mm_setr_epi32(0, 1, 2, 3));
+            kd = _mm256_cvtph_ps(_mm_maskload_epi32((const int *)(dn + s * 16), words));
+        } else {
+#if defined(DFA_AVX512)
+            if (s % 4 == 0) k_scales4(dn + s * 16, B / 8 - s < 4 ? (int)(B / 8 - s) : 4, kds, kms);
+#else
+            if (s % 2 == 0) k_scales2(dn + s * 16, B / 8 - s < 2 ? 1 : 2, kds + s % 4 * 8, kms + s % 4 * 8);
+#endif
+            kd = _mm256_loadu_ps(kds + s % 4 * 8);
+        }
         for (int i = 0; i < rows; i++) {
-            mins[i] = _mm256_fmadd_ps(km, _mm256_loadu_ps(xsum + (r0 + i) * B + s * 8), mins[i]);
-            const __m256 scales = _mm256_mul_ps(kd, _mm256_loadu_ps(xs + (r0 + i) * B + s * 8));
+            const float *row_scales = xs + (r0 + i) * B + s * 8;
+            const __m256 x_scales = pairs == 4 ? _mm256_loadu_ps(row_scales) : _mm256_maskload_ps(row_scales, first);
+            if (!half)
+                mins[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kms + s % 4 * 8),
+                                          _mm256_loadu_ps(xsum + (r0 + i) * B + s * 8), mins[i]);
+            const __m256 scales = _mm256_mul_ps(kd, x_scales);
 #if defined(DFA_AVX512)
             prod[i] = _mm512_castps256_ps512(scales);
 #else
@@ -861,10 +883,11 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *qn, co
 #endif
         }
         /* each pair of groups (AVX-512) or group (AVX2) unpacked once for the rows */
-        for (int p = 0; p < 4; p++) {
+        for (int p = 0; p < pairs; p++) {
 #if defined(DFA_AVX512)
             const __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qn + s * 128 + p * 32)));
-            const __m512i lo = _mm512_and_si512(z, low), hi = _mm512_srli_epi16(z, 4);
+            __m512i lo = _mm512_and_si512(z, low), hi = _mm512_srli_epi16(z, 4);
+            if (half) lo = _mm512_sub_epi16(lo, eight), hi = _mm512_sub_epi16(hi, eight);
             for (int i = 0; i < rows; i++) {
                 const int16_t *xp = xq + (r0 + i) * K + s * 256 + p * 64;
                 __m512i a = _mm512_loadu_si512(xp), b = _mm512_loadu_si512(xp + 32);
@@ -880,7 +903,8 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *qn, co
             for (int e = 0; e < 2; e++) {
                 const int g = 2 * p + e;
                 const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qn + s * 128 + g * 16)));
-                const __m256i lo = _mm256_and_si256(z, low), hi = _mm256_srli_epi16(z, 4);
+                __m256i lo = _mm256_and_si256(z, low), hi = _mm256_srli_epi16(z, 4);
+                if (half) lo = _mm256_sub_epi16(lo, eight), hi = _mm256_sub_epi16(hi, eight);
                 for (int i = 0; i < rows; i++) {
                     const int16_t *xp = xq + (r0 + i) * K + s * 256 + p * 64;
                     __m256i a, b;
@@ -905,15 +929,16 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *qn, co
 #else
         const __m256 even = acc[0][i], odd = acc[1][i];
 #endif
-        out[i] = acc_sum(even, odd) + acc_sum(mins[i], acc_zero());
+        out[i] = acc_sum(even, odd) + (half ? 0.0f : acc_sum(mins[i], acc_zero()));
     }
 }
 
-/* Rows [n0, n1) of a Q4_K matrix (q4k_rows), as nibbles_panel. */
-static inline __attribute__((always_inline)) void q4k_panel(const int16_t *xq, int ordered, const float *xs,
-                                                            const float *xsum, int64_t M, int64_t K,
-                                                            const uint8_t *q, const uint8_t *d, int64_t N, float *y,
-                                                            int64_t n0, int64_t n1, int64_t ahead) {
+/* Rows [n0, n1) of a Q4_K or (half) Q4_0 matrix (q4_rows), as nibbles_panel: both keep K / 16 bytes of scales a
+ * row. */
+static inline __attribute__((always_inline)) void q4_panel(int half, const int16_t *xq, int ordered, const float *xs,
+                                                           const float *xsum, int64_t M, int64_t K, const uint8_t *q,
+                                                           const uint8_t *d, int64_t N, float *y, int64_t n0,
+                                                           int64_t n1, int64_t ahead) {
     for (int64_t n = n0; n < n1; n++) {
         prefetch(q + (n + ahead) * (K / 2), K / 2);
         prefetch(d + (n + ahead) * (K / 16), K / 16);
@@ -922,40 +947,44 @@ static inline __attribute__((always_inline)) void q4k_panel(const int16_t *xq, i
     int64_t r0 = 0;
     for (; r0 + TILE <= M; r0 += TILE)
         for (int64_t n = n0; n < n1; n++) {
-            for (int i = 0; i < TILE; i += Q4K_ROWS)
-                q4k_rows(q + n * (K / 2), d + n * (K / 16), xq, ordered, xs, xsum, K, r0 + i, Q4K_ROWS, out + i);
+            for (int i = 0; i < TILE; i += Q4_ROWS)
+                q4_rows(half, q + n * (K / 2), d + n * (K / 16), xq, ordered, xs, xsum, K, r0 + i, Q4_ROWS,
+                        out + i);
             for (int i = 0; i < TILE; i++) y[(r0 + i) * N + n] = out[i];
         }
     for (; r0 < M; r0++)
         for (int64_t n = n0; n < n1; n++) {
-            q4k_rows(q + n * (K / 2), d + n * (K / 16), xq, ordered, xs, xsum, K, r0, 1, out);
+            q4_rows(half, q + n * (K / 2), d + n * (K / 16), xq, ordered, xs, xsum, K, r0, 1, out);
             y[r0 * N + n] = out[0];
         }
 }
 
-/* Activation rows in q4k_rows' order (K a multiple of 256), once per matmul: shuffled as they were read instead,
+/* Activation rows in q4_rows' order (K a multiple of 64), once per matmul: shuffled as they were read instead,
  * a block of rows took 40% longer with AVX2. */
-#define Q4K_STACK_VALUES 32768
-#ifndef DFA_Q4K_ORDER /* 0: never (the tests' build of the path taken without memory for the order) */
-#define DFA_Q4K_ORDER 1
+#define Q4_STACK_VALUES 32768
+#ifndef DFA_Q4_ORDER /* 0: never (the tests' build of the path taken without memory for the order) */
+#define DFA_Q4_ORDER 1
 #endif
-static void q4k_order(const int16_t *x, int64_t M, int64_t K, int16_t *to) {
+static void q4_order(const int16_t *x, int64_t M, int64_t K, int16_t *to) {
     static const int eighths[8] = {0, 2, 4, 6, 1, 3, 5, 7};
     for (int64_t p = 0; p < M * K / 64; p++)
         for (int j = 0; j < 8; j++) memcpy(to + p * 64 + 8 * j, x + p * 64 + 8 * eighths[j], 8 * sizeof(int16_t));
 }
 
-static void matmul_q4k(const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                       const uint8_t *q, const uint8_t *d, int64_t N, float *y, int threads) {
+static void matmul_q4(int half, const int16_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                      const uint8_t *q, const uint8_t *d, int64_t N, float *y, int threads) {
     const int64_t ahead = rows_ahead(K / 2 + K / 16);
-    int16_t on_stack[Q4K_STACK_VALUES];
-    int16_t *ordered = !DFA_Q4K_ORDER ? NULL
-                       : M * K <= Q4K_STACK_VALUES ? on_stack
+    int16_t on_stack[Q4_STACK_VALUES];
+    int16_t *ordered = !DFA_Q4_ORDER ? NULL
+                       : M * K <= Q4_STACK_VALUES ? on_stack
                                                    : (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-    if (ordered) q4k_order(xq, M, K, ordered); /* else (no memory) the rows as they are, shuffled as they are read */
+    if (ordered) q4_order(xq, M, K, ordered); /* else (no memory) the rows as they are, shuffled as they are read */
     const int16_t *x = ordered ? ordered : xq;
-    if (M == 1) OVER_PANELS(1, q4k_panel, x, ordered != NULL, xs, xsum, 1, K, q, d, N, y);
-    else OVER_PANELS(M, q4k_panel, x, ordered != NULL, xs, xsum, M, K, q, d, N, y);
+    /* the constants inlined: Q4_K or Q4_0, a decode row or tiles */
+    if (half && M == 1) OVER_PANELS(1, q4_panel, 1, x, ordered != NULL, xs, xsum, 1, K, q, d, N, y);
+    else if (half) OVER_PANELS(M, q4_panel, 1, x, ordered != NULL, xs, xsum, M, K, q, d, N, y);
+    else if (M == 1) OVER_PANELS(1, q4_panel, 0, x, ordered != NULL, xs, xsum, 1, K, q, d, N, y);
+    else OVER_PANELS(M, q4_panel, 0, x, ordered != NULL, xs, xsum, M, K, q, d, N, y);
     if (ordered != on_stack) free(ordered);
 }
 #endif
@@ -964,8 +993,9 @@ static void matmul_nibbles(int high, const int16_t *xq, const float *xs, const f
                            const uint8_t *q, const uint32_t *qh, int offset, const void *d, int scales,
                            const float *m, int64_t N, float *y, int threads) {
 #if defined(DFA_AVX2)
-    if (high == 0 && scales == DFA_SCALES_K && offset == 0 && !m) {
-        matmul_q4k(xq, xs, xsum, M, K, q, (const uint8_t *)d, N, y, threads);
+    if (high == 0 && !m && ((scales == DFA_SCALES_K && offset == 0) ||
+                            (scales == DFA_SCALES_F16 && offset == 8 && K % 64 == 0))) {
+        matmul_q4(scales == DFA_SCALES_F16, xq, xs, xsum, M, K, q, (const uint8_t *)d, N, y, threads);
         return;
     }
 #endif

@@ -404,6 +404,7 @@ int main(int argc, char **argv) {
         const int super = LAYOUTS[i].scales == DFA_SCALES_K || LAYOUTS[i].scales == DFA_SCALES_Q6K; /* of 256 */
         check_linear(&LAYOUTS[i], super ? 256 : 96); /* 96: an odd number of blocks, the tail */
         check_linear(&LAYOUTS[i], super ? 768 : 256);
+        if (!super) check_linear(&LAYOUTS[i], 704); /* pairs of blocks, 6 past the last 8: 26B-A4B's expert width */
         check_gemm_i8(&LAYOUTS[i], super ? 512 : 96);
     }
     check_dequantize();

@@ -132,10 +132,12 @@ def test_matmul_is_the_float_matmul_and_dequantize_is_exact(lib, layout):
         lib.dequantize(matrix, torch.tensor([3, 37]))
 
 
-def test_q4k_blocks_past_the_on_stack_order_give_each_rows_bits(lib):
-    """Q4_K's activations are reordered once per matmul, on the stack up to 32768 values and in memory past it:
-    a block of 72 rows of 512 (a verify step's) gives each row the bits it has alone."""
-    matrix, w = _layout(*LAYOUTS["u4 Q4_K"])
+@pytest.mark.parametrize(("layout", "k"), [("u4 Q4_K", 512), ("u4 Q4_0", 512), ("u4 Q4_0", 704)])
+def test_q4_blocks_past_the_on_stack_order_give_each_rows_bits(lib, layout, k):
+    """Q4_K's and Q4_0's activations are reordered once per matmul, on the stack up to 32768 values and in memory
+    past it: a block of 72 rows (a verify step's) gives each row the bits it has alone; Q4_0 rows of 704 end in 6
+    blocks past the last 8 (26B-A4B's experts are 704 wide)."""
+    matrix, w = _layout(*LAYOUTS[layout], k=k)
     x = torch.randn(72, matrix.k)
     y = lib.matmul(lib.quantize(x), matrix)
     torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-3 * float((x @ w.T).abs().max()))

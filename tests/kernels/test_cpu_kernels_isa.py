@@ -86,11 +86,11 @@ def test_avx2_matches_the_scalar_code(tmp_path):
 def test_avx512_gives_the_avx2_bits(tmp_path):
     """The AVX-512 build fuses the AVX2 code's integer dots, takes more rows per tile and (Q4_K) two groups at a
     time: the same integers and the same float operations per row, so the same bits. So do both with Q4_K's
-    activations shuffled as they are read (-DDFA_Q4K_ORDER=0), the path taken where no memory is left to reorder
+    activations shuffled as they are read (-DDFA_Q4_ORDER=0), the path taken where no memory is left to reorder
     them first."""
     avx2 = run(build(tmp_path, "avx2", CC, "-march=x86-64-v3"))
-    for name, flags in (("avx512", V4), ("avx512-unordered", [*V4, "-DDFA_Q4K_ORDER=0"]),
-                        ("avx2-unordered", ["-march=x86-64-v3", "-DDFA_Q4K_ORDER=0"])):
+    for name, flags in (("avx512", V4), ("avx512-unordered", [*V4, "-DDFA_Q4_ORDER=0"]),
+                        ("avx2-unordered", ["-march=x86-64-v3", "-DDFA_Q4_ORDER=0"])):
         other = run(build(tmp_path, name, CC, *flags))
         assert other["simd"][0] == (3 if "avx512" in name else 2)
         assert other.keys() == avx2.keys()
