@@ -463,7 +463,7 @@ class CpuDot:
             _require(per_layer, "per_layer", torch.float32, x.shape[0], n, layers[0].per_layer_width if n else None)
         status = self.lib.dfa_layers_forward(layers, caches, len(layers), x.data_ptr(), x.shape[0], q_pos.data_ptr(),
                                              cos, sin, capture, groups.data_ptr(), g,
-                                             None if per_layer is None else per_layer.data_ptr(), self.threads())
+                                             _ptr(per_layer), self.threads())
         if status == -2:
             raise ValueError("a write slot or key count outside a layer's KV cache (LayerCache.slots), a top_k "
                              "outside a MoE layer's experts, per-layer inputs missing or of unequal widths, or "

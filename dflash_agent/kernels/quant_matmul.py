@@ -396,8 +396,10 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def _checked_row_bytes(raw: torch.Tensor, qtype: GGMLQuantizationType, matrices: int, n: int, k: int) -> int:
-    """The bytes of a row of `matrices` packed [n, k] matrices in `raw`, after checking raw holds exactly them."""
+def _checked_row_bytes(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, matrices: int, n: int) -> int:
+    """The bytes of a row of `matrices` packed [n, K] matrices in `raw` (K: x's width), after checking raw holds
+    exactly them, beside x."""
+    k = x.shape[1]
     if qtype not in _CODES:
         supported = ", ".join(t.name for t in sorted(SUPPORTED_TYPES, key=lambda t: t.value))
         raise ValueError(f"no packed matmul kernel for {qtype.name} (supported: {supported})")
@@ -409,6 +411,8 @@ def _checked_row_bytes(raw: torch.Tensor, qtype: GGMLQuantizationType, matrices:
         what = f"a {qtype.name}" if matrices == 1 else f"{matrices} {qtype.name}"
         raise ValueError(f"expected {matrices * n * row_bytes} contiguous uint8 bytes for {what} [{n}, {k}] "
                          f"matri{'x' if matrices == 1 else 'ces'}, got {raw.numel()} {raw.dtype}")
+    if raw.device != x.device:
+        raise ValueError(f"weight on {raw.device}, activations on {x.device}")
     return row_bytes
 
 
@@ -417,19 +421,25 @@ def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizat
     """The launch (and the buffers it writes) for y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking
     the operands; None when M = 0. Shared by `quant_matmul` and the compile report (meta tensors are enough for
     the latter, which plans for an RTX 4090's SMs)."""
-    m, k = x.shape
-    out_features = y.shape[1]
-    row_bytes = _checked_row_bytes(raw, qtype, 1, out_features, k)
-    block = GGML_QUANT_SIZES[qtype][0]
-    if raw.device != x.device:
-        raise ValueError(f"weight on {raw.device}, activations on {x.device}")
-    if m == 0:
+    row_bytes = _checked_row_bytes(x, raw, qtype, 1, y.shape[1])
+    if x.shape[0] == 0:
         return None
-    shape = launch_shape(m, qtype)
+    return _launch(x, raw, qtype, y, launch_shape(x.shape[0], qtype), row_bytes)
+
+
+def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor, shape: LaunchShape,
+            row_bytes: int, x_rows: torch.Tensor | None = None, tile_expert: torch.Tensor | None = None,
+            expert_bytes: int = 0) -> QuantMatmulLaunch:
+    """The kernel's launch for y [M, N] in `shape`'s tiles, K split where a decode or verify launch has too few
+    programs for the SMs; grouped (x_rows and tile_expert given): tile t multiplies stack matrix tile_expert[t]."""
+    m, out_features = y.shape
+    k = x.shape[1]
     nb = _blocks_per_step(qtype, k, shape.blocks)
-    steps = k // (nb * block)
+    steps = k // (nb * GGML_QUANT_SIZES[qtype][0])
     tiles = triton.cdiv(out_features, shape.block_n) * triton.cdiv(m, shape.block_m)
-    split = 1 if m > VERIFY_ROWS else split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
+    split = 1
+    if shape.block_m <= VERIFY_ROWS:
+        split = split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
     partials = None
     if split > 1:
         partials = torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
@@ -438,10 +448,10 @@ def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizat
     # The fp16 scales are read through a half view of the same bytes (every scale sits at an even offset).
     launch = Launch(
         _quant_matmul_kernel, grid,
-        (x, raw, raw.view(torch.float16), out, None, None, m, out_features, x.stride(0), out.stride(-2),
-         out.stride(0) if partials is not None else 0, row_bytes, steps // split, 0),
+        (x, raw, raw.view(torch.float16), out, x_rows, tile_expert, m, out_features, x.stride(0), out.stride(-2),
+         out.stride(0) if partials is not None else 0, row_bytes, steps // split, expert_bytes),
         dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
-             GROUPED=False, num_warps=shape.num_warps),
+             GROUPED=x_rows is not None, num_warps=shape.num_warps),
     )
     return QuantMatmulLaunch(launch, y, partials)
 
@@ -491,28 +501,7 @@ def grouped_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationTy
     tile_expert[t] of the stack in `raw` with x's rows x_rows [M] int32 (-1: a padding row). Shared by
     grouped_quant_matmul and the compile report (meta tensors are enough for the latter)."""
     m, out_features = y.shape
-    k = x.shape[1]
-    row_bytes = _checked_row_bytes(raw, qtype, experts, out_features, k)
-    block = GGML_QUANT_SIZES[qtype][0]
-    expert_bytes = out_features * row_bytes
+    row_bytes = _checked_row_bytes(x, raw, qtype, experts, out_features)
     if m % shape.block_m or tile_expert.shape[0] != m // shape.block_m or x_rows.shape[0] != m:
         raise ValueError(f"{m} rows are not {tile_expert.shape[0]} tiles of {shape.block_m}")
-    nb = _blocks_per_step(qtype, k, shape.blocks)
-    steps = k // (nb * block)
-    tiles = triton.cdiv(out_features, shape.block_n) * (m // shape.block_m)
-    split = 1
-    if shape.block_m <= VERIFY_ROWS:  # as quant_matmul_launch splits
-        split = split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
-    partials = None
-    if split > 1:
-        partials = torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
-    out = y if partials is None else partials
-    grid = (triton.cdiv(out_features, shape.block_n), m // shape.block_m, split)
-    launch = Launch(
-        _quant_matmul_kernel, grid,
-        (x, raw, raw.view(torch.float16), out, x_rows, tile_expert, m, out_features, x.stride(0), out.stride(-2),
-         out.stride(0) if partials is not None else 0, row_bytes, steps // split, expert_bytes),
-        dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
-             GROUPED=True, num_warps=shape.num_warps),
-    )
-    return QuantMatmulLaunch(launch, y, partials)
+    return _launch(x, raw, qtype, y, shape, row_bytes, x_rows, tile_expert, out_features * row_bytes)

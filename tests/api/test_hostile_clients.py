@@ -82,6 +82,19 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(server_url, 
     assert time.monotonic() - started < 60
 
 
+def _slowest_health_until_done(url: str, thread: threading.Thread) -> float:
+    """Poll /health (each a 200) until `thread` ends, then join it: the slowest answer's seconds."""
+    slowest = 0.0
+    with httpx.Client(timeout=60) as poller:  # one client: its TLS setup is not the server's time
+        while thread.is_alive():
+            t = time.monotonic()
+            assert poller.get(f"{url}/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - t)
+            time.sleep(0.05)
+    thread.join()
+    return slowest
+
+
 def test_a_prompt_far_beyond_the_context_is_refused_early_and_health_stays_live(server_url):
     """10 MB of prompt: a 400 naming the limit, without tokenizing it on the event loop."""
     answers: list[httpx.Response] = []
@@ -90,14 +103,7 @@ def test_a_prompt_far_beyond_the_context_is_refused_early_and_health_stays_live(
         httpx.post(f"{server_url}/v1/completions", json=big, timeout=300)))
     started = time.monotonic()
     thread.start()
-    slowest = 0.0
-    with httpx.Client(timeout=60) as poller:  # one client: its TLS setup is not the server's time
-        while thread.is_alive():
-            t = time.monotonic()
-            assert poller.get(f"{server_url}/health").status_code == 200
-            slowest = max(slowest, time.monotonic() - t)
-            time.sleep(0.05)
-    thread.join()
+    slowest = _slowest_health_until_done(server_url, thread)
     r = answers[0]
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -342,14 +348,7 @@ def _refused_fast_while_health_answers(url: str, path: str, body: dict) -> httpx
         f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=300)))
     started = time.monotonic()
     thread.start()
-    slowest = 0.0
-    with httpx.Client(timeout=60) as poller:  # one client: its TLS setup is not the server's time
-        while thread.is_alive():
-            t = time.monotonic()
-            assert poller.get(f"{url}/health").status_code == 200
-            slowest = max(slowest, time.monotonic() - t)
-            time.sleep(0.05)
-    thread.join()
+    slowest = _slowest_health_until_done(url, thread)
     assert slowest < 1.0 and time.monotonic() - started < 6, (slowest, time.monotonic() - started)
     return answers[0]
 
