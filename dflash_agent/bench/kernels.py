@@ -7,9 +7,10 @@ The launches are not a hand-kept list: they come from the same functions the eng
 tensors of the shapes the engine passes them:
 - matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (the routed experts' stacks
   through kernels.quant_matmul.grouped_launch, as the model launches them) at each quantization
-  (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), the
-  CUDA-graph buckets up to the drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the
-  drafter's LM head (the target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0
+  (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), 4 and 8
+  decode rows of as many requests (slots: kernels.quant_matmul.batched_launches), the CUDA-graph buckets up to the
+  drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
+  target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0
   blocks) launch the same Q4_0 kernels at its block's rows.
 - attention: each layer kind of the target (sliding head_dim 256 over its ring, full head_dim 512 over the
   cache) with bf16 and q8 KV, at the same rows, where the engine routes them to the kernel (model._plan: sliding
@@ -17,9 +18,10 @@ tensors of the shapes the engine passes them:
   single-pass and the split-keys kernels); the drafter's CUDA-graph step attends its cache through the kernel too.
 Launches that compile to the same kernel (same constexprs, dtypes and integer specializations) are merged.
 
-Budgets (`violations`): no spilled bytes for decode / verify on any target; decode GEMV at <= 128 registers per
-thread; shared memory within what one program may use (99 KB on sm_86 / 89 / 120); prefill spills only up to
-what a kernel's docstring argues is harmless (PREFILL_SPILL_ALLOWANCE).
+Budgets (`violations`): no spilled bytes for decode / slots / verify on any target; decode GEMV at <= 128 registers
+per thread, the slots' GEMV (several requests' decode rows in one step) at <= 168; shared memory within what one
+program may use (99 KB on sm_86 / 89 / 120); prefill spills only up to what a kernel's docstring argues is harmless
+(PREFILL_SPILL_ALLOWANCE).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ log = logging.getLogger(__name__)
 
 T = GGMLQuantizationType
 QUANTS = ("Q4_0", "Q4_K_M", "Q8_0")
-PHASES = ("decode", "verify", "prefill")
+PHASES = ("decode", "slots", "verify", "prefill")
 DTYPE = torch.bfloat16  # the 31B's activations
 DECODE_REGISTERS = 128
+# Several sequences' decode rows, 8 a program, keep the unpacked weights in registers across the rows: at most 168
+# registers leaves 12 one-warp programs an SM, 96 rows' work in flight against one row's 16 programs.
+SLOTS_REGISTERS = 168
 # Spilled bytes per thread a prefill launch may have, by kernel: only what its docstring shows is harmless.
 PREFILL_SPILL_ALLOWANCE: dict[str, int] = {"quant_matmul": 0, "cache_attention": 0}
 
@@ -62,7 +67,7 @@ PREFILL_SPILL_ALLOWANCE: dict[str, int] = {"quant_matmul": 0, "cache_attention":
 @dataclass
 class KernelConfig:
     kernel: str  # quant_matmul | cache_attention
-    phase: str  # decode | verify | prefill
+    phase: str  # decode | slots | verify | prefill
     detail: str  # what distinguishes the compiled kernel
     used_by: list[str]  # model: quantization / weight or layer kind, rows
     usage: dict[str, dict] = field(default_factory=dict)  # target -> compile_check.Usage as a dict
@@ -70,7 +75,8 @@ class KernelConfig:
 
 def _phase_rows(drafter: DrafterConfig) -> dict[str, list[int]]:
     verify = [b for b in BUCKETS if 1 < b <= drafter.block_size]
-    return {"decode": [1], "verify": sorted({*verify, drafter.block_size}),
+    # slots: concurrent requests' decode rows in one step (GemmaModel.forward_groups), GEMV programs of several rows
+    return {"decode": [1], "slots": [4, 8], "verify": sorted({*verify, drafter.block_size}),
             "prefill": [PREFILL_CHUNK, PREFILL_CHUNK - 1]}
 
 
@@ -83,7 +89,7 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
 
 def _matmul_launches(model: str, config: ModelConfig,
                      drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
-    from ..kernels.quant_matmul import grouped_launch, launch_shape, quant_matmul_launch
+    from ..kernels.quant_matmul import batched_launches, grouped_launch, launch_shape, quant_matmul_launch
 
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
     rows = _phase_rows(drafter)
@@ -102,7 +108,9 @@ def _matmul_launches(model: str, config: ModelConfig,
             x = torch.empty(m, k, dtype=DTYPE, device=meta)
             if len(shapes[weight]) == 3:  # an expert stack: m tokens' top k of its matrices in one grouped launch
                 experts = shapes[weight][0]
-                shape = launch_shape(m, qtype)  # were every token's rows one expert's: the widest tile
+                # decode rows (one request's or several): a GEMV program a pair; else as if every token's rows were
+                # one expert's: the widest tile
+                shape = launch_shape(1 if phase in ("decode", "slots") else m, qtype)
                 tiles = -(-m * config.moe.top_k // shape.block_m)
                 raw = torch.empty(experts * n * (k // block) * type_size, dtype=torch.uint8, device=meta)
                 y = torch.empty(tiles * shape.block_m, n, dtype=DTYPE, device=meta)
@@ -112,7 +120,10 @@ def _matmul_launches(model: str, config: ModelConfig,
             else:
                 raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
                 y = torch.empty(m, n, dtype=DTYPE, device=meta)
-                launch = quant_matmul_launch(x, raw, qtype, y).launch
+                if phase == "slots":
+                    launch = batched_launches(x, raw, qtype, y, one_token_rows=m)[0].launch
+                else:
+                    launch = quant_matmul_launch(x, raw, qtype, y).launch
             short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
             yield phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
 
@@ -132,6 +143,8 @@ def _attention_launches(model: str, config: ModelConfig,
             slots = min(context, config.sliding_window + DEFAULT_SLACK) if sliding else context
             for kv_dtype in KV_DTYPES:
                 for phase, ms in rows.items():
+                    if phase == "slots":  # each request's row attends its own cache: decode's launches
+                        continue
                     for t in ms:
                         if sliding and t > DEFAULT_SLACK + 1:
                             continue  # model._plan: blocks past the ring's slack attend through SDPA
@@ -224,8 +237,9 @@ def violations(configs: list[KernelConfig]) -> list[str]:
             allowed = PREFILL_SPILL_ALLOWANCE[c.kernel] if c.phase == "prefill" else 0
             if spilled > allowed:
                 out.append(f"{where}: {spilled} spilled bytes (budget {allowed})")
-            if c.kernel == "quant_matmul" and c.phase == "decode" and u["registers"] > DECODE_REGISTERS:
-                out.append(f"{where}: {u['registers']} registers (budget {DECODE_REGISTERS})")
+            registers = {"decode": DECODE_REGISTERS, "slots": SLOTS_REGISTERS}.get(c.phase)
+            if c.kernel == "quant_matmul" and registers is not None and u["registers"] > registers:
+                out.append(f"{where}: {u['registers']} registers (budget {registers})")
             if u["shared"] > SHARED_LIMIT[target]:
                 out.append(f"{where}: {u['shared']} bytes of shared memory (limit {SHARED_LIMIT[target]})")
     return out

@@ -52,6 +52,8 @@ DEFAULT_CTX = 32768
 REFERENCE_CTX = 8192  # verify / draft / projection figures are taken at this context
 DRAFT_QUANT = "q4"
 ACCEPTANCE_LENGTHS = (4, 6, 8)
+STREAMS = (1, 4, 8)  # concurrent requests decoding in one batched step (the server's slots)
+STREAMS_GOAL = 3.5  # 4 streams' aggregate tok/s over one stream's
 PLAN_BUDGET = 23 * GiB  # the goal: the 32K plan within 23 GiB of a 24 GB card
 
 
@@ -204,6 +206,19 @@ class DecodeSpeed:
 
 
 @dataclass
+class StreamsSpeed:
+    """Decode steps of several requests at once (GemmaModel.forward_groups), through CUDA graphs as the engine runs
+    them (one per combination of slots; one stream through its own cache's)."""
+
+    streams: int
+    context: int
+    tok_s: float  # aggregate: a token per stream per step
+    per_stream_tok_s: float
+    over_one_stream: float
+    roofline_tok_s: float  # copy bandwidth / (the weights once + each stream's KV)
+
+
+@dataclass
 class SyntheticResult:
     model: str
     quant: str
@@ -223,6 +238,7 @@ class SyntheticResult:
     dflash_projected_tok_s: dict[str, float]
     peak_memory_bytes: int
     plan: dict
+    streams: list[StreamsSpeed] = field(default_factory=list)
     goals: dict[str, bool] = field(default_factory=dict)
     command: str = ""
 
@@ -352,6 +368,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
             copy_bytes: int = 1 << 30) -> SyntheticResult:
     """The measurements of the module doc for any config (the 31B on a GPU; the tests' tiny one on the CPU)."""
     from ..engine.cuda_graphs import DraftStepGraph, enable_cuda_graphs
+    from ..engine.model import RowGroup
     from ..engine.packed_linear import PackedWeight
 
     cuda, dtype = device.type == "cuda", torch.bfloat16
@@ -438,19 +455,38 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
 
     append_ms = _time_ms(append, iters, device)
     projected = {str(tau): tau / ((draft + verify + append_ms) / 1e3) for tau in ACCEPTANCE_LENGTHS}
-    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0  # the plan's, before the streams' own caches
+
+    # several requests decoding at once, each at the shortest context (short caches: the weights are what is shared)
+    streams: list[StreamsSpeed] = []
+    context = measured[0]
+    for n in STREAMS:
+        groups = [RowGroup(one, target.new_cache(context)) for _ in range(n)]
+
+        def batched_step(groups: list[RowGroup] = groups) -> None:
+            for group in groups:
+                _fill_context(group.cache, context - 1)
+            target.forward_groups(groups)
+
+        tok_s = n * 1e3 / _time_ms(batched_step, iters, device)
+        one_tok_s = streams[0].tok_s if streams else tok_s
+        roofline = n * bandwidth / (read + n * _kv_bytes_read(groups[0].cache, context))
+        streams.append(StreamsSpeed(n, context, tok_s, tok_s / n, tok_s / one_tok_s, roofline))
+        log.info("%d streams at %d: %.1f tok/s together, %.2fx one stream", n, context, tok_s, tok_s / one_tok_s)
     result = SyntheticResult(
         model=model, quant=quant, draft_quant=str(draft_quant),
         device=torch.cuda.get_device_name(device) if cuda else str(device),
         ctx_size=ctx_size, copy_bandwidth_gb_s=bandwidth / 1e9, weight_bytes=loaded, decode=decode,
         reference_context=ref, decode_ms=graphed[ref], verify16_ms=verify, verify16_over_decode=verify / graphed[ref],
         drafter_step_ms=draft, drafter_step_ms_eager=draft_eager, append_context_ms=append_ms,
-        dflash_projected_tok_s=projected, peak_memory_bytes=peak, plan=plan.to_json(),
+        dflash_projected_tok_s=projected, peak_memory_bytes=peak, plan=plan.to_json(), streams=streams,
     )
+    four = next((s for s in streams if s.streams == 4), None)
     result.goals = {
         "decode >= 85% of roofline": all(d.roofline_fraction >= 0.85 for d in decode),
         "verify-16 <= 1.25x decode at 8K": ref == REFERENCE_CTX and result.verify16_over_decode <= 1.25,
         "peak <= 23 GiB": cuda and peak <= PLAN_BUDGET,
+        f"4 streams >= {STREAMS_GOAL}x one": four is not None and four.over_one_stream >= STREAMS_GOAL,
     }
     return result
 
@@ -503,6 +539,10 @@ def report(result: SyntheticResult, out: Path, as_json: bool) -> str:
                  f"append 8 tokens {result.append_context_ms:.2f} ms")
     lines.append("  projected DFlash tok/s: " + ", ".join(f"tau {t}: {v:.1f}"
                                                          for t, v in result.dflash_projected_tok_s.items()))
+    for st in result.streams:
+        lines.append(f"  {st.streams} streams at {st.context}: {st.tok_s:7.1f} tok/s together, "
+                     f"{st.per_stream_tok_s:.1f} each, {st.over_one_stream:.2f}x one stream, "
+                     f"roofline {st.roofline_tok_s:.1f}")
     lines.append(f"  peak memory {result.peak_memory_bytes / GiB:.2f} GiB (plan {result.plan['total_gib']:.2f} GiB)")
     lines += [f"  goal {name}: {'met' if ok else 'NOT met'}" for name, ok in result.goals.items()]
     lines.append(f"results in {out} and {out.with_suffix('.png')}")

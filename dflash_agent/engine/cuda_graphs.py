@@ -10,6 +10,10 @@ different plan:
 Padding tokens sit at positions just past the block, so their keys land where rejected drafts' would: in
 slots masked by position and overwritten later; buckets stop at the rings' slack + 1 so the window stays.
 
+Several requests' decode rows in one step (the server's slots: GemmaModel.forward_groups) replay a graph of their
+own, one per combination of slot caches (so at most 2^slots - 1, and in practice the few the scheduler forms), each
+row's plan made on the device as above.
+
 CUDA only: `enable_cuda_graphs` is a no-op elsewhere. Nothing here has run on a GPU in this repository
 (no GPU in CI); the interpreter tests cover the kernels and the position-masked attention it relies on.
 """
@@ -23,7 +27,7 @@ import torch
 
 from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, StepPlan
+from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ def _capture(step, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 
 @dataclass
 class _TargetGraph:
+    cache: KVCache  # the one it replays over (the graph keeps it, so no other cache can take its id)
     ids: torch.Tensor  # [bucket] token ids, padded with 0
     pos: torch.Tensor  # [bucket] positions
     ring: torch.Tensor  # the rings' slot -> position map, copied in and out around a replay
@@ -61,13 +66,25 @@ class _TargetGraph:
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class _GroupsGraph:
+    caches: list[KVCache]  # one decode row each, in the step's order
+    ids: torch.Tensor  # [rows]
+    pos: torch.Tensor  # [rows] each row's position
+    rings: list[torch.Tensor]  # each cache's slot -> position map, copied in and out around a replay
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [rows, vocab]
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class TargetStepGraphs:
-    """One graph per (bucket, captured layers), captured on first use, for the one cache it was first used with."""
+    """One graph per (cache, bucket, captured layers), captured on first use (a slot's cache is kept for the engine's
+    life); and one per (combination of caches, captured layers) for several requests' decode rows."""
 
     def __init__(self, model: GemmaModel) -> None:
         self.model = model
-        self.cache: KVCache | None = None
-        self.graphs: dict[tuple[int, tuple[int, ...]], _TargetGraph] = {}
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], _TargetGraph] = {}
+        self.group_graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], _GroupsGraph] = {}
         # one memory pool for every bucket's intermediates (they never run at the same time)
         self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
         self.offsets = torch.arange(BUCKETS[-1], device=model.device)
@@ -80,14 +97,13 @@ class TargetStepGraphs:
         bucket = next((b for b in BUCKETS if b >= T), None)
         n_rows = 1 if logits_at is None else logits_at.numel()
         if (bucket is None or bucket > cache.slack + 1 or cache.length + bucket > cache.max_len
-                or n_rows == 0 or n_rows > bucket or (self.cache is not None and cache is not self.cache)):
+                or n_rows == 0 or n_rows > bucket):
             return None
-        self.cache = cache
-        key = (bucket, tuple(capture))
+        key = (id(cache), bucket, tuple(capture))
         g = self.graphs.get(key)
         if g is None:
             device = self.model.device
-            g = _TargetGraph(torch.zeros(bucket, dtype=torch.long, device=device),
+            g = _TargetGraph(cache, torch.zeros(bucket, dtype=torch.long, device=device),
                              torch.zeros(bucket, dtype=torch.long, device=device),
                              cache.ring_pos.clone(), torch.zeros(bucket, dtype=torch.long, device=device))
         g.ids.zero_()
@@ -108,10 +124,61 @@ class TargetStepGraphs:
         cache.length += T
         return ForwardOutput(g.logits[:n_rows].clone(), {i: h[:T].clone() for i, h in g.captured.items()})
 
+    @torch.inference_mode()
+    def replay_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput] | None:
+        """GemmaModel.forward_groups of several requests' decode rows (one token each, the last row's logits) through a
+        graph, or None where none applies (blocks, logits asked of other rows, a full cache)."""
+        if len(groups) < 2 or any(g.ids.shape[0] != 1 or g.logits_at is not None or g.cache.length >= g.cache.max_len
+                                  for g in groups):
+            return None
+        key = (tuple(id(g.cache) for g in groups), tuple(capture))
+        g = self.group_graphs.get(key)
+        if g is None:  # the graph keeps its caches, so no other cache can take one's id while it is stored
+            rows = torch.zeros(len(groups), dtype=torch.long, device=self.model.device)
+            g = _GroupsGraph([group.cache for group in groups], rows, rows.clone(),
+                             [group.cache.ring_pos.clone() for group in groups])
+        torch.cat([group.ids for group in groups], out=g.ids)
+        g.pos.copy_(torch.tensor([group.cache.length for group in groups]), non_blocking=True)
+        for ring, group in zip(g.rings, groups, strict=True):
+            ring.copy_(group.cache.ring_pos)
+        if g.graph is None:
+            log.info("capturing a CUDA graph of %d requests' decode rows", len(groups))
+            g.graph, (g.logits, g.captured) = _capture(lambda: self._groups_step(g, capture), self.pool)
+            self.group_graphs[key] = g
+        g.graph.replay()
+        assert g.logits is not None
+        picks = torch.argmax(g.logits, dim=-1).tolist() if any(group.greedy for group in groups) else None
+        outputs = []
+        for i, (ring, group) in enumerate(zip(g.rings, groups, strict=True)):
+            group.cache.ring_pos.copy_(ring)
+            group.cache.length += 1
+            views = {layer: h[i:i + 1].clone() for layer, h in g.captured.items()}
+            if group.greedy:
+                outputs.append(ForwardOutput(None, views, picks[i:i + 1]))
+            else:
+                outputs.append(ForwardOutput(g.logits[i:i + 1].clone(), views))
+        return outputs
+
+    def _groups_step(self, g: _GroupsGraph, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        # GemmaModel._kernel_groups with each row's plan made on the device, as _step makes one
+        model = self.model
+        plans = []
+        for i, (cache, ring) in enumerate(zip(g.caches, g.rings, strict=True)):
+            pos = g.pos[i:i + 1]
+            ring_slots = pos % cache.ring_slots
+            ring.index_copy_(0, ring_slots, pos)
+            plans.append(StepPlan(
+                pos,
+                full=LayerPlan("kernel", pos, positions=KeyPositions(pos, None, None)),
+                sliding=LayerPlan("kernel", ring_slots, positions=KeyPositions(pos, ring, model.config.sliding_window)),
+            ))
+        rows = StepRows((1,) * len(g.caches))
+        x, captured = model.layers_forward(model.embed(g.ids), plans, [c.layers for c in g.caches], capture, rows=rows)
+        return model.logits(x, rows), captured
+
     def _step(self, g: _TargetGraph, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         # GemmaModel.forward with the plan made on the device (see the module doc)
-        model, cache = self.model, self.cache
-        assert cache is not None
+        model, cache = self.model, g.cache
         ring_slots = g.pos % cache.ring_slots
         g.ring.index_copy_(0, ring_slots, g.pos)
         plan = StepPlan(

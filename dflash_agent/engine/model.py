@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import cache_attention, grouped_attention
-from ..kernels.dispatch import SPLIT_ROWS, triton_runs
+from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .config import LayerSpec, ModelConfig, MoESpec
 from .cpu_decode import MAX_ROWS
 from .errors import ContextOverflowError
@@ -27,6 +28,25 @@ class ForwardOutput:
     tokens: list[int] | None = None  # a greedy forward's: each asked-for position's argmax, in place of its logits
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """The rows of a step over several sequences on the Triton kernels (GemmaModel.forward_groups), as the matmuls
+    must see them so each row comes out as its sequence's step alone gives it: `sizes` rows per group in step order,
+    the one-token groups (decode rows: the GEMV) first, then blocks of at most VERIFY_ROWS (the 16-row tiles)."""
+
+    sizes: tuple[int, ...]
+
+    @property
+    def one_token(self) -> int:
+        """How many leading rows are one-token groups'."""
+        return next((i for i, n in enumerate(self.sizes) if n != 1), len(self.sizes))
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Each group's [start, end) among the rows."""
+        ends = list(itertools.accumulate(self.sizes))
+        return [(end - n, end) for n, end in zip(self.sizes, ends, strict=True)]
+
+
 class Linear(nn.Module):
     """y = x @ W^T with a weight loaded from the checkpoint (no bias anywhere in Gemma)."""
 
@@ -34,8 +54,18 @@ class Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.empty(out_features, in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
+        """rows: x [N, in] holds several sequences' steps (batched_linear)."""
+        return F.linear(x, self.weight) if rows is None else batched_linear(x, self.weight, rows)
+
+
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, rows: StepRows) -> torch.Tensor:
+    """x [N, in] @ weight^T over several sequences' rows, each row as its sequence's step alone computes it: packed
+    weights in one set of launches that keep it so (kernels.quant_matmul), others one matmul per sequence (a dense
+    GEMM may choose its kernel, and so its sums, by the number of rows)."""
+    if isinstance(weight, PackedWeight):
+        return weight.linear(x, rows.one_token)
+    return torch.cat([F.linear(x[a:b], weight) for a, b in rows.spans()])
 
 
 class RMSNorm(nn.Module):
@@ -107,27 +137,40 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(d, eps, offset, with_weight=False) if owns_kv and config.v_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan,
-        shared: dict[int, StepKeys] | None = None, index: int = 0,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | list[LayerKV],
+        plan: LayerPlan | list[LayerPlan], shared: dict[int, StepKeys] | list[dict[int, StepKeys]] | None = None,
+        index: int = 0, rows: StepRows | None = None,
     ) -> torch.Tensor:
         """x [..., T, hidden] (a leading batch dimension needs a batched kv and an SDPA plan). `shared` carries the
-        keys each layer attended over to the layers that share them (KV-sharing models only)."""
+        keys each layer attended over to the layers that share them (KV-sharing models only). rows: x [N, hidden]
+        holds several sequences' steps, and kv, plan and shared hold one of each per sequence."""
         lead, d = x.shape[:-1], self.spec.head_dim
-        q = self.q_norm(self.q_proj(x).view(*lead, self.num_heads, d), cos, sin)
-        if self.k_proj is None:
-            assert shared is not None and self.spec.kv_source is not None
-            keys = shared[self.spec.kv_source]
-        else:
-            k_raw = self.k_proj(x).view(*lead, -1, d)
-            v = k_raw if self.v_proj is None else self.v_proj(x).view(*lead, -1, d)
+        q = self.q_norm(self.q_proj(x, rows).view(*lead, self.num_heads, d), cos, sin)
+        k = v = None
+        if self.k_proj is not None:
+            k_raw = self.k_proj(x, rows).view(*lead, -1, d)
+            v = k_raw if self.v_proj is None else self.v_proj(x, rows).view(*lead, -1, d)
             k = self.k_norm(k_raw, cos, sin)
             if self.v_norm is not None:
                 v = self.v_norm(v)
+        if rows is None:
+            out = self._attend(q, k, v, kv, plan, shared, index)
+        else:  # each sequence's rows write and read its own cache
+            out = torch.cat([self._attend(q[a:b], None if k is None else k[a:b], None if v is None else v[a:b],
+                                          kv[g], plan[g], None if shared is None else shared[g], index)
+                             for g, (a, b) in enumerate(rows.spans())])
+        return self.o_proj(out.reshape(*lead, self.num_heads * d), rows)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv: LayerKV, plan: LayerPlan,
+                shared: dict[int, StepKeys] | None, index: int) -> torch.Tensor:
+        if k is None or v is None:
+            assert shared is not None and self.spec.kv_source is not None
+            keys = shared[self.spec.kv_source]
+        else:
             keys = plan.store(kv, k, v)
             if shared is not None:
                 shared[index] = keys
-        out = plan.attend(q, keys, self.scale)
-        return self.o_proj(out.reshape(*lead, self.num_heads * d))
+        return plan.attend(q, keys, self.scale)
 
 
 class MLP(nn.Module):
@@ -137,8 +180,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+    def forward(self, x: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x, rows), approximate="tanh") * self.up_proj(x, rows), rows)
 
 
 class Router(nn.Module):
@@ -152,11 +195,11 @@ class Router(nn.Module):
         self.register_buffer("scale", torch.empty(config.hidden_size))
         self.register_buffer("per_expert_scale", torch.empty(moe.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rows: StepRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, k] float32, experts [N, k])."""
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x)
         h = h * self.scale * x.shape[-1] ** -0.5
-        probs = torch.softmax(self.proj(h).float(), dim=-1)
+        probs = torch.softmax(self.proj(h, rows).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[experts].float(), experts
@@ -172,12 +215,23 @@ class Experts(nn.Module):
                                                          config.hidden_size))
         self.register_buffer("down_proj", torch.empty(moe.num_experts, config.hidden_size, moe.intermediate_size))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], weights / experts [N, k] -> the weighted sum of each token's experts [N, hidden]."""
-        if isinstance(self.gate_up_proj, PackedWeight) and isinstance(self.down_proj, PackedWeight):
-            grouped = self._grouped(x, weights, experts)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                rows: StepRows | None = None) -> torch.Tensor:
+        """x [N, hidden], weights / experts [N, k] -> the weighted sum of each token's experts [N, hidden]. rows:
+        several sequences' steps: with packed experts the one-token groups' tokens take the GEMV as a decode step
+        alone does, the others the tiles by expert; else each sequence's tokens alone."""
+        packed = isinstance(self.gate_up_proj, PackedWeight) and isinstance(self.down_proj, PackedWeight)
+        if rows is not None and not packed:  # per sequence: the loop below multiplies as many rows as chose an expert
+            return torch.cat([self.forward(x[a:b], weights[a:b], experts[a:b]) for a, b in rows.spans()])
+        if packed:
+            if rows is not None and 0 < rows.one_token < x.shape[0]:
+                one = rows.one_token
+                return torch.cat((self._grouped(x[:one], weights[:one], experts[:one], True),
+                                  self._grouped(x[one:], weights[one:], experts[one:], False)))
+            grouped = self._grouped(x, weights, experts, x.shape[0] == 1 if rows is None else rows.one_token > 0)
             if grouped is not None:
                 return grouped
+        assert rows is None
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():
             token, slot = torch.where(experts == expert)
@@ -186,13 +240,14 @@ class Experts(nn.Module):
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return out
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 single: bool) -> torch.Tensor | None:
         """forward through two grouped launches where the Triton kernels run (each a matmul of every token's chosen
-        experts: PackedWeight.expert_linear), else None. One token (decode) chooses k distinct experts, which the
-        kernel takes as k GEMV rows without asking the GPU how many rows each expert has."""
+        experts: PackedWeight.expert_linear), else None. single: each pair a GEMV row (decode steps: one token's k
+        distinct experts, taken without asking the GPU how many rows each expert has; several sequences' decode rows,
+        each as alone), else tiles by expert."""
         n, k = experts.shape
         chosen = experts.reshape(-1)
-        single = n == 1
         token_rows = torch.arange(n, device=x.device).repeat_interleave(k)
         gate_up = self.gate_up_proj.expert_linear(x, token_rows, chosen, single)
         if gate_up is None:
@@ -228,22 +283,24 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(hidden, eps, offset)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, plan: LayerPlan,
-        shared: dict[int, StepKeys] | None = None, per_layer: torch.Tensor | None = None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | list[LayerKV],
+        plan: LayerPlan | list[LayerPlan], shared: dict[int, StepKeys] | list[dict[int, StepKeys]] | None = None,
+        per_layer: torch.Tensor | None = None, rows: StepRows | None = None,
     ) -> torch.Tensor:
-        """per_layer: this layer's slice [..., T, per_layer_input] of the per-layer inputs (PLE models)."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv, plan, shared, self.index)
+        """per_layer: this layer's slice [..., T, per_layer_input] of the per-layer inputs (PLE models). rows: several
+        sequences' steps (Attention.forward)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv, plan, shared, self.index, rows)
         x = x + self.post_attention_layernorm(attn)
-        ffn = self.mlp(self.pre_feedforward_layernorm(x))
+        ffn = self.mlp(self.pre_feedforward_layernorm(x), rows)
         if self.experts is not None:
             flat = x.reshape(-1, x.shape[-1])
-            weights, experts = self.router(flat)
-            routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).view_as(x)
+            weights, experts = self.router(flat, rows)
+            routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts, rows).view_as(x)
             ffn = self.post_feedforward_layernorm_1(ffn) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(ffn)
         if per_layer is not None:
-            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            gated = F.gelu(self.per_layer_input_gate(x, rows), approximate="tanh") * per_layer
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated, rows))
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
         return x
@@ -437,11 +494,16 @@ class GemmaModel(nn.Module):
     def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
         """`forward` of several sequences' new tokens (the slots of concurrent requests: decode rows, verification
         blocks) in one step: where the C layers take them, one call reads each weight once for all rows and each row
-        attends to its own cache; else one forward per group. Either way each output is what `forward` of its
-        group alone gives: every row is computed alone (engine.cpu_decode)."""
+        attends to its own cache; likewise the Triton kernels (`batches`: the decode rows in GEMV programs that load
+        each weight once for all of them, the blocks in tiles whose rows never mix); else one forward per group.
+        Either way each output is what `forward` of its group alone gives: every row is computed as alone
+        (engine.cpu_decode; kernels.quant_matmul)."""
         for group in groups:
             if group.cache.length + group.ids.shape[0] > group.cache.max_len:
                 raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
+        if len(groups) > 1 and self.batches(groups):
+            graphed = None if self.step_graphs is None else self.step_graphs.replay_groups(groups, capture)
+            return self._kernel_groups(groups, capture) if graphed is None else graphed
         if len(groups) < 2 or not all(self._cpu_kernel_plan(g.ids.shape[0], g.cache) for g in groups):
             return [self.forward(g.ids, g.cache, g.logits_at, capture, g.greedy) for g in groups]
         plans = []
@@ -480,6 +542,48 @@ class GemmaModel(nn.Module):
             offset += T
         return outputs
 
+    def batches(self, groups: list[RowGroup]) -> bool:
+        """Whether forward_groups runs these groups in one forward on the Triton kernels: there, for blocks of up to a
+        verification tile's VERIFY_ROWS (the packed matrices batch them: batched_linear)."""
+        return triton_runs(groups[0].ids) and all(0 < g.ids.shape[0] <= VERIFY_ROWS for g in groups)
+
+    def _kernel_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput]:
+        """forward_groups on the Triton kernels: one forward over every group's rows, the one-token groups' first
+        (StepRows), each group writing and attending its own cache; then one pass over the LM head."""
+        order = sorted(range(len(groups)), key=lambda i: groups[i].ids.shape[0] > 1)
+        ordered = [groups[i] for i in order]
+        rows = StepRows(tuple(g.ids.shape[0] for g in ordered))
+        plans = []
+        for group in ordered:
+            start = group.cache.length
+            end = start + group.ids.shape[0]
+            plans.append(self._plan(group.cache, torch.arange(start, end, device=group.ids.device), start, end))
+        ids = torch.cat([g.ids for g in ordered])
+        x = self.embed(ids)
+        x, captured = self.layers_forward(x, plans, [g.cache.layers for g in ordered], capture,
+                                          self.per_layer_inputs(ids, x, rows), rows)
+        spans = rows.spans()
+        for group, (a, b) in zip(ordered, spans, strict=True):
+            group.cache.length += b - a
+        # the head's rows likewise: the groups that want one row first (a row alone takes the GEMV)
+        wanted = [torch.tensor([b - 1], device=x.device) if g.logits_at is None else g.logits_at.to(x.device) + a
+                  for g, (a, b) in zip(ordered, spans, strict=True)]
+        head = sorted((i for i, at in enumerate(wanted) if at.numel()), key=lambda i: wanted[i].numel() > 1)
+        logits = {}
+        if head:
+            head_rows = StepRows(tuple(wanted[i].numel() for i in head))
+            out = self.logits(x[torch.cat([wanted[i] for i in head])], head_rows)
+            logits = {i: out[a:b] for i, (a, b) in zip(head, head_rows.spans(), strict=True)}
+        outputs: list[ForwardOutput | None] = [None] * len(groups)
+        for i, (group, (a, b)) in enumerate(zip(ordered, spans, strict=True)):
+            views = {layer: h[a:b] for layer, h in captured.items()}
+            scores = logits.get(i)
+            if group.greedy:
+                outputs[order[i]] = ForwardOutput(None, views, [] if scores is None else self._picks(scores))
+            else:
+                outputs[order[i]] = ForwardOutput(scores, views)
+        return outputs
+
     def step_rows(self, cache: KVCache) -> int:
         """The most new tokens one forward over `cache` computes as decode rows, each as a one-token step computes
         it, so a verified block of that many gives what decoding it token by token gives: a block must fit in the
@@ -501,49 +605,58 @@ class GemmaModel(nn.Module):
                 return x
         return self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
 
-    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor,
+                         rows: StepRows | None = None) -> torch.Tensor | None:
         """PLE models: each layer's input [..., T, layers, per_layer_input] from token ids [..., T] and their
         embeddings x: (RMSNorm(x @ P^T / sqrt(hidden)) + table[ids] x sqrt(per_layer_input)) / sqrt(2). None
-        for the others."""
+        for the others. rows: several sequences' steps (StepRows)."""
         width = self.config.per_layer_input
         if not width:
             return None
         shape = (*ids.shape, self.config.num_layers, width)
         dtype = self.dtype
         tokens = self.embed_tokens_per_layer.weight[ids].view(shape) * torch.tensor(width ** 0.5, dtype=dtype)
-        context = self.per_layer_model_projection(x) * torch.tensor(self.config.hidden_size ** -0.5, dtype=dtype)
+        context = self.per_layer_model_projection(x, rows) * torch.tensor(self.config.hidden_size ** -0.5, dtype=dtype)
         return (self.per_layer_projection_norm(context.view(shape)) + tokens) * torch.tensor(2.0 ** -0.5,
                                                                                              dtype=dtype)
 
     def layers_forward(
-        self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = (),
-        per_layer: torch.Tensor | None = None,
+        self, x: torch.Tensor, plan: StepPlan | list[StepPlan], kv: list[LayerKV] | list[list[LayerKV]],
+        capture: tuple[int, ...] = (), per_layer: torch.Tensor | None = None, rows: StepRows | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers over embeddings x [..., T, hidden]: what eager steps, CUDA-graph steps
         (engine.cuda_graphs) and training-data generation (train.target) run. per_layer: PLE models' inputs
-        (per_layer_inputs). Returns the last layer's output and the outputs of the layers in `capture`."""
-        return run_to_end(self.layer_steps(x, plan, kv, capture, per_layer))
+        (per_layer_inputs). rows: x [N, hidden] holds several sequences' steps, with a plan and a cache each
+        (forward_groups on the Triton kernels). Returns the last layer's output and the outputs of the layers in
+        `capture`."""
+        return run_to_end(self.layer_steps(x, plan, kv, capture, per_layer, rows))
 
     def layer_steps(
-        self, x: torch.Tensor, plan: StepPlan, kv: list[LayerKV], capture: tuple[int, ...] = (),
-        per_layer: torch.Tensor | None = None,
+        self, x: torch.Tensor, plan: StepPlan | list[StepPlan], kv: list[LayerKV] | list[list[LayerKV]],
+        capture: tuple[int, ...] = (), per_layer: torch.Tensor | None = None, rows: StepRows | None = None,
     ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         """The one layer loop (layers_forward's), yielding the layers done after each but the last; the C
         layers (engine.cpu_decode) run all of them in one call and yield nothing."""
-        rows = x.shape[0] if x.dim() == 2 else None
         if (per_layer is None) != (not self.config.per_layer_input):
             raise ValueError("per-layer inputs go with a PLE model, and only with one")
-        if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(rows, kv):
-            return self.cpu_layers.forward(x, plan, kv, capture, per_layer)
-        tables = {key: rope_tables(inv_freq, plan.positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
-        shared: dict[int, StepKeys] | None = {} if self._shares_kv else None
+        if rows is None:
+            n = x.shape[0] if x.dim() == 2 else None
+            if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(n, kv):
+                return self.cpu_layers.forward(x, plan, kv, capture, per_layer)
+            positions, plans, caches = plan.positions, [plan], [kv]
+        else:
+            positions, plans, caches = torch.cat([p.positions for p in plan]), plan, kv
+        tables = {key: rope_tables(inv_freq, positions, self.dtype) for key, inv_freq in self._inv_freq.items()}
+        shared = [{} for _ in plans] if self._shares_kv else None
         captured: dict[int, torch.Tensor] = {}
-        for i, (layer, spec, layer_kv) in enumerate(zip(self.layers, self.config.layers, kv, strict=True)):
+        for i, (layer, spec) in enumerate(zip(self.layers, self.config.layers, strict=True)):
             if i:
                 yield i
-            layer_plan = plan.sliding if layer_kv.sliding else plan.full
-            x = layer(x, *tables[_rope_key(spec)], layer_kv, layer_plan, shared,
-                      None if per_layer is None else per_layer[..., i, :])
+            layer_kv = [cache[i] for cache in caches]
+            layer_plan = [p.sliding if c.sliding else p.full for p, c in zip(plans, layer_kv, strict=True)]
+            args = (layer_kv, layer_plan, shared) if rows is not None else (
+                layer_kv[0], layer_plan[0], None if shared is None else shared[0])
+            x = layer(x, *tables[_rope_key(spec)], *args, None if per_layer is None else per_layer[..., i, :], rows)
             if i in capture:
                 captured[i] = x
         return x, captured
@@ -557,9 +670,12 @@ class GemmaModel(nn.Module):
         """The LM head [vocab, hidden] (the embedding when tied); the DFlash drafter reads it too."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = None if self.cpu_layers is None else self.cpu_layers.logits(hidden)
-        if logits is None:
+    def logits(self, hidden: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
+        """rows: hidden [n, hidden] holds several sequences' rows (StepRows), each computed as alone."""
+        logits = None if self.cpu_layers is None or rows is not None else self.cpu_layers.logits(hidden)
+        if logits is None and rows is not None:
+            logits = batched_linear(self.norm(hidden), self.output_weight, rows).float()
+        elif logits is None:
             logits = F.linear(self.norm(hidden), self.output_weight).float()
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
@@ -576,12 +692,15 @@ class GemmaModel(nn.Module):
         if self.cpu_layers is not None and self.config.final_softcap is None:
             picks = self.cpu_layers.greedy(hidden)
         if picks is None:
-            logits = self.logits(hidden)
-            if logits.device.type != "cpu":  # one argmax, one synchronization for the block
-                return torch.argmax(logits, dim=-1).tolist()
-            return [self.argmax(row) for row in logits]
+            return self._picks(self.logits(hidden))
         return [self.argmax(self.logits(hidden[i:i + 1])[0]) if pick is None else pick
                 for i, pick in enumerate(picks)]
+
+    def _picks(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of logits [n, V]."""
+        if logits.device.type != "cpu":  # one argmax, one synchronization for the block
+            return torch.argmax(logits, dim=-1).tolist()
+        return [self.argmax(row) for row in logits]
 
     def draft_picks(self, hidden: torch.Tensor) -> list[int] | None:
         """A drafter's greedy drafts from its normed rows [n, hidden] through this LM head, where the C head screens

@@ -191,13 +191,17 @@ class PackedWeight(torch.Tensor):
             out.scatter_(-1, top, exact.to(out.dtype))
         return y
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu is not None and x.device.type == "cpu":
+    def linear(self, x: torch.Tensor, one_token_rows: int | None = None) -> torch.Tensor:
+        """x @ W^T. one_token_rows: x holds several sequences' steps, this many one-token ones first (Triton only:
+        kernels.quant_matmul's, which computes each row as its sequence's step alone does)."""
+        if self.cpu is not None and x.device.type == "cpu" and one_token_rows is None:
             return self._cpu_linear(x)
         if triton_runs(x):
             from ..kernels.quant_matmul import quant_matmul
 
-            return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0])
+            return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], one_token_rows)
+        if one_token_rows is not None:
+            raise ValueError("only the Triton kernels multiply several sequences' steps at once")
         return F.linear(x, self.packed.dequantize(self.dtype))
 
     def expert_linear(self, x: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,

@@ -27,3 +27,6 @@ def triton_runs(t: torch.Tensor) -> bool:
 # contexts keep every SM busy; each chunk leaves a float32 partial output.
 SPLIT_ROWS = 17
 KEYS_PER_CHUNK = 512
+# The rows of kernels.quant_matmul's verification tile: steps of up to this many rows of several sequences share a
+# forward there (GemmaModel.batches)
+VERIFY_ROWS = 16

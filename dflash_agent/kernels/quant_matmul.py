@@ -6,11 +6,17 @@ F.linear; every weight the tl.dot tiles dequantize has exactly the reference's f
 the scales in after summing, a rounding difference within the same float32 bound).
 
 One kernel, three launch shapes (`launch_shape`):
-- decode, 1 row: BLOCK_M = 1, a GEMV whose products are plain float32 FMAs (tensor cores need 16 rows). It
-  keeps each block's (or sub-block's) scale and offset out of the inner products: d * sum(q * x) - d * 8 *
-  sum(x) for Q4_0, so a value costs an unpack, a convert and one FMA;
-- verification, <= 16 rows: one 16-row tile, tl.dot;
+- decode rows: a GEMV whose products are plain float32 FMAs (tensor cores need 16 rows). It keeps each block's
+  (or sub-block's) scale and offset out of the inner products: d * sum(q * x) - d * 8 * sum(x) for Q4_0, so a
+  value costs an unpack, a convert and one FMA. One sequence's row takes a program of its own; the one-token steps
+  of several sequences (concurrent requests' decode rows) take GEMV_ROWS rows a program, which loads and unpacks each
+  weight once for all of them. A row's operations are the same in both (the same weight tiles, reductions of the
+  same shapes, the row's sum added into its own column), so a request decodes the same alone or batched;
+- verification, <= 16 rows of one sequence (or several sequences' blocks, `quant_matmul`'s `one_token_rows`):
+  16-row tiles, tl.dot, whose rows never mix;
 - prefill, many rows: 64 x 64 tiles, tl.dot.
+K is split (below) by the output tiles of one row block alone, never by how many rows a launch has, for the same
+reason: a row's sums must not depend on its neighbours (the lossless guarantee of batched decoding).
 Decode and verification read every weight byte once per call, which is what makes them run at the
 memory-bandwidth roofline rather than at the tensor cores' rate. They reach it only with enough loads in flight:
 where the output tiles alone are too few programs to fill the GPU (a down projection has 4x fewer rows than
@@ -36,7 +42,7 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .dispatch import PACKED_TYPES
+from .dispatch import PACKED_TYPES, VERIFY_ROWS
 from .triton_support import Launch, dot_dtype
 
 _T = GGMLQuantizationType
@@ -47,17 +53,21 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = PACKED_TYPES  # one list, imp
 assert set(_CODES) == PACKED_TYPES, "every packed type needs a kernel format code"
 
 DECODE_ROWS = 1
-VERIFY_ROWS = 16
+# Decode rows one GEMV program multiplies when several sequences decode together: each weight is loaded once for all
+# of them. More rows take more programs of this many, so one compiled kernel serves 2 to any number of rows. (The
+# unpacked weights stay in registers across the rows: 96-167 registers a thread against one row's 64-128.)
+GEMV_ROWS = 8
 
 
 @dataclass(frozen=True)
 class LaunchShape:
-    block_m: int
+    block_m: int  # rows a program computes
     block_n: int
     num_warps: int
     # 32-value blocks per K step of the simple formats (Q4_0, Q5_0, Q8_0), at most; K-quants step one
     # 256-value super-block at a time
     blocks: int
+    gemv: bool = False  # each row's own float32 FMAs (decode rows), not tl.dot tiles
 
 
 # Programs a launch should have per SM before K is split: ~16 programs of 1-2 warps keep enough weight loads in
@@ -81,12 +91,18 @@ def launch_shape(m: int, qtype: GGMLQuantizationType) -> LaunchShape:
       [BLOCK_N, values] float32 tile beside the tensor-core operands is what spilled at 256.
     """
     if m <= DECODE_ROWS:
-        if GGML_QUANT_SIZES[qtype][0] == 256:
-            return LaunchShape(1, 16, 1, 1)
-        return LaunchShape(1, 8, 1, 8)
+        return decode_shape(qtype, rows=1)
     if m <= VERIFY_ROWS:
         return LaunchShape(16, 32, 8, 4) if qtype == _T.Q6_K else LaunchShape(16, 64, 4, 4)
     return LaunchShape(64, 64, 8, 4)
+
+
+def decode_shape(qtype: GGMLQuantizationType, rows: int) -> LaunchShape:
+    """The GEMV's shape at `rows` decode rows a program: 1 for one sequence's step (and a grouped launch's pairs, each
+    with a matrix of its own), GEMV_ROWS for several sequences' steps."""
+    if GGML_QUANT_SIZES[qtype][0] == 256:
+        return LaunchShape(rows, 16, 1, 1, gemv=True)
+    return LaunchShape(rows, 8, 1, 8, gemv=True)
 
 
 def split_k(programs: int, steps: int, sms: int) -> int:
@@ -183,13 +199,14 @@ def _k_scale_min(scales, S: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, GEMV: tl.constexpr,
+def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, FIVE_BITS: tl.constexpr, GEMV: tl.constexpr,
                 DOT: tl.constexpr):
     # Super-block b of each row. Q4_K (144 bytes): fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes;
     # sub-block s = 2g + h (g < 4) holds values 32s..32s+31 in the h-th nibbles of bytes 32g..32g+31. Q5_K
     # (176 bytes) adds 32 bytes before the nibbles whose bit s is the 5th bit of value i of sub-block s.
     # One 32-value sub-block at a time: the fewest values live at once (registers, not spills). The GEMV (x_rows
-    # the pointer to x's one row, acc [BN]) adds d * sc * sum(q * x) - dmin * mn * sum(x) a sub-block.
+    # the pointer to x's first row, acc [BN, rows]) adds d * sc * sum(q * x) - dmin * mn * sum(x) a sub-block to
+    # each row's column.
     TS: tl.constexpr = 176 if FIVE_BITS else 144
     QS: tl.constexpr = 48 if FIVE_BITS else 16
     i = tl.arange(0, 32)
@@ -207,8 +224,10 @@ def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, G
                 q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
             k = b * 256 + (g * 64 + h * 32) + i
             if GEMV:
-                x = tl.load(x_rows + k).to(tl.float32)
-                acc += d * sc * tl.sum(q_h.to(tl.float32) * x[None, :], axis=1) - dmin * mn * tl.sum(x)
+                qf = q_h.to(tl.float32)
+                for r in range(rows):
+                    x = tl.load(x_rows + r * stride_xm + k).to(tl.float32)
+                    acc = _add_row(acc, r, d * sc * tl.sum(qf * x[None, :], axis=1) - dmin * mn * tl.sum(x))
             else:
                 w = q_h.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
                 acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
@@ -216,7 +235,8 @@ def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, FIVE_BITS: tl.constexpr, G
 
 
 @triton.jit
-def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, GEMV: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, GEMV: tl.constexpr, BN: tl.constexpr,
+               DOT: tl.constexpr):
     # 210 bytes: 128 low-nibble bytes ql, 64 bytes of 2-bit highs qh, 16 int8 scales, fp16 d.
     # Value j = 128g + 64h + 32u + i (g, h, u < 2, i < 32): low = nibble h of ql[64g + 32u + i],
     # high = bits 2(2h + u) of qh[32g + i], scale = scales[j // 16]; value = d * scale * (q - 32).
@@ -235,10 +255,12 @@ def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, GEMV: tl.constexpr, BN: tl.
                 k = b * 256 + (g * 128 + h * 64 + u * 32) + i
                 if GEMV:
                     sc = tl.load(at[:, None] + tl.arange(0, 2)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-                    x = tl.load(x_rows + k).to(tl.float32)
-                    qx = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (BN, 2, 16)), axis=2)
-                    xs = tl.sum(tl.reshape(x, (2, 16)), axis=1)
-                    acc += d * tl.sum(sc * (qx - 32.0 * xs[None, :]), axis=1)
+                    qf = q.to(tl.float32)
+                    for r in range(rows):
+                        x = tl.load(x_rows + r * stride_xm + k).to(tl.float32)
+                        qx = tl.sum(tl.reshape(qf * x[None, :], (BN, 2, 16)), axis=2)
+                        xs = tl.sum(tl.reshape(x, (2, 16)), axis=1)
+                        acc = _add_row(acc, r, d * tl.sum(sc * (qx - 32.0 * xs[None, :]), axis=1))
                 else:
                     sc_lo = tl.load(at).to(tl.int8, bitcast=True).to(tl.float32)
                     sc_hi = tl.load(at + 1).to(tl.int8, bitcast=True).to(tl.float32)
@@ -248,22 +270,34 @@ def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, GEMV: tl.constexpr, BN: tl.
     return acc
 
 
-# The simple formats' GEMV steps: x is one row ([values] at x_ptr), acc [BN] float32. Each block's scale and
-# offset multiply its sums, not its values (the K-quants' steps above have a GEMV mode of their own).
+# The simple formats' GEMV steps: x_ptr points to the program's first row, `rows` rows stride_xm apart, and acc
+# [BN, GEMV rows] float32 holds a column per row. Each block's scale and offset multiply its sums, not its values (the
+# K-quants' steps above have a GEMV mode of their own). The weights are loaded and converted once, then each row
+# takes the same operations in the same order, whatever the rows beside it.
 @triton.jit
-def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
+def _add_row(acc, r, part):
+    # column r of acc [BN, R] += part [BN]; the other columns keep their exact values. Rows are acc's second axis so
+    # that part, a sum over the weight tile's second axis, broadcasts into it in the layout it has.
+    cols = tl.arange(0, acc.shape[1])
+    return tl.where(cols[None, :] == r, acc + part[:, None], acc)
+
+
+@triton.jit
+def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
     i = tl.arange(0, 16)
     q = tl.load(w_rows[:, None, None] + (blk * 18 + 2)[None, :, None] + i[None, None, :])
     d = _half(h_rows, blk[None, :] * 9)
-    x_lo = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-    x_hi = tl.load(x_ptr + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
-    qx = tl.sum((q & 15).to(tl.float32) * x_lo[None, :, :] + (q >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
-    xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
-    return acc + tl.sum(d * (qx - 8.0 * xs[None, :]), axis=1)
+    for r in range(rows):
+        x_lo = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+        x_hi = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
+        qx = tl.sum((q & 15).to(tl.float32) * x_lo[None, :, :] + (q >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
+        xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
+        acc = _add_row(acc, r, tl.sum(d * (qx - 8.0 * xs[None, :]), axis=1))
+    return acc
 
 
 @triton.jit
-def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
+def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
     i = tl.arange(0, 16)
     base = w_rows[:, None, None] + (blk * 22)[None, :, None]
     q = tl.load(base + 6 + i[None, None, :])
@@ -271,21 +305,25 @@ def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
     q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
     q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
     d = _half(h_rows, blk[None, :] * 11)
-    x_lo = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-    x_hi = tl.load(x_ptr + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
-    qx = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :] + q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
-    xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
-    return acc + tl.sum(d * (qx - 16.0 * xs[None, :]), axis=1)
+    for r in range(rows):
+        x_lo = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+        x_hi = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
+        qx = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :] + q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
+        xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
+        acc = _add_row(acc, r, tl.sum(d * (qx - 16.0 * xs[None, :]), axis=1))
+    return acc
 
 
 @triton.jit
-def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
+def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
     i = tl.arange(0, 32)
     q = tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :])
     d = _half(h_rows, blk[None, :] * 17)
-    x = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-    qx = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
-    return acc + tl.sum(d * qx, axis=1)
+    for r in range(rows):
+        x = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+        qx = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
+        acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
+    return acc
 
 
 # M varies with every prompt chunk and speculative block, STEPS with the split: not specializing on them (== 1,
@@ -295,7 +333,7 @@ def _quant_matmul_kernel(
     x_ptr, w_ptr, h_ptr, y_ptr, x_row_ptr, expert_ptr,
     M, N, stride_xm, stride_ym, stride_ys, row_bytes, STEPS, expert_bytes,
     FORMAT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, GEMV: tl.constexpr,
 ):
     # program (n, m, s) writes rows m, columns n of y's split s: the products over K steps s*STEPS..(s+1)*STEPS-1.
     # GROUPED (a MoE layer's experts, grouped_quant_matmul): w is a stack of matrices of expert_bytes each, tile m
@@ -321,25 +359,32 @@ def _quant_matmul_kernel(
         m_ok = m_ok & (x_row >= 0)
         x_row = tl.where(m_ok, x_row, 0)
     first = pid_s * STEPS
-    if BLOCK_M == 1:
-        if GROUPED:  # the tile's one row
+    if GEMV:
+        if GROUPED:  # the tile's one row (BLOCK_M = 1)
             x_ptr += tl.load(x_row_ptr + pid_m).to(tl.int64) * stride_xm
-        gemv = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            rows = 1
+        elif BLOCK_M == 1:  # one sequence's decode row: no loop over rows
+            x_ptr += pid_m.to(tl.int64) * stride_xm
+            rows = 1
+        else:  # the program's rows of x, which are M's rows in order
+            x_ptr += (pid_m * BLOCK_M).to(tl.int64) * stride_xm
+            rows = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M)
+        gemv = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(first, first + STEPS):
             blk = step * NB + tl.arange(0, NB)
             if FORMAT == 0:
-                gemv = _q4_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
+                gemv = _q4_0_gemv(gemv, w_rows, h_rows, x_ptr, stride_xm, rows, blk)
             elif FORMAT == 1:
-                gemv = _q5_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
+                gemv = _q5_0_gemv(gemv, w_rows, h_rows, x_ptr, stride_xm, rows, blk)
             elif FORMAT == 2:
-                gemv = _q8_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
+                gemv = _q8_0_gemv(gemv, w_rows, h_rows, x_ptr, stride_xm, rows, blk)
             elif FORMAT == 3:
-                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, False, True, DOT)
+                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, stride_xm, rows, False, True, DOT)
             elif FORMAT == 4:
-                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, True, True, DOT)
+                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, stride_xm, rows, True, True, DOT)
             else:
-                gemv = _q6_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, True, BLOCK_N, DOT)
-        acc = gemv[None, :]
+                gemv = _q6_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, stride_xm, rows, True, BLOCK_N, DOT)
+        acc = tl.trans(gemv)
     else:
         x_rows = x_ptr + x_row.to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -351,11 +396,11 @@ def _quant_matmul_kernel(
             elif FORMAT == 2:
                 acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
             elif FORMAT == 3:
-                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, False, DOT)
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, 0, 0, False, False, DOT)
             elif FORMAT == 4:
-                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, False, DOT)
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, 0, 0, True, False, DOT)
             else:
-                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, BLOCK_N, DOT)
+                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, 0, 0, False, BLOCK_N, DOT)
     y = y_ptr + pid_s.to(tl.int64) * stride_ys + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -382,18 +427,41 @@ class QuantMatmulLaunch:
             self.y.copy_(self.partials.sum(dim=0))
 
 
-def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int,
+                 one_token_rows: int | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., out_features] in x's dtype, where `raw` holds W [out_features, K] as packed
-    GGUF blocks (uint8, contiguous, on x's device)."""
+    GGUF blocks (uint8, contiguous, on x's device).
+
+    one_token_rows: None, x's rows are one sequence's (a decode step, a verification block or a prompt chunk: the
+    launch shape goes by their number); else x [M, K] holds several sequences' steps: its first one_token_rows rows
+    are one-token steps (decode rows, the GEMV) and the rest verification blocks (16-row tiles). Either way each
+    row comes out as its sequence's step alone gives it."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out_features, device=x.device, dtype=x.dtype)
-    plan = quant_matmul_launch(x2, raw, qtype, y)
-    if plan is not None:
-        plan()
+    if one_token_rows is None:
+        plan = quant_matmul_launch(x2, raw, qtype, y)
+        launches = [] if plan is None else [plan]
+    else:
+        if x.dim() != 2 or not 0 <= one_token_rows <= x.shape[0]:
+            raise ValueError(f"{one_token_rows} one-token rows of a [{', '.join(map(str, x.shape))}] batch")
+        launches = batched_launches(x2, raw, qtype, y, one_token_rows)
+    for launch in launches:
+        launch()
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def batched_launches(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor,
+                     one_token_rows: int) -> list[QuantMatmulLaunch]:
+    """The launches for y = x @ W^T where x's first one_token_rows rows are several sequences' one-token steps (the
+    GEMV, GEMV_ROWS a program; a lone row as one sequence's) and the rest verification blocks (16-row tiles). Shared
+    by `quant_matmul` and the compile report."""
+    row_bytes = _checked_row_bytes(x, raw, qtype, 1, y.shape[1])
+    gemv = decode_shape(qtype, rows=1 if one_token_rows == 1 else GEMV_ROWS)
+    parts = ((slice(0, one_token_rows), gemv), (slice(one_token_rows, x.shape[0]), launch_shape(VERIFY_ROWS, qtype)))
+    return [_launch(x[rows], raw, qtype, y[rows], shape, row_bytes) for rows, shape in parts if rows.stop > rows.start]
 
 
 def _checked_row_bytes(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, matrices: int, n: int) -> int:
@@ -436,9 +504,9 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: 
     k = x.shape[1]
     nb = _blocks_per_step(qtype, k, shape.blocks)
     steps = k // (nb * GGML_QUANT_SIZES[qtype][0])
-    tiles = triton.cdiv(out_features, shape.block_n) * triton.cdiv(m, shape.block_m)
     split = 1
-    if shape.block_m <= VERIFY_ROWS:
+    if shape.block_m <= VERIFY_ROWS:  # by one row block's tiles: a row's sums never depend on how many rows there are
+        tiles = triton.cdiv(out_features, shape.block_n)
         split = split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
     partials = None
     if split > 1:
@@ -451,7 +519,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: 
         (x, raw, raw.view(torch.float16), out, x_rows, tile_expert, m, out_features, x.stride(0), out.stride(-2),
          out.stride(0) if partials is not None else 0, row_bytes, steps // split, expert_bytes),
         dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
-             GROUPED=x_rows is not None, num_warps=shape.num_warps),
+             GROUPED=x_rows is not None, GEMV=shape.gemv, num_warps=shape.num_warps),
     )
     return QuantMatmulLaunch(launch, y, partials)
 
@@ -474,7 +542,7 @@ def grouped_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantiza
     x_rows, chosen = x_rows.to(torch.int32), chosen.to(torch.int32)
     most = 1 if single else int(torch.bincount(chosen, minlength=experts).max())
     shape = launch_shape(most, qtype)
-    if shape.block_m == 1:
+    if shape.gemv:
         grouped_launch(x, raw, qtype, experts, x_rows, chosen, y, shape)()
         return y
     bm = shape.block_m

@@ -80,7 +80,7 @@ def test_target_steps_match_forward() -> None:
             cache.rollback(pos + keep)
         pos, step = pos + keep, step + 1
     assert caches[1].length == caches[0].length == pos
-    assert {bucket for bucket, _ in graphed.step_graphs.graphs} == set(BUCKETS)
+    assert {bucket for _, bucket, _ in graphed.step_graphs.graphs} == set(BUCKETS)
 
 
 def test_target_graphs_decline_what_they_cannot_replay() -> None:
@@ -91,10 +91,50 @@ def test_target_graphs_decline_what_they_cannot_replay() -> None:
     assert graphs.replay(torch.arange(17), cache, None, ()) is None  # past the largest bucket
     assert graphs.replay(torch.arange(2), cache, torch.arange(0), ()) is None  # no logits wanted
     assert graphs.replay(torch.arange(1), cache, None, ()) is not None
-    assert graphs.replay(torch.arange(1), model.new_cache(64), None, ()) is None  # another cache
+    other = model.new_cache(64)  # another slot's cache: a graph of its own, beside the first
+    assert graphs.replay(torch.arange(1), other, None, ()) is not None and other.length == 1
+    assert {key[0] for key in graphs.graphs} == {id(cache), id(other)}
     near_end = model.new_cache(8)
     model(torch.arange(6), near_end)
     assert TargetStepGraphs(model).replay(torch.arange(3), near_end, None, ()) is None  # padding past max_len
+
+
+def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches() -> None:
+    """The slots' batched decode step as a graph (replay_groups): three caches at different lengths, past the window
+    and around the rings, each row's logits, greedy pick and captured layers as the model's own forward of that cache
+    alone gives; one graph per combination of caches (and captured layers), reused across steps."""
+    from dflash_agent.engine.model import RowGroup
+
+    ckpt = tiny_packed_checkpoint()
+    eager = build_model(ckpt, "cpu", torch.float32, progress=False)
+    graphed = build_model(ckpt, "cpu", torch.float32, progress=False)
+    graphs = TargetStepGraphs(graphed)
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (3, 9, 20)]
+    pairs = [(eager.new_cache(64), graphed.new_cache(64)) for _ in prompts]
+    for prompt, (a, b) in zip(prompts, pairs, strict=True):
+        eager(prompt, a)
+        graphed(prompt, b)
+    for step in range(12):
+        members = [0, 1, 2] if step % 3 else [2, 0]  # two combinations, in the scheduler's order
+        ids = torch.randint(0, VOCAB, (len(members),))
+        greedy = [i == 1 for i in members]
+        groups = [RowGroup(ids[j:j + 1], pairs[i][1], greedy=greedy[j]) for j, i in enumerate(members)]
+        outs = graphs.replay_groups(groups, (0,))
+        assert outs is not None
+        for j, i in enumerate(members):
+            want = eager(ids[j:j + 1], pairs[i][0], capture=(0,))
+            close(outs[j].captured[0], want.captured[0])
+            if greedy[j]:
+                assert outs[j].tokens == [int(want.logits.argmax())]
+            else:
+                close(outs[j].logits, want.logits)
+    assert [a.length for a, _ in pairs] == [b.length for _, b in pairs] == [15, 17, 32]
+    assert [b.ring_pos.tolist() for _, b in pairs] == [a.ring_pos.tolist() for a, _ in pairs]
+    assert len(graphs.group_graphs) == 2
+    one_block = [RowGroup(torch.arange(2), pairs[0][1]), RowGroup(torch.arange(1), pairs[1][1])]
+    assert graphs.replay_groups(one_block, ()) is None  # blocks run eagerly
+    assert graphs.replay_groups(one_block[1:], ()) is None  # one request: replay's graphs
 
 
 def test_draft_graph_matches_drafter(tmp_path) -> None:

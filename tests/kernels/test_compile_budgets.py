@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_agent.bench.kernels import DECODE_REGISTERS, KernelConfig, violations
+from dflash_agent.bench.kernels import DECODE_REGISTERS, SLOTS_REGISTERS, KernelConfig, violations
 
 pytest.importorskip("triton")
 
@@ -42,8 +42,10 @@ def test_report_covers_the_engine_launches(report) -> None:
     assert all(set(c["usage"]) == {"sm_86", "sm_89", "sm_90", "sm_120"} for c in configs)
     matmuls = {(c["detail"].split()[0], c["phase"]) for c in configs if c["kernel"] == "quant_matmul"}
     for qtype in ("Q4_0", "Q4_K", "Q6_K", "Q8_0"):  # Q4_0, Q4_K_M's mix, Q8_0
-        for phase in ("decode", "verify", "prefill"):
+        for phase in ("decode", "slots", "verify", "prefill"):
             assert (qtype, phase) in matmuls
+    slots = [c for c in configs if c["phase"] == "slots"]  # several requests' decode rows: 8-row GEMV programs
+    assert slots and all("'BLOCK_M': 8" in c["detail"] and "'GEMV': True" in c["detail"] for c in slots)
     heads = {c["detail"].split()[0] for c in configs if c["kernel"] == "cache_attention"}
     assert heads == {"d=256", "d=512", "d=128"}  # sliding, full, drafter
     assert any("int8 KV" in c["detail"] for c in configs) and any("split keys" in c["detail"] for c in configs)
@@ -59,6 +61,8 @@ def test_violations_name_each_broken_budget() -> None:
     assert "spilled" in violations([_config("verify", stack=8)])[0]
     assert "spilled" in violations([_config("prefill", kernel="cache_attention", local=4)])[0]
     assert "registers" in violations([_config("decode", registers=DECODE_REGISTERS + 1)])[0]
+    assert violations([_config("slots", registers=SLOTS_REGISTERS)]) == []
+    assert "registers (budget 168)" in violations([_config("slots", registers=SLOTS_REGISTERS + 1)])[0]
     assert "shared" in violations([_config("prefill", shared=100 * 1024)])[0]
 
 

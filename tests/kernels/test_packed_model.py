@@ -46,3 +46,43 @@ def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
     for got, want in zip(kernel_logits, expected, strict=True):
         # a token's FFN sums the dense MLP's and its experts' outputs, each in the kernels' own order
         torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "ple"])
+def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind) -> None:
+    """forward_groups on the Triton kernels (concurrent requests' slots): one forward over three sequences' decode rows
+    and verification blocks, in the scheduler's order (a block before decode rows), the decode rows in one shared
+    GEMV program and the blocks in shared tiles: every logit and greedy pick bit for bit what each group's forward
+    alone gives, over the dense layout, 26B-A4B's experts (a float32 router: a matmul per sequence) and E2B / E4B's
+    per-layer inputs and shared KV. Two steps
+    from empty caches, so the second attends to what the first wrote; the family's layouts take the first step's
+    two kinds of row only (the interpreter takes 5-20 s a forward)."""
+    from dflash_agent.engine.model import RowGroup
+
+    config = None if kind == "dense" else tiny_family_config(kind)
+    model = build_model(tiny_packed_checkpoint(config=config), kernels.device, torch.float32, progress=False,
+                        packed=True)
+    for layer in model.layers:  # a MoE GGUF's routers are float32 matrices (llama.cpp's ffn_gate_inp)
+        if layer.experts is not None:
+            layer.router.proj.weight = layer.router.proj.weight.packed.dequantize(torch.float32)
+    torch.manual_seed(3)
+    steps = [  # (new tokens, logits_at, greedy) per sequence
+        [(3, torch.arange(3), False), (1, None, True), (1, None, False)],
+        [(1, None, False), (2, torch.tensor([1]), True), (4, torch.tensor([0, 3]), False)],
+    ]
+    if kind != "dense":
+        steps = [steps[0][:2]]
+    batched, alone = ([model.new_cache(16) for _ in steps[0]] for _ in range(2))
+    for step in steps:
+        ids = [torch.randint(0, 64, (n,), device=kernels.device) for n, _, _ in step]
+        groups = [RowGroup(i, cache, None if a is None else a.to(kernels.device), greedy)
+                  for i, cache, (_, a, greedy) in zip(ids, batched, step, strict=True)]
+        assert model.batches(groups)
+        together = model.forward_groups(groups)
+        for got, i, cache, (_, a, greedy) in zip(together, ids, alone, step, strict=True):
+            want = model(i, cache, None if a is None else a.to(kernels.device), greedy=greedy)
+            assert got.tokens == want.tokens
+            assert (got.logits is None) == (want.logits is None)
+            assert got.logits is None or torch.equal(got.logits, want.logits)
+        assert [c.length for c in batched] == [c.length for c in alone]
