@@ -578,10 +578,10 @@ class GemmaModel(nn.Module):
         for i, (group, (a, b)) in enumerate(zip(ordered, spans, strict=True)):
             views = {layer: h[a:b] for layer, h in captured.items()}
             scores = logits.get(i)
-            if group.greedy:
-                outputs[order[i]] = ForwardOutput(None, views, [] if scores is None else self._picks(scores))
-            else:
+            if scores is None or not group.greedy:  # no rows asked for: neither logits nor picks, as forward
                 outputs[order[i]] = ForwardOutput(scores, views)
+            else:
+                outputs[order[i]] = ForwardOutput(None, views, self._picks(scores))
         return outputs
 
     def step_rows(self, cache: KVCache) -> int:
