@@ -126,10 +126,11 @@ class TargetStepGraphs:
 
     @torch.inference_mode()
     def replay_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput] | None:
-        """GemmaModel.forward_groups of several requests' decode rows (one token each, the last row's logits) through a
-        graph, or None where none applies (blocks, logits asked of other rows, a full cache)."""
-        if len(groups) < 2 or any(g.ids.shape[0] != 1 or g.logits_at is not None or g.cache.length >= g.cache.max_len
-                                  for g in groups):
+        """GemmaModel.forward_groups of several requests' decode rows (one token each, its logits: logits_at None or
+        its one row, as the scheduler asks) through a graph, or None where none applies (blocks, no logits asked, a
+        full cache)."""
+        if len(groups) < 2 or any(g.ids.shape[0] != 1 or (g.logits_at is not None and g.logits_at.numel() != 1)
+                                  or g.cache.length >= g.cache.max_len for g in groups):
             return None
         key = (tuple(id(g.cache) for g in groups), tuple(capture))
         g = self.group_graphs.get(key)

@@ -219,16 +219,18 @@ class Experts(nn.Module):
                 rows: StepRows | None = None) -> torch.Tensor:
         """x [N, hidden], weights / experts [N, k] -> the weighted sum of each token's experts [N, hidden]. rows:
         several sequences' steps: with packed experts the one-token groups' tokens take the GEMV as a decode step
-        alone does, the others the tiles by expert; else each sequence's tokens alone."""
+        alone does, each block its own tiles by expert; else each sequence's tokens alone."""
         packed = isinstance(self.gate_up_proj, PackedWeight) and isinstance(self.down_proj, PackedWeight)
         if rows is not None and not packed:  # per sequence: the loop below multiplies as many rows as chose an expert
             return torch.cat([self.forward(x[a:b], weights[a:b], experts[a:b]) for a, b in rows.spans()])
+        if packed and rows is not None:
+            # the decode rows' pairs in one GEMV launch; each block's alone, since a launch's tile shape goes by the
+            # most rows any expert has in it
+            one = rows.one_token
+            parts = ([(0, one, True)] if one else []) + [(a, b, False) for a, b in rows.spans()[one:]]
+            return torch.cat([self._grouped(x[a:b], weights[a:b], experts[a:b], single) for a, b, single in parts])
         if packed:
-            if rows is not None and 0 < rows.one_token < x.shape[0]:
-                one = rows.one_token
-                return torch.cat((self._grouped(x[:one], weights[:one], experts[:one], True),
-                                  self._grouped(x[one:], weights[one:], experts[one:], False)))
-            grouped = self._grouped(x, weights, experts, x.shape[0] == 1 if rows is None else rows.one_token > 0)
+            grouped = self._grouped(x, weights, experts, x.shape[0] == 1)
             if grouped is not None:
                 return grouped
         assert rows is None

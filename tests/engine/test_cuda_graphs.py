@@ -119,7 +119,9 @@ def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches()
         members = [0, 1, 2] if step % 3 else [2, 0]  # two combinations, in the scheduler's order
         ids = torch.randint(0, VOCAB, (len(members),))
         greedy = [i == 1 for i in members]
-        groups = [RowGroup(ids[j:j + 1], pairs[i][1], greedy=greedy[j]) for j, i in enumerate(members)]
+        # the scheduler asks a decode row's logits as logits_at = [0]; None means the same
+        groups = [RowGroup(ids[j:j + 1], pairs[i][1], torch.arange(1) if step % 2 else None, greedy=greedy[j])
+                  for j, i in enumerate(members)]
         outs = graphs.replay_groups(groups, (0,))
         assert outs is not None
         for j, i in enumerate(members):
@@ -135,6 +137,8 @@ def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches()
     one_block = [RowGroup(torch.arange(2), pairs[0][1]), RowGroup(torch.arange(1), pairs[1][1])]
     assert graphs.replay_groups(one_block, ()) is None  # blocks run eagerly
     assert graphs.replay_groups(one_block[1:], ()) is None  # one request: replay's graphs
+    no_logits = [RowGroup(torch.arange(1), pairs[0][1], torch.arange(0)), RowGroup(torch.arange(1), pairs[1][1])]
+    assert graphs.replay_groups(no_logits, ()) is None
 
 
 def test_draft_graph_matches_drafter(tmp_path) -> None:
