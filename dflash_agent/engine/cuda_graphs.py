@@ -163,32 +163,28 @@ class TargetStepGraphs:
     def _groups_step(self, g: _GroupsGraph, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         # GemmaModel._kernel_groups with each row's plan made on the device, as _step makes one
         model = self.model
-        plans = []
-        for i, (cache, ring) in enumerate(zip(g.caches, g.rings, strict=True)):
-            pos = g.pos[i:i + 1]
-            ring_slots = pos % cache.ring_slots
-            ring.index_copy_(0, ring_slots, pos)
-            plans.append(StepPlan(
-                pos,
-                full=LayerPlan("kernel", pos, positions=KeyPositions(pos, None, None)),
-                sliding=LayerPlan("kernel", ring_slots, positions=KeyPositions(pos, ring, model.config.sliding_window)),
-            ))
+        plans = [self._device_plan(g.pos[i:i + 1], cache, ring) for i, (cache, ring) in
+                 enumerate(zip(g.caches, g.rings, strict=True))]
         rows = StepRows((1,) * len(g.caches))
         x, captured = model.layers_forward(model.embed(g.ids), plans, [c.layers for c in g.caches], capture, rows=rows)
         return model.logits(x, rows), captured
 
     def _step(self, g: _TargetGraph, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         # GemmaModel.forward with the plan made on the device (see the module doc)
-        model, cache = self.model, g.cache
-        ring_slots = g.pos % cache.ring_slots
-        g.ring.index_copy_(0, ring_slots, g.pos)
-        plan = StepPlan(
-            g.pos,
-            full=LayerPlan("kernel", g.pos, positions=KeyPositions(g.pos, None, None)),
-            sliding=LayerPlan("kernel", ring_slots, positions=KeyPositions(g.pos, g.ring, model.config.sliding_window)),
-        )
-        x, captured = model.layers_forward(model.embed(g.ids), plan, cache.layers, capture)
+        model = self.model
+        plan = self._device_plan(g.pos, g.cache, g.ring)
+        x, captured = model.layers_forward(model.embed(g.ids), plan, g.cache.layers, capture)
         return model.logits(x[g.rows]), captured
+
+    def _device_plan(self, pos: torch.Tensor, cache: KVCache, ring: torch.Tensor) -> StepPlan:
+        """The plan of new tokens at positions `pos` (a device buffer) over `cache`, made on the device: full layers
+        attend the whole cache masked by position, and `ring` (a copy of the rings' slot -> position map) takes the
+        new positions."""
+        ring_slots = pos % cache.ring_slots
+        ring.index_copy_(0, ring_slots, pos)
+        window = self.model.config.sliding_window
+        return StepPlan(pos, full=LayerPlan("kernel", pos, positions=KeyPositions(pos, None, None)),
+                        sliding=LayerPlan("kernel", ring_slots, positions=KeyPositions(pos, ring, window)))
 
 
 class DraftStepGraph:

@@ -221,19 +221,17 @@ class Experts(nn.Module):
         several sequences' steps: with packed experts the one-token groups' tokens take the GEMV as a decode step
         alone does, each block its own tiles by expert; else each sequence's tokens alone."""
         packed = isinstance(self.gate_up_proj, PackedWeight) and isinstance(self.down_proj, PackedWeight)
-        if rows is not None and not packed:  # per sequence: the loop below multiplies as many rows as chose an expert
-            return torch.cat([self.forward(x[a:b], weights[a:b], experts[a:b]) for a, b in rows.spans()])
-        if packed and rows is not None:
+        if rows is not None:
+            if not packed:  # per sequence: the loop below multiplies as many rows as chose an expert
+                return torch.cat([self.forward(x[a:b], weights[a:b], experts[a:b]) for a, b in rows.spans()])
             # the decode rows' pairs in one GEMV launch; each block's alone, since a launch's tile shape goes by the
             # most rows any expert has in it
             one = rows.one_token
             parts = ([(0, one, True)] if one else []) + [(a, b, False) for a, b in rows.spans()[one:]]
             return torch.cat([self._grouped(x[a:b], weights[a:b], experts[a:b], single) for a, b, single in parts])
-        if packed:
-            grouped = self._grouped(x, weights, experts, x.shape[0] == 1)
-            if grouped is not None:
-                return grouped
-        assert rows is None
+        grouped = self._grouped(x, weights, experts, x.shape[0] == 1) if packed else None
+        if grouped is not None:
+            return grouped
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():
             token, slot = torch.where(experts == expert)
@@ -316,6 +314,11 @@ class RowGroup:
     cache: KVCache
     logits_at: torch.Tensor | None = None  # as GemmaModel.forward's
     greedy: bool = False  # likewise
+
+    def asked_rows(self, start: int) -> torch.Tensor:
+        """The rows whose logits this group asks for, among a step's rows where its own begin at `start`."""
+        at = torch.tensor([self.ids.shape[0] - 1]) if self.logits_at is None else self.logits_at
+        return at.to(self.ids.device) + start
 
 
 @dataclass(frozen=True)
@@ -520,10 +523,8 @@ class GemmaModel(nn.Module):
             x, [(p, g.cache.layers) for p, g in zip(plans, groups)], capture, self.per_layer_inputs(ids, x))
         wanted, offset = [], 0
         for group in groups:
-            T = group.ids.shape[0]
-            at = torch.tensor([T - 1]) if group.logits_at is None else group.logits_at
-            wanted.append(at + offset)
-            offset += T
+            wanted.append(group.asked_rows(offset))
+            offset += group.ids.shape[0]
         # the greedy groups' rows in one pass over the head, the others' logits in another (each row alone: the
         # split changes nothing), C's LM head taking MAX_ROWS rows a call
         picked = [at for at, g in zip(wanted, groups) if g.greedy]
@@ -568,8 +569,7 @@ class GemmaModel(nn.Module):
         for group, (a, b) in zip(ordered, spans, strict=True):
             group.cache.length += b - a
         # the head's rows likewise: the groups that want one row first (a row alone takes the GEMV)
-        wanted = [torch.tensor([b - 1], device=x.device) if g.logits_at is None else g.logits_at.to(x.device) + a
-                  for g, (a, b) in zip(ordered, spans, strict=True)]
+        wanted = [g.asked_rows(a) for g, (a, _) in zip(ordered, spans, strict=True)]
         head = sorted((i for i, at in enumerate(wanted) if at.numel()), key=lambda i: wanted[i].numel() > 1)
         logits = {}
         if head:
