@@ -15,7 +15,9 @@ tensors of the shapes the engine passes them:
 - attention: each layer kind of the target (sliding head_dim 256 over its ring, full head_dim 512 over the
   cache) with bf16 and q8 KV, at the same rows, where the engine routes them to the kernel (model._plan: sliding
   layers only for blocks within the ring's slack), at a context within one key chunk and a long one (so both the
-  single-pass and the split-keys kernels); the drafter's CUDA-graph step attends its cache through the kernel too.
+  single-pass and the split-keys kernels, and the latter's combination); the slots' rows each over its own cache in
+  one launch (kernels.attention_triton.rows_attention_launch) and their keys' write; the drafter's CUDA-graph step
+  attends its cache through the kernel too.
 Launches that compile to the same kernel (same constexprs, dtypes and integer specializations) are merged.
 
 Budgets (`violations`): no spilled bytes for decode / slots / verify on any target; decode GEMV at <= 128 registers
@@ -47,6 +49,7 @@ from ..engine.drafter import DrafterConfig
 from ..engine.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
 from ..engine.model import GemmaModel
 from ..engine.speculative import PREFILL_CHUNK
+from ..kernels.attention import OFFSETS
 from ..kernels.dispatch import KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types
 
@@ -61,12 +64,12 @@ DECODE_REGISTERS = 128
 # registers leaves 12 one-warp programs an SM, 96 rows' work in flight against one row's 16 programs.
 SLOTS_REGISTERS = 168
 # Spilled bytes per thread a prefill launch may have, by kernel: only what its docstring shows is harmless.
-PREFILL_SPILL_ALLOWANCE: dict[str, int] = {"quant_matmul": 0, "cache_attention": 0}
+PREFILL_SPILL_ALLOWANCE: dict[str, int] = {"quant_matmul": 0, "cache_attention": 0, "combine_chunks": 0}
 
 
 @dataclass
 class KernelConfig:
-    kernel: str  # quant_matmul | cache_attention
+    kernel: str  # quant_matmul | cache_attention | combine_chunks (its split keys' combination) | write_rows
     phase: str  # decode | slots | verify | prefill
     detail: str  # what distinguishes the compiled kernel
     used_by: list[str]  # model: quantization / weight or layer kind, rows
@@ -129,8 +132,8 @@ def _matmul_launches(model: str, config: ModelConfig,
 
 
 def _attention_launches(model: str, config: ModelConfig,
-                        drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
-    from ..kernels.attention_triton import cache_attention_launch
+                        drafter: DrafterConfig) -> Iterator[tuple[str, str, str, str, object]]:
+    from ..kernels.attention_triton import cache_attention_launch, rows_attention_launch, write_rows_launch
 
     meta = torch.device("meta")
     rows = _phase_rows(drafter)
@@ -143,8 +146,6 @@ def _attention_launches(model: str, config: ModelConfig,
             slots = min(context, config.sliding_window + DEFAULT_SLACK) if sliding else context
             for kv_dtype in KV_DTYPES:
                 for phase, ms in rows.items():
-                    if phase == "slots":  # each request's row attends its own cache: decode's launches
-                        continue
                     for t in ms:
                         if sliding and t > DEFAULT_SLACK + 1:
                             continue  # model._plan: blocks past the ring's slack attend through SDPA
@@ -161,11 +162,23 @@ def _attention_launches(model: str, config: ModelConfig,
             k = torch.empty(slots, kv_heads, d, dtype=torch.int8 if q8 else DTYPE, device=meta)
             scales = torch.empty(slots, kv_heads, d // Q8_BLOCK, dtype=DTYPE, device=meta) if q8 else None
             pos = torch.empty(t, dtype=torch.long, device=meta)
-            k_pos = torch.empty(slots, dtype=torch.long, device=meta) if ring else None
-            plan = cache_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, scales, scales)
+            if phase == "slots":  # each request's decode row over its own cache, all in one launch (JointAttention)
+                offsets = torch.empty(t, OFFSETS, dtype=torch.long, device=meta)
+                k_pos = torch.empty(t, slots, dtype=torch.long, device=meta) if ring else None
+                plan = rows_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, offsets, scales, scales)
+                if not q8:
+                    new = torch.empty(t, kv_heads, d, dtype=DTYPE, device=meta)
+                    yield "write_rows", phase, f"d={d}", f"{name}: rows={t}", write_rows_launch(
+                        new, new, k, k, pos, offsets)
+            else:
+                k_pos = torch.empty(slots, dtype=torch.long, device=meta) if ring else None
+                plan = cache_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, scales, scales)
             kv = "int8 KV" if q8 else "bf16 KV"
-            split = "split keys" if plan.lse is not None else "one pass"
-            yield phase, f"d={d} group={heads // kv_heads} {kv} {split}", f"{name}: T={t} S={slots}", plan.launch
+            split = "split keys" if plan.combine is not None else "one pass"
+            use = f"{name}: T={t} S={slots}"
+            yield "cache_attention", phase, f"d={d} group={heads // kv_heads} {kv} {split}", use, plan.launch
+            if plan.combine is not None:
+                yield "combine_chunks", phase, f"d={d} heads={heads}", use, plan.combine
 
 
 def kernel_configs() -> list[tuple[KernelConfig, object]]:
@@ -177,9 +190,9 @@ def kernel_configs() -> list[tuple[KernelConfig, object]]:
     launches = []
     for model, (target, draft) in SYNTHETIC_CONFIGS.items():
         config, drafter = target(), draft()
-        launches += [("quant_matmul", model, launch) for launch in _matmul_launches(model, config, drafter)]
-        launches += [("cache_attention", model, launch) for launch in _attention_launches(model, config, drafter)]
-    for kernel, model, (phase, detail, use, launch) in launches:
+        launches += [("quant_matmul", model, *launch) for launch in _matmul_launches(model, config, drafter)]
+        launches += [(launch[0], model, *launch[1:]) for launch in _attention_launches(model, config, drafter)]
+    for kernel, model, phase, detail, use, launch in launches:
         key = compile_key(launch)
         if key not in merged:
             meta = {k: v for k, v in launch.meta.items() if k != "DOT"}

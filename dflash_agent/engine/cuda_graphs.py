@@ -12,7 +12,8 @@ slots masked by position and overwritten later; buckets stop at the rings' slack
 
 Several requests' decode rows in one step (the server's slots: GemmaModel.forward_groups) replay a graph of their
 own, one per combination of slot caches (so at most 2^slots - 1, and in practice the few the scheduler forms), each
-row's plan made on the device as above.
+row's plan made on the device as above and the rows' attention one launch a layer (model.JointAttention: the caches'
+offsets are found once, when the graph is made, since a graph keeps its caches).
 
 CUDA only: `enable_cuda_graphs` is a no-op elsewhere. Nothing here has run on a GPU in this repository
 (no GPU in CI); the interpreter tests cover the kernels and the position-masked attention it relies on.
@@ -27,7 +28,7 @@ import torch
 
 from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
+from .model import ForwardOutput, GemmaModel, JointAttention, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class _GroupsGraph:
     ids: torch.Tensor  # [rows]
     pos: torch.Tensor  # [rows] each row's position
     rings: list[torch.Tensor]  # each cache's slot -> position map, copied in and out around a replay
+    offsets: torch.Tensor | None  # where each cache lies (GemmaModel.cache_offsets): one attention launch a layer
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [rows, vocab]
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -136,8 +138,9 @@ class TargetStepGraphs:
         g = self.group_graphs.get(key)
         if g is None:  # the graph keeps its caches, so no other cache can take one's id while it is stored
             rows = torch.zeros(len(groups), dtype=torch.long, device=self.model.device)
-            g = _GroupsGraph([group.cache for group in groups], rows, rows.clone(),
-                             [group.cache.ring_pos.clone() for group in groups])
+            caches = [group.cache for group in groups]
+            g = _GroupsGraph(caches, rows, rows.clone(), [cache.ring_pos.clone() for cache in caches],
+                             self.model.cache_offsets(caches))
         torch.cat([group.ids for group in groups], out=g.ids)
         g.pos.copy_(torch.tensor([group.cache.length for group in groups]), non_blocking=True)
         for ring, group in zip(g.rings, groups, strict=True):
@@ -165,7 +168,7 @@ class TargetStepGraphs:
         model = self.model
         plans = [self._device_plan(g.pos[i:i + 1], cache, ring) for i, (cache, ring) in
                  enumerate(zip(g.caches, g.rings, strict=True))]
-        rows = StepRows((1,) * len(g.caches))
+        rows = StepRows((1,) * len(g.caches), None if g.offsets is None else JointAttention.join(plans, g.offsets))
         x, captured = model.layers_forward(model.embed(g.ids), plans, [c.layers for c in g.caches], capture, rows=rows)
         return model.logits(x, rows), captured
 

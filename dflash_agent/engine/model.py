@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import cache_attention, grouped_attention
+from ..kernels.attention import cache_attention, cache_offsets, grouped_attention, rows_cache_attention, write_rows
 from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .config import LayerSpec, ModelConfig, MoESpec
 from .cpu_decode import MAX_ROWS
@@ -32,9 +32,11 @@ class ForwardOutput:
 class StepRows:
     """The rows of a step over several sequences on the Triton kernels (GemmaModel.forward_groups), as the matmuls
     must see them so each row comes out as its sequence's step alone gives it: `sizes` rows per group in step order,
-    the one-token groups (decode rows: the GEMV) first, then blocks of at most VERIFY_ROWS (the 16-row tiles)."""
+    the one-token groups (decode rows: the GEMV) first, then blocks of at most VERIFY_ROWS (the 16-row tiles).
+    `attention`: how the decode rows attend in one launch a layer (None: each group on its own)."""
 
     sizes: tuple[int, ...]
+    attention: JointAttention | None = None
 
     @property
     def one_token(self) -> int:
@@ -155,10 +157,15 @@ class Attention(nn.Module):
                 v = self.v_norm(v)
         if rows is None:
             out = self._attend(q, k, v, kv, plan, shared, index)
-        else:  # each sequence's rows write and read its own cache
-            out = torch.cat([self._attend(q[a:b], None if k is None else k[a:b], None if v is None else v[a:b],
-                                          kv[g], plan[g], None if shared is None else shared[g], index)
-                             for g, (a, b) in enumerate(rows.spans())])
+        else:  # each sequence's rows write and read its own cache: the decode rows together where they can
+            joint = 0 if rows.attention is None else rows.one_token
+            parts = [] if not joint else [self._attend_joint(q[:joint], None if k is None else k[:joint],
+                                                             None if v is None else v[:joint], kv[:joint],
+                                                             rows.attention, index)]
+            parts += [self._attend(q[a:b], None if k is None else k[a:b], None if v is None else v[a:b],
+                                   kv[g], plan[g], None if shared is None else shared[g], index)
+                      for g, (a, b) in enumerate(rows.spans()) if g >= joint]
+            out = torch.cat(parts)
         return self.o_proj(out.reshape(*lead, self.num_heads * d), rows)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv: LayerKV, plan: LayerPlan,
@@ -171,6 +178,22 @@ class Attention(nn.Module):
             if shared is not None:
                 shared[index] = keys
         return plan.attend(q, keys, self.scale)
+
+    def _attend_joint(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv: list[LayerKV],
+                      joint: JointAttention, index: int) -> torch.Tensor:
+        """Decode rows q [n, heads, d] of n sequences, each writing (unless this layer shares another's K / V, whose
+        caches kv then holds) and attending its own cache, one launch for all (JointAttention)."""
+        plan, first, offsets = joint.sliding if kv[0].sliding else joint.full, kv[0], joint.offsets[index]
+        if k is not None and v is not None:
+            if first.k_scale is None:
+                write_rows(k, v, first.k, first.v, plan.slots, offsets)
+            else:  # int8 caches quantize as they write, each its own rows
+                for row, layer in enumerate(kv):
+                    layer.write(plan.slots[row:row + 1], k[row:row + 1], v[row:row + 1])
+        pos = plan.positions
+        assert pos is not None
+        return rows_cache_attention(q, first.k, first.v, pos.query, pos.key, pos.window, self.scale, offsets,
+                                    first.k_scale, first.v_scale)
 
 
 class MLP(nn.Module):
@@ -402,6 +425,30 @@ class StepPlan:
     sliding: LayerPlan
 
 
+@dataclass(frozen=True)
+class JointAttention:
+    """The decode rows of a step over several sequences attending in one launch a layer
+    (kernels.attention.rows_cache_attention), each row over its own whole cache as its step alone attends it: the
+    rows' "kernel" plans joined per layer kind (slots and query positions in row order, a ring's key positions
+    [rows, slots]), and where each row's cache lies from the first row's, per layer ([layers, rows, OFFSETS])."""
+
+    full: LayerPlan
+    sliding: LayerPlan
+    offsets: torch.Tensor
+
+    @classmethod
+    def join(cls, plans: list[StepPlan], offsets: torch.Tensor) -> JointAttention:
+        def joined(kind: list[LayerPlan]) -> LayerPlan:
+            positions = [p.positions for p in kind]
+            assert all(p is not None for p in positions)
+            keys = None if positions[0].key is None else torch.stack([p.key for p in positions])
+            query = torch.cat([p.query for p in positions])
+            return LayerPlan("kernel", torch.cat([p.slots for p in kind]),
+                             positions=KeyPositions(query, keys, positions[0].window))
+
+        return cls(joined([p.full for p in plans]), joined([p.sliding for p in plans]), offsets)
+
+
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -561,6 +608,10 @@ class GemmaModel(nn.Module):
             start = group.cache.length
             end = start + group.ids.shape[0]
             plans.append(self._plan(group.cache, torch.arange(start, end, device=group.ids.device), start, end))
+        joint = rows.one_token
+        offsets = self.cache_offsets([g.cache for g in ordered[:joint]]) if joint > 1 else None
+        if offsets is not None:
+            rows = StepRows(rows.sizes, JointAttention.join(plans[:joint], offsets))
         ids = torch.cat([g.ids for g in ordered])
         x = self.embed(ids)
         x, captured = self.layers_forward(x, plans, [g.cache.layers for g in ordered], capture,
@@ -585,6 +636,20 @@ class GemmaModel(nn.Module):
             else:
                 outputs[order[i]] = ForwardOutput(None, views, self._picks(scores))
         return outputs
+
+    def cache_offsets(self, caches: list[KVCache]) -> torch.Tensor | None:
+        """Where each cache's tensors lie from the first one's, per layer ([layers, caches, OFFSETS] on the device:
+        JointAttention's), or None where their decode rows cannot attend in one launch (another layout, or no
+        Triton kernels here)."""
+        if not triton_runs(caches[0].ring_pos):
+            return None
+        table = []
+        for i in range(self.config.num_layers):
+            offsets = cache_offsets([cache.layers[i].storage() for cache in caches])
+            if offsets is None:
+                return None
+            table.append(offsets)
+        return torch.tensor(table, dtype=torch.int64, device=self.device)
 
     def step_rows(self, cache: KVCache) -> int:
         """The most new tokens one forward over `cache` computes as decode rows, each as a one-token step computes

@@ -10,6 +10,8 @@ head h reads KV head h // (heads / kv_heads). Softmax in float32, scores `scale 
 - `cache_attention`: flash-attn where it applies (installed with the `gpu` extra; head_dim <= 256, the
   cache in position order ending at the last query), else the Triton kernel (kernels.attention_triton,
   imported only where it runs), else the reference.
+- `rows_cache_attention` / `write_rows`: several sequences' decode rows, each over its own cache, in one launch
+  (Triton only): the caches are read at element offsets from the first one's (`cache_offsets`).
 
 int8 caches (engine.kv_cache's q8 layout: a scale per run of head_dim / blocks values of a slot's head)
 are read and scaled by the kernel as they are read, so the cache is never expanded in memory.
@@ -27,6 +29,11 @@ from .dispatch import triton_runs
 
 NO_WINDOW = 1 << 62  # "window" of full-attention layers: every earlier key is in reach
 BLOCKED_ROWS = 128  # query rows from which the CPU attends block by block (_blocked_attention), and its block
+# A sequence's cache as element offsets from another's: keys, values and their int8 scales (0 when not quantized).
+OFFSETS = 4
+# The kernels read a cache at its offsets as 16-element aligned (vector loads), which every whole cache tensor is
+# (CUDA's allocator aligns blocks to 512 bytes, the CPU's to 64, and a cache element takes at most 4 bytes).
+OFFSET_ALIGN = 16
 
 
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -167,3 +174,54 @@ def cache_attention(
 
         return triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
     return cache_attention_reference(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
+
+
+def rows_cache_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor | None,
+    window: int | None,
+    scale: float,
+    offsets: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row t of q [T, H, d] (one new token of its own sequence, at q_pos[t]) over its own cache: k / v (and scales)
+    are the first row's, the others' lie offsets[t] elements further (cache_offsets, as a [T, OFFSETS] tensor);
+    k_pos [T, slots] each row's slot -> position map, None where slot = position. Each row comes out as
+    `cache_attention` of it alone over its cache gives it on the Triton kernel. Triton only."""
+    from .attention_triton import rows_attention_launch
+
+    return rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale, v_scale).run()
+
+
+def write_rows(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               offsets: torch.Tensor) -> None:
+    """Row t's new key and value [T, kv_heads, d] into slot slots[t] of its own unquantized cache (k / v the first
+    row's, as rows_cache_attention's), in one launch. Triton only."""
+    from .attention_triton import write_rows_launch
+
+    write_rows_launch(k_new.contiguous(), v_new.contiguous(), k, v, slots, offsets)()
+
+
+def cache_offsets(caches: list[list[torch.Tensor]]) -> list[list[int]] | None:
+    """Each sequence's cache tensors (keys, values and, quantized, their scales) as element offsets from the first
+    sequence's: rows_cache_attention's and write_rows' `offsets`. None where they cannot share a launch (another
+    dtype, shape, strides or device, or an offset the kernels' aligned loads would miss)."""
+    first = caches[0]
+    out = []
+    for tensors in caches:
+        if len(tensors) != len(first):
+            return None
+        row = []
+        for t, base in zip(tensors, first, strict=True):
+            if (t.dtype, t.shape, t.stride(), t.device) != (base.dtype, base.shape, base.stride(), base.device):
+                return None
+            gap, rest = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
+            if rest or gap % OFFSET_ALIGN:
+                return None
+            row.append(gap)
+        out.append(row + [0] * (OFFSETS - len(row)))
+    return out

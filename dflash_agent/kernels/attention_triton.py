@@ -1,9 +1,14 @@
-"""The Triton kernel behind kernels.attention.cache_attention: flash-decoding over a KV cache masked by positions.
+"""The Triton kernels behind kernels.attention.cache_attention: flash-decoding over a KV cache masked by positions.
 
 Programs split the keys into chunks (decode and verification steps), keep an online softmax over their
-chunk for a tile of (query token, query head) rows of one KV head, and a short PyTorch reduction combines
-the chunks by their log-sum-exp. int8 caches are scaled as they are read. Tile sizes: `_tiles`, checked by
+chunk for a tile of (query token, query head) rows of one KV head, and a second kernel combines the chunks by
+their log-sum-exp. int8 caches are scaled as they are read. Tile sizes: `_tiles`, checked by
 `dflash-agent bench --kernels` (compiled for sm_86 / 89 / 90 / 120, no GPU needed).
+
+Several requests' decode rows (one query token each, over its own cache) share one launch of each kernel
+(`rows_attention_launch`): a program serves one row as the launch of that row alone would (the same tile, keys
+and chunks), reading its cache at element offsets from the first row's (kernels.attention.cache_offsets), so the
+result does not depend on which rows share the launch; `write_rows_launch` writes their new keys and values.
 """
 
 from __future__ import annotations
@@ -48,22 +53,38 @@ def _tiles(d: int, quantized: bool) -> Tiles:
 # T, S and the chunk vary from step to step: not specializing on them keeps one compiled kernel per tile shape.
 @triton.jit(do_not_specialize=["T", "S", "chunk"])
 def _cache_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, qpos_ptr, kpos_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, qpos_ptr, kpos_ptr, off_ptr, out_ptr, part_ptr, lse_ptr,
     T, S, chunk, window, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_kss, stride_ksh, stride_vss, stride_vsh, stride_ot, stride_oh,
+    stride_kss, stride_ksh, stride_vss, stride_vsh, stride_kpos, stride_off, stride_ot, stride_oh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_KPOS: tl.constexpr, QUANT: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-    DOT: tl.constexpr,
+    ROWS: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
     kvh = tl.program_id(2)
-    # row r of this KV head's tile = (query token r // GROUP, query head kvh * GROUP + r % GROUP)
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    t = r // GROUP
+    if ROWS:
+        # T rows of one query token each, row `seq` over its own cache: its programs are those of a launch of that
+        # row alone, with the row's q / out / positions at index seq and its cache at its element offsets
+        tiles = (GROUP + BLOCK_R - 1) // BLOCK_R
+        seq = pid_r // tiles
+        r = (pid_r % tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < GROUP
+        t = seq + r // GROUP
+        offsets = off_ptr + seq * stride_off
+        k_ptr += tl.multiple_of(tl.load(offsets), 16)
+        v_ptr += tl.multiple_of(tl.load(offsets + 1), 16)
+        if QUANT:
+            ks_ptr += tl.multiple_of(tl.load(offsets + 2), 16)
+            vs_ptr += tl.multiple_of(tl.load(offsets + 3), 16)
+        kpos_ptr += seq * stride_kpos
+    else:
+        # row r of this KV head's tile = (query token r // GROUP, query head kvh * GROUP + r % GROUP)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        t = r // GROUP
+        r_ok = t < T
     h = kvh * GROUP + r % GROUP
-    r_ok = t < T
     dim = tl.arange(0, D)
     qp = tl.load(qpos_ptr + t, mask=r_ok, other=-1).to(tl.int64)
     q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + dim[None, :],
@@ -111,39 +132,97 @@ def _cache_attention_kernel(
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
+        # slot = position: a chunk past a row's position holds nothing it sees, and the combination skips it
+        live = r_ok
+        if not HAS_KPOS:
+            live = r_ok & (lo <= qp)
         at = (split * T + t) * (GROUP * tl.num_programs(2)) + h
-        tl.store(part_ptr + at[:, None] * D + dim[None, :], o, mask=r_ok[:, None])
+        tl.store(part_ptr + at[:, None] * D + dim[None, :], o, mask=live[:, None])
         seen = l_i > 0  # a chunk with no visible key weighs 0 in the combination
-        tl.store(lse_ptr + at, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=r_ok)
+        tl.store(lse_ptr + at, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=live)
     else:
         tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + dim[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
+@triton.jit(do_not_specialize=["T", "splits", "chunk"])
+def _combine_chunks_kernel(
+    part_ptr, lse_ptr, qpos_ptr, out_ptr, T, splits, chunk, stride_ot, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, HAS_KPOS: tl.constexpr,
+):
+    """Each (row, head)'s output from its chunks: their outputs weighted by 2^(lse - max lse), in chunk order; a
+    row that saw no key gets zeros, as the one-pass kernel gives it."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n = splits
+    if not HAS_KPOS:  # chunks past the row's position were not written (the attention kernel's `live`)
+        n = tl.minimum(splits, (tl.load(qpos_ptr + t) // chunk + 1).to(tl.int32))
+    # chunk 0 holds every row's first keys, so it is always written
+    first = tl.load(lse_ptr + t * H + h)
+    m = first
+    for c in range(1, n):
+        m = tl.maximum(m, tl.load(lse_ptr + (c * T + t) * H + h))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    dim = tl.arange(0, D)
+    total = tl.exp2(first - m)
+    acc = total * tl.load(part_ptr + (t * H + h) * D + dim)
+    for c in range(1, n):
+        weight = tl.exp2(tl.load(lse_ptr + (c * T + t) * H + h) - m)
+        acc += weight * tl.load(part_ptr + ((c * T + t) * H + h) * D + dim)
+        total += weight
+    o = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dim, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _write_rows_kernel(k_new_ptr, v_new_ptr, k_ptr, v_ptr, slot_ptr, off_ptr, stride_nt, stride_nh,
+                       stride_ks, stride_kh, stride_vs, stride_vh, stride_off, D: tl.constexpr):
+    """Row t's new key and value of KV head h into slot slot_ptr[t] of row t's cache (at its offsets)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    dim = tl.arange(0, D)
+    slot = tl.load(slot_ptr + t)
+    k_dst = k_ptr + tl.multiple_of(tl.load(off_ptr + t * stride_off), 16) + slot * stride_ks + h * stride_kh
+    v_dst = v_ptr + tl.multiple_of(tl.load(off_ptr + t * stride_off + 1), 16) + slot * stride_vs + h * stride_vh
+    tl.store(k_dst + dim, tl.load(k_new_ptr + t * stride_nt + h * stride_nh + dim))
+    tl.store(v_dst + dim, tl.load(v_new_ptr + t * stride_nt + h * stride_nh + dim))
+
+
 def triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v_scale=None) -> torch.Tensor:
-    """kernels.attention.cache_attention_reference's contract, on the Triton kernel."""
+    """kernels.attention.cache_attention_reference's contract, on the Triton kernels."""
     q = q.contiguous() if q.stride(-1) != 1 else q
-    plan = cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
-    plan.launch()
-    if plan.lse is None:
-        return plan.out
-    # log-sum-exp (base 2) weighted mean of the chunks; chunks a row could not see have weight 0
-    weight = torch.exp2(plan.lse - plan.lse.amax(0, keepdim=True))
-    combined = (plan.partial * weight[..., None]).sum(0) / weight.sum(0)[..., None]
-    return combined.to(q.dtype)
+    return cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale).run()
 
 
 @dataclass(frozen=True)
 class AttentionLaunch:
     launch: Launch
-    out: torch.Tensor  # [T, H, d] written by the kernel when it does not split the keys
-    partial: torch.Tensor | None  # [splits, T, H, d] float32 chunk outputs when it does
-    lse: torch.Tensor | None  # [splits, T, H] their base-2 log-sum-exps
+    combine: Launch | None  # the chunks' combination into `out`, when the keys are split
+    out: torch.Tensor  # [T, H, d]
+
+    def run(self) -> torch.Tensor:
+        self.launch()
+        if self.combine is not None:
+            self.combine()
+        return self.out
 
 
 def cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v_scale=None) -> AttentionLaunch:
-    """The kernel launch (and the buffers it writes) for q (contiguous in head_dim) over the cache; shared by
+    """The launches (and the buffers they write) for q (contiguous in head_dim) over the cache; shared by
     `triton_cache_attention` and the compile report (meta tensors are enough for the latter)."""
+    return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets=None)
+
+
+def rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale=None, v_scale=None
+                          ) -> AttentionLaunch:
+    """kernels.attention.rows_cache_attention's launches. Each row's output is what `cache_attention_launch` of that
+    row alone over its cache gives, bit for bit: its programs are the same, chunks included, which follow the slots;
+    a full layer's row alone may be passed its cache up to its position only (as an eager step passes it), since
+    the combination reads the chunks up to the row's position and a single chunk's combination is exact."""
+    return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets=offsets)
+
+
+def _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets) -> AttentionLaunch:
     T, H, d = q.shape
     S, kv_heads = k.shape[0], k.shape[1]
     group = H // kv_heads
@@ -151,11 +230,14 @@ def cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v
         raise ValueError(f"{H} query heads are not a multiple of {kv_heads} KV heads")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
+    rows_mode = offsets is not None
+    if rows_mode and k_pos is not None and (k_pos.dim() != 2 or k_pos.stride(-1) != 1):
+        raise ValueError("several rows' key positions come as [rows, slots], contiguous in slots")
     quantized = k_scale is not None
     tiles = _tiles(d, quantized)
-    rows = T * group
+    rows = group if rows_mode else T * group  # the rows of one program's query tokens
     block_r = min(tiles.rows, max(16, triton.next_power_of_2(rows)))
-    splits = triton.cdiv(S, KEYS_PER_CHUNK) if T <= SPLIT_ROWS else 1
+    splits = triton.cdiv(S, KEYS_PER_CHUNK) if T <= SPLIT_ROWS or rows_mode else 1
     chunk = KEYS_PER_CHUNK if splits > 1 else S
     out = torch.empty_like(q)
     if splits > 1:
@@ -167,21 +249,39 @@ def cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v
         k_scale, v_scale = blocked_scales(k_scale), blocked_scales(v_scale)
         if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1 or d % k_scale.shape[-1]:
             raise ValueError(f"int8 cache scales must be contiguous blocks dividing head_dim {d}")
-    grid = (triton.cdiv(rows, block_r), splits, kv_heads)
+    row_programs = T * triton.cdiv(group, block_r) if rows_mode else triton.cdiv(rows, block_r)
+    grid = (row_programs, splits, kv_heads)
     args = (
         q, k, v,
         k_scale if quantized else k, v_scale if quantized else v,
-        q_pos, k_pos if k_pos is not None else q_pos,
+        q_pos, k_pos if k_pos is not None else q_pos, offsets if rows_mode else q_pos,
         out, out if partial is None else partial, out if lse is None else lse,  # unused without SPLIT
         T, S, chunk, window or NO_WINDOW, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
         v_scale.stride(0) if quantized else 0, v_scale.stride(1) if quantized else 0,
+        k_pos.stride(0) if rows_mode and k_pos is not None else 0, offsets.stride(0) if rows_mode else 0,
         out.stride(0), out.stride(1),
     )
     meta = dict(
         GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=tiles.keys,
         HAS_KPOS=k_pos is not None, QUANT=quantized, SCALE_BLOCK=d // k_scale.shape[-1] if quantized else d,
-        SPLIT=splits > 1, DOT=dot_dtype(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
+        SPLIT=splits > 1, ROWS=rows_mode, DOT=dot_dtype(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    return AttentionLaunch(Launch(_cache_attention_kernel, grid, args, meta), out, partial, lse)
+    combine = None
+    if partial is not None:
+        combine = Launch(_combine_chunks_kernel, (T, H), (partial, lse, q_pos, out, T, splits, chunk,
+                                                          out.stride(0), out.stride(1)),
+                         dict(H=H, D=d, HAS_KPOS=k_pos is not None, num_warps=4))
+    return AttentionLaunch(Launch(_cache_attention_kernel, grid, args, meta), combine, out)
+
+
+def write_rows_launch(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      slots: torch.Tensor, offsets: torch.Tensor) -> Launch:
+    """kernels.attention.write_rows' launch (k_new / v_new contiguous in head_dim)."""
+    T, kv_heads, d = k_new.shape
+    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("new keys and values must share strides, and every tensor be contiguous in head_dim")
+    return Launch(_write_rows_kernel, (T, kv_heads),
+                  (k_new, v_new, k, v, slots, offsets, k_new.stride(0), k_new.stride(1),
+                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), offsets.stride(0)), dict(D=d, num_warps=1))

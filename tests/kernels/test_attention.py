@@ -163,3 +163,64 @@ def test_blocked_attention_matches_sdpa(T, S, heads, kv_heads, window, lead) -> 
     assert got.shape == expected.shape
     assert torch.equal(got[..., 7, :, :], torch.zeros_like(got[..., 7, :, :]))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "q8"])
+@pytest.mark.parametrize("layer", ["full", "ring"])
+def test_rows_of_several_caches_come_out_as_each_alone(kernels, layer, cache) -> None:
+    """Several requests' decode rows in one launch (rows_attention_launch: the server's slots), each over its own
+    cache tensors: bit for bit what the row's own launch gives, a full layer's over its cache up to its position (as an
+    eager step passes it: one pass, or chunks where it is long) and a ring's over the whole ring; and the new keys
+    written by one launch land where each cache's own write puts them."""
+    attn, at = kernels.load("attention"), kernels.load("attention_triton")
+    torch.manual_seed(5)
+    dtype = torch.float32 if cache == "float32" else torch.bfloat16
+    heads, kv_heads, d, window = 4, 2, 256, (None if layer == "full" else 40)
+    slots = 1100 if layer == "full" else 48  # a full cache of three key chunks
+    ends = [37, 1050, 600] if layer == "full" else [30, 90, 47]  # rings: not yet full, wrapped, wrapped
+    rows = []
+    for end in ends:
+        k, v = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+        if layer == "full":
+            k[end:] = 1e4  # anything read past the row's position would swamp it
+            k_pos = None
+        else:
+            k_pos = torch.full((slots,), -1)
+            for p in range(end + 2):  # 2 stale positions past the end, as rolled-back drafts leave
+                k_pos[p % slots] = p
+        tensors = [*quantize_int8(k, d // 32), *quantize_int8(v, d // 32)] if cache == "q8" else [k, v]
+        rows.append(([t.to(dtype) if t.is_floating_point() else t for t in tensors], k_pos))
+    if cache == "q8":  # cache_offsets takes keys, values, then their scales
+        rows = [([kq, vq, ks, vs], k_pos) for (kq, ks, vq, vs), k_pos in rows]
+    q = (torch.randn(len(ends), heads, d) / d**0.5).to(dtype)
+    q_pos = torch.tensor(ends) - 1
+    dev = kernels.device
+    rows = [([t.to(dev) for t in tensors], None if k_pos is None else k_pos.to(dev)) for tensors, k_pos in rows]
+    q, q_pos = q.to(dev), q_pos.to(dev)
+    offsets = attn.cache_offsets([tensors for tensors, _ in rows])
+    assert offsets is not None and offsets[0] == [0, 0, 0, 0]
+    offsets = torch.tensor(offsets, device=dev)
+    first = rows[0][0]
+    k_pos = None if layer == "full" else torch.stack([k_pos for _, k_pos in rows])
+    together = at.rows_attention_launch(q, first[0], first[1], q_pos, k_pos, window, 1.0, offsets,
+                                        *first[2:]).run()
+    for t, ((tensors, row_k_pos), end) in enumerate(zip(rows, ends, strict=True)):
+        seen = slice(None) if layer == "ring" else slice(0, end)
+        kv = [x[seen] for x in tensors]
+        alone = attn.cache_attention(q[t:t + 1], kv[0], kv[1], q_pos[t:t + 1], row_k_pos, window, 1.0, *kv[2:])
+        assert torch.equal(together[t:t + 1], alone), f"row {t}"
+        if t == 1:  # and what the reference makes of it
+            ref = attn.cache_attention_reference(q[t:t + 1].float().cpu(), *(x.cpu() for x in kv[:2]),
+                                                 q_pos[t:t + 1].cpu(), None if row_k_pos is None else row_k_pos.cpu(),
+                                                 window, 1.0, *(x.cpu() for x in kv[2:]))
+            values = kv[1].float() if cache != "q8" else kv[1].float() * kv[3].float().repeat_interleave(32, -1)
+            check(alone.cpu(), ref.to(dtype), values.cpu())
+    if cache != "q8":
+        new_k, new_v = torch.randn(2, len(ends), kv_heads, d, device=dev).to(dtype)
+        slot = torch.tensor([3, 17, 0], device=dev)
+        want = [[x.clone() for x in tensors] for tensors, _ in rows]
+        for t, (k, v) in enumerate(want):
+            k[slot[t]], v[slot[t]] = new_k[t], new_v[t]
+        at.write_rows_launch(new_k, new_v, first[0], first[1], slot, offsets)()
+        for (tensors, _), (k, v) in zip(rows, want, strict=True):
+            assert torch.equal(tensors[0], k) and torch.equal(tensors[1], v)

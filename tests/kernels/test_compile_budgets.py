@@ -44,8 +44,12 @@ def test_report_covers_the_engine_launches(report) -> None:
     for qtype in ("Q4_0", "Q4_K", "Q6_K", "Q8_0"):  # Q4_0, Q4_K_M's mix, Q8_0
         for phase in ("decode", "slots", "verify", "prefill"):
             assert (qtype, phase) in matmuls
-    slots = [c for c in configs if c["phase"] == "slots"]  # several requests' decode rows: 8-row GEMV programs
+    slots = [c for c in configs if c["phase"] == "slots" and c["kernel"] == "quant_matmul"]
     assert slots and all("'BLOCK_M': 8" in c["detail"] and "'GEMV': True" in c["detail"] for c in slots)
+    # their attention: each row over its own cache in one launch, and their keys written by one
+    joint = {c["kernel"] for c in configs if c["phase"] == "slots" and "'ROWS': True" in c["detail"]}
+    assert joint == {"cache_attention"} and any(c["kernel"] == "write_rows" for c in configs)
+    assert any(c["kernel"] == "combine_chunks" for c in configs)
     heads = {c["detail"].split()[0] for c in configs if c["kernel"] == "cache_attention"}
     assert heads == {"d=256", "d=512", "d=128"}  # sliding, full, drafter
     assert any("int8 KV" in c["detail"] for c in configs) and any("split keys" in c["detail"] for c in configs)

@@ -49,15 +49,17 @@ def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
 
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "ple"])
-def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind) -> None:
+@pytest.mark.parametrize("kind,kv_dtype", [("dense", "auto"), ("dense", "q8"), ("moe", "auto"), ("ple", "auto")])
+def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind, kv_dtype) -> None:
     """forward_groups on the Triton kernels (concurrent requests' slots): one forward over three sequences' decode rows
     and verification blocks, in the scheduler's order (a block before decode rows), the decode rows in one shared
     GEMV program and the blocks in shared tiles: every logit and greedy pick bit for bit what each group's forward
     alone gives, over the dense layout, 26B-A4B's experts (a float32 router: a matmul per sequence) and E2B / E4B's
-    per-layer inputs and shared KV. Two steps
-    from empty caches, so the second attends to what the first wrote; the family's layouts take the first step's
-    two kinds of row only (the interpreter takes 5-20 s a forward)."""
+    per-layer inputs and shared KV; the decode rows attend each its own cache in one launch a layer
+    (JointAttention), int8 caches too. Three steps from empty caches, so the later ones attend to what the first
+    wrote, the last all decode rows at three lengths; the family's layouts and int8 caches take the first step only
+    (the interpreter takes 5-20 s a forward)."""
+    from dflash_agent.engine import model as model_module
     from dflash_agent.engine.model import RowGroup
 
     config = None if kind == "dense" else tiny_family_config(kind)
@@ -70,21 +72,59 @@ def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind) -> 
     steps = [  # (new tokens, logits_at, greedy) per sequence
         [(3, torch.arange(3), False), (1, None, True), (1, None, False)],
         [(1, torch.arange(0), True), (2, torch.tensor([1]), True), (4, torch.tensor([0, 3]), False)],
+        [(1, None, True), (1, torch.arange(1), False), (1, None, False)],
     ]  # the second step's first row asks for no logits: neither logits nor picks come back, as from forward
     if kind == "moe":  # two blocks beside a decode row: each block's experts take tiles of their own
         steps = [[(3, torch.arange(3), False), (1, None, True), (2, torch.arange(2), False)]]
-    elif kind == "ple":
-        steps = [steps[0][:2]]
-    batched, alone = ([model.new_cache(16) for _ in steps[0]] for _ in range(2))
+    elif kind == "ple" or kv_dtype == "q8":  # two decode rows: one attention launch over their caches (shared too)
+        steps = [steps[0]]
+    batched, alone = ([model.new_cache(16, kv_dtype) for _ in steps[0]] for _ in range(2))
+    joint_rows = []
+    attend = model_module.rows_cache_attention
     for step in steps:
         ids = [torch.randint(0, 64, (n,), device=kernels.device) for n, _, _ in step]
         groups = [RowGroup(i, cache, None if a is None else a.to(kernels.device), greedy)
                   for i, cache, (_, a, greedy) in zip(ids, batched, step, strict=True)]
         assert model.batches(groups)
-        together = model.forward_groups(groups)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model_module, "rows_cache_attention", lambda q, *a: joint_rows.append(len(q)) or attend(q, *a))
+            together = model.forward_groups(groups)
         for got, i, cache, (_, a, greedy) in zip(together, ids, alone, step, strict=True):
             want = model(i, cache, None if a is None else a.to(kernels.device), greedy=greedy)
             assert got.tokens == want.tokens
             assert (got.logits is None) == (want.logits is None)
             assert got.logits is None or torch.equal(got.logits, want.logits)
         assert [c.length for c in batched] == [c.length for c in alone]
+    decode_rows = [sum(n == 1 for n, _, _ in step) for step in steps]
+    assert joint_rows == [n for n in decode_rows if n > 1 for _ in model.layers]
+
+
+def test_slots_decode_graph_attends_in_one_launch(kernels, monkeypatch) -> None:
+    """The slots' decode-row graph (cuda_graphs.replay_groups) on the Triton kernels: the rows' plans, made on the
+    device, joined into one attention launch a layer over each row's whole cache (JointAttention); every row's logits
+    bit for bit what the eager step of its cache alone gives, one ring wrapped."""
+    from dflash_agent.engine import cuda_graphs
+    from dflash_agent.engine import model as model_module
+    from dflash_agent.engine.model import RowGroup
+    from tests.engine.test_cuda_graphs import EagerGraph
+
+    # a capture computes the step once (CUDA's warm-up run does); each replay computes it again
+    monkeypatch.setattr(cuda_graphs, "_capture", lambda step, pool: (EagerGraph(step, out := step()), out))
+    model = build_model(tiny_packed_checkpoint(), kernels.device, torch.float32, progress=False, packed=True)
+    torch.manual_seed(6)
+    pairs = []
+    for n in (5, 27):  # the rings hold 24 slots
+        eager, graphed = model.new_cache(32), model.new_cache(32)
+        model(torch.randint(0, 64, (n,), device=kernels.device), eager)
+        graphed.restore(n, eager.full_snapshot(n, kernels.device), eager.ring_snapshot(kernels.device))
+        pairs.append((eager, graphed))
+    joint_rows = []
+    attend = model_module.rows_cache_attention
+    monkeypatch.setattr(model_module, "rows_cache_attention", lambda q, *a: joint_rows.append(len(q)) or attend(q, *a))
+    ids = torch.randint(0, 64, (len(pairs),), device=kernels.device)
+    outs = cuda_graphs.TargetStepGraphs(model).replay_groups(
+        [RowGroup(ids[i:i + 1], graphed) for i, (_, graphed) in enumerate(pairs)], ())
+    assert outs is not None and joint_rows == [2] * (2 * len(model.layers))  # the capture and the replay
+    for i, (eager, graphed) in enumerate(pairs):
+        assert torch.equal(outs[i].logits, model(ids[i:i + 1], eager).logits)
+        assert graphed.ring_pos.tolist() == eager.ring_pos.tolist() and graphed.length == eager.length
