@@ -49,7 +49,7 @@ from ..engine.drafter import DrafterConfig
 from ..engine.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
 from ..engine.model import GemmaModel
 from ..engine.speculative import PREFILL_CHUNK
-from ..kernels.attention import OFFSETS
+from ..kernels.attention import OFFSETS_PER_CACHE
 from ..kernels.dispatch import KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types
 
@@ -91,7 +91,7 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
 
 
 def _matmul_launches(model: str, config: ModelConfig,
-                     drafter: DrafterConfig) -> Iterator[tuple[str, str, str, object]]:
+                     drafter: DrafterConfig) -> Iterator[tuple[str, str, str, str, object]]:
     from ..kernels.quant_matmul import batched_launches, grouped_launch, launch_shape, quant_matmul_launch
 
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
@@ -128,7 +128,7 @@ def _matmul_launches(model: str, config: ModelConfig,
                 else:
                     launch = quant_matmul_launch(x, raw, qtype, y).launch
             short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
-            yield phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
+            yield "quant_matmul", phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
 
 
 def _attention_launches(model: str, config: ModelConfig,
@@ -163,7 +163,7 @@ def _attention_launches(model: str, config: ModelConfig,
             scales = torch.empty(slots, kv_heads, d // Q8_BLOCK, dtype=DTYPE, device=meta) if q8 else None
             pos = torch.empty(t, dtype=torch.long, device=meta)
             if phase == "slots":  # each request's decode row over its own cache, all in one launch (JointAttention)
-                offsets = torch.empty(t, OFFSETS, dtype=torch.long, device=meta)
+                offsets = torch.empty(t, OFFSETS_PER_CACHE, dtype=torch.long, device=meta)
                 k_pos = torch.empty(t, slots, dtype=torch.long, device=meta) if ring else None
                 plan = rows_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, offsets, scales, scales)
                 if not q8:
@@ -190,9 +190,9 @@ def kernel_configs() -> list[tuple[KernelConfig, object]]:
     launches = []
     for model, (target, draft) in SYNTHETIC_CONFIGS.items():
         config, drafter = target(), draft()
-        launches += [("quant_matmul", model, *launch) for launch in _matmul_launches(model, config, drafter)]
-        launches += [(launch[0], model, *launch[1:]) for launch in _attention_launches(model, config, drafter)]
-    for kernel, model, phase, detail, use, launch in launches:
+        launches += [(model, *launch) for launch in _matmul_launches(model, config, drafter)]
+        launches += [(model, *launch) for launch in _attention_launches(model, config, drafter)]
+    for model, kernel, phase, detail, use, launch in launches:
         key = compile_key(launch)
         if key not in merged:
             meta = {k: v for k, v in launch.meta.items() if k != "DOT"}

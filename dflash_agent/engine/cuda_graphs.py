@@ -73,7 +73,7 @@ class _GroupsGraph:
     ids: torch.Tensor  # [rows]
     pos: torch.Tensor  # [rows] each row's position
     rings: list[torch.Tensor]  # each cache's slot -> position map, copied in and out around a replay
-    offsets: torch.Tensor | None  # where each cache lies (GemmaModel.cache_offsets): one attention launch a layer
+    offsets: torch.Tensor | None  # where each cache lies (GemmaModel.joint_offsets): one attention launch a layer
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [rows, vocab]
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -140,7 +140,7 @@ class TargetStepGraphs:
             rows = torch.zeros(len(groups), dtype=torch.long, device=self.model.device)
             caches = [group.cache for group in groups]
             g = _GroupsGraph(caches, rows, rows.clone(), [cache.ring_pos.clone() for cache in caches],
-                             self.model.cache_offsets(caches))
+                             self.model.joint_offsets(caches, eager=False))
         torch.cat([group.ids for group in groups], out=g.ids)
         g.pos.copy_(torch.tensor([group.cache.length for group in groups]), non_blocking=True)
         for ring, group in zip(g.rings, groups, strict=True):

@@ -155,8 +155,9 @@ def drafter_kv_bytes(drafter: DrafterConfig, ctx_size: int, dtype: torch.dtype) 
 
 
 def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
-                    drafter: DrafterConfig | None) -> dict[str, int]:
-    """The largest transient tensors of a step, itemised."""
+                    drafter: DrafterConfig | None, slots: int = 1) -> dict[str, int]:
+    """The largest transient tensors of a step, itemised (`slots`: concurrent requests, whose decode rows attend in
+    one launch)."""
     T, h, V, dtype_bytes = PREFILL_CHUNK, config.hidden_size, config.vocab_size, dtype.itemsize
     heads = config.num_heads
     max_d = max(s.head_dim for s in config.layers)
@@ -171,9 +172,10 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
     # verify logits in float32 plus softcap / softmax temporaries, for the target and the drafter's block
     rows = SPLIT_ROWS + (drafter.block_size if drafter is not None else 0)
     items["workspace: logits"] = 3 * rows * V * 4
-    # flash-decoding partials of the attention kernel (float32 outputs + log-sum-exp per key chunk)
+    # flash-decoding partials of the attention kernel (float32 outputs + log-sum-exp per key chunk), for a verified
+    # block's rows or every slot's decode row (model.JointAttention)
     splits = -(-ctx_size // KEYS_PER_CHUNK)
-    items["workspace: attention partials"] = splits * SPLIT_ROWS * heads * (max_d + 1) * 4
+    items["workspace: attention partials"] = splits * max(SPLIT_ROWS, slots) * heads * (max_d + 1) * 4
     if drafter is not None:
         # captured target features of a prefill chunk, and the drafter's fc projection of them
         items["workspace: drafter features"] = T * (len(drafter.target_layer_ids) + 1) * h * dtype_bytes
@@ -208,7 +210,7 @@ def plan_memory(
     items["target KV: sliding rings"] = rings
     if drafter is not None:
         items["drafter KV"] = slots * drafter_kv_bytes(drafter.config, ctx_size, dtype)
-    items |= workspace_bytes(config, ctx_size, dtype, drafter.config if drafter is not None else None)
+    items |= workspace_bytes(config, ctx_size, dtype, drafter.config if drafter is not None else None, slots)
     if drafter is not None and drafter.quant == "q8":
         # engine.quant_linear expands one q8 matrix at a time to the compute dtype (q4 ones only off CUDA, where
         # this plan's budget is the RAM); fc is the largest

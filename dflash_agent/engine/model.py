@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import cache_attention, cache_offsets, grouped_attention, rows_cache_attention, write_rows
+from ..kernels.attention import (
+    cache_attention,
+    cache_offsets,
+    flash_attn_takes,
+    grouped_attention,
+    rows_cache_attention,
+    triton_takes,
+    write_rows,
+)
 from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .config import LayerSpec, ModelConfig, MoESpec
 from .cpu_decode import MAX_ROWS
@@ -430,7 +438,8 @@ class JointAttention:
     """The decode rows of a step over several sequences attending in one launch a layer
     (kernels.attention.rows_cache_attention), each row over its own whole cache as its step alone attends it: the
     rows' "kernel" plans joined per layer kind (slots and query positions in row order, a ring's key positions
-    [rows, slots]), and where each row's cache lies from the first row's, per layer ([layers, rows, OFFSETS])."""
+    [rows, slots]), and where each row's cache lies from the first row's, per layer
+    ([layers, rows, OFFSETS_PER_CACHE])."""
 
     full: LayerPlan
     sliding: LayerPlan
@@ -609,7 +618,7 @@ class GemmaModel(nn.Module):
             end = start + group.ids.shape[0]
             plans.append(self._plan(group.cache, torch.arange(start, end, device=group.ids.device), start, end))
         joint = rows.one_token
-        offsets = self.cache_offsets([g.cache for g in ordered[:joint]]) if joint > 1 else None
+        offsets = self.joint_offsets([g.cache for g in ordered[:joint]], eager=True) if joint > 1 else None
         if offsets is not None:
             rows = StepRows(rows.sizes, JointAttention.join(plans[:joint], offsets))
         ids = torch.cat([g.ids for g in ordered])
@@ -637,12 +646,19 @@ class GemmaModel(nn.Module):
                 outputs[order[i]] = ForwardOutput(None, views, self._picks(scores))
         return outputs
 
-    def cache_offsets(self, caches: list[KVCache]) -> torch.Tensor | None:
-        """Where each cache's tensors lie from the first one's, per layer ([layers, caches, OFFSETS] on the device:
-        JointAttention's), or None where their decode rows cannot attend in one launch (another layout, or no
-        Triton kernels here)."""
+    def joint_offsets(self, caches: list[KVCache], eager: bool) -> torch.Tensor | None:
+        """Where each cache's tensors lie from the first one's, per layer ([layers, caches, OFFSETS_PER_CACHE] on the
+        device: JointAttention's), or None where their decode rows cannot attend in one launch as each attends alone:
+        no Triton kernels here, a head size they do not take, another layout, or (eager steps) full layers whose
+        step alone goes to flash-attn (a graphed step's never does: it attends the whole cache by position)."""
         if not triton_runs(caches[0].ring_pos):
             return None
+        unquantized = caches[0].kv_dtype != "q8"
+        for spec in self.config.layers:
+            flash = eager and not spec.sliding and unquantized and flash_attn_takes(self.device, self.dtype,
+                                                                                     spec.head_dim)
+            if flash or not triton_takes(spec.head_dim):
+                return None
         table = []
         for i in range(self.config.num_layers):
             offsets = cache_offsets([cache.layers[i].storage() for cache in caches])

@@ -30,7 +30,7 @@ from .dispatch import triton_runs
 NO_WINDOW = 1 << 62  # "window" of full-attention layers: every earlier key is in reach
 BLOCKED_ROWS = 128  # query rows from which the CPU attends block by block (_blocked_attention), and its block
 # A sequence's cache as element offsets from another's: keys, values and their int8 scales (0 when not quantized).
-OFFSETS = 4
+OFFSETS_PER_CACHE = 4
 # The kernels read a cache at its offsets as 16-element aligned (vector loads), which every whole cache tensor is
 # (CUDA's allocator aligns blocks to 512 bytes, the CPU's to 64, and a cache element takes at most 4 bytes).
 OFFSET_ALIGN = 16
@@ -135,12 +135,15 @@ def cache_attention_reference(
     return out.transpose(0, 1)
 
 
-def _flash_attn_applies(q: torch.Tensor, k_pos: torch.Tensor | None, contiguous: bool,
-                        k_scale: torch.Tensor | None) -> bool:
-    return (
-        q.is_cuda and contiguous and k_pos is None and k_scale is None and q.shape[-1] <= 256
-        and q.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
-    )
+def flash_attn_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether cache_attention sends an unquantized cache in position order (`contiguous`) to flash-attn."""
+    return (device.type == "cuda" and head_dim <= 256 and dtype in (torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("flash_attn") is not None)
+
+
+def triton_takes(head_dim: int) -> bool:
+    """Whether the Triton kernel takes a head size (its tiles span head_dim, a power of two)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def cache_attention(
@@ -162,14 +165,13 @@ def cache_attention(
     mask is the position rule. Without it, slots past the queries are skipped by position alone, so a
     whole preallocated cache can be passed (what CUDA graphs need: shapes that do not grow).
     """
-    if _flash_attn_applies(q, k_pos, contiguous, k_scale):
+    if contiguous and k_pos is None and k_scale is None and flash_attn_takes(q.device, q.dtype, q.shape[-1]):
         from flash_attn import flash_attn_func
 
         out = flash_attn_func(q[None], k[None], v[None], softmax_scale=scale, causal=True,
                               window_size=(window - 1, 0) if window else (-1, -1))
         return out[0]
-    d = q.shape[-1]
-    if triton_runs(q) and d >= 16 and d & (d - 1) == 0:
+    if triton_runs(q) and triton_takes(q.shape[-1]):
         from .attention_triton import triton_cache_attention
 
         return triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
@@ -189,11 +191,12 @@ def rows_cache_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row t of q [T, H, d] (one new token of its own sequence, at q_pos[t]) over its own cache: k / v (and scales)
-    are the first row's, the others' lie offsets[t] elements further (cache_offsets, as a [T, OFFSETS] tensor);
-    k_pos [T, slots] each row's slot -> position map, None where slot = position. Each row comes out as
+    are the first row's, the others' lie offsets[t] elements further (cache_offsets, as a [T, OFFSETS_PER_CACHE]
+    tensor); k_pos [T, slots] each row's slot -> position map, None where slot = position. Each row comes out as
     `cache_attention` of it alone over its cache gives it on the Triton kernel. Triton only."""
     from .attention_triton import rows_attention_launch
 
+    q = q.contiguous() if q.stride(-1) != 1 else q
     return rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale, v_scale).run()
 
 
@@ -223,5 +226,5 @@ def cache_offsets(caches: list[list[torch.Tensor]]) -> list[list[int]] | None:
             if rest or gap % OFFSET_ALIGN:
                 return None
             row.append(gap)
-        out.append(row + [0] * (OFFSETS - len(row)))
+        out.append(row + [0] * (OFFSETS_PER_CACHE - len(row)))
     return out

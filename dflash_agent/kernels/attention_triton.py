@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from .attention import NO_WINDOW, blocked_scales
+from .attention import NO_WINDOW, OFFSET_ALIGN, blocked_scales
 from .dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
 from .triton_support import Launch, dot_dtype
 
@@ -59,7 +60,7 @@ def _cache_attention_kernel(
     stride_kss, stride_ksh, stride_vss, stride_vsh, stride_kpos, stride_off, stride_ot, stride_oh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_KPOS: tl.constexpr, QUANT: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-    ROWS: tl.constexpr, DOT: tl.constexpr,
+    ROWS: tl.constexpr, ALIGN: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,11 +74,11 @@ def _cache_attention_kernel(
         r_ok = r < GROUP
         t = seq + r // GROUP
         offsets = off_ptr + seq * stride_off
-        k_ptr += tl.multiple_of(tl.load(offsets), 16)
-        v_ptr += tl.multiple_of(tl.load(offsets + 1), 16)
+        k_ptr += tl.multiple_of(tl.load(offsets), ALIGN)
+        v_ptr += tl.multiple_of(tl.load(offsets + 1), ALIGN)
         if QUANT:
-            ks_ptr += tl.multiple_of(tl.load(offsets + 2), 16)
-            vs_ptr += tl.multiple_of(tl.load(offsets + 3), 16)
+            ks_ptr += tl.multiple_of(tl.load(offsets + 2), ALIGN)
+            vs_ptr += tl.multiple_of(tl.load(offsets + 3), ALIGN)
         kpos_ptr += seq * stride_kpos
     else:
         # row r of this KV head's tile = (query token r // GROUP, query head kvh * GROUP + r % GROUP)
@@ -136,7 +137,8 @@ def _cache_attention_kernel(
         live = r_ok
         if not HAS_KPOS:
             live = r_ok & (lo <= qp)
-        at = (split * T + t) * (GROUP * tl.num_programs(2)) + h
+        # int64: splits x rows x heads x head_dim passes 2^31 at a million keys
+        at = (split * T + t).to(tl.int64) * (GROUP * tl.num_programs(2)) + h
         tl.store(part_ptr + at[:, None] * D + dim[None, :], o, mask=live[:, None])
         seen = l_i > 0  # a chunk with no visible key weighs 0 in the combination
         tl.store(lse_ptr + at, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=live)
@@ -158,37 +160,43 @@ def _combine_chunks_kernel(
     if not HAS_KPOS:  # chunks past the row's position were not written (the attention kernel's `live`)
         n = tl.minimum(splits, (tl.load(qpos_ptr + t) // chunk + 1).to(tl.int32))
     # chunk 0 holds every row's first keys, so it is always written
-    first = tl.load(lse_ptr + t * H + h)
+    row = t.to(tl.int64) * H + h  # int64: chunks x rows x heads x head_dim passes 2^31 at a million keys
+    step = T.to(tl.int64) * H  # from one chunk's (row, head) to the next's
+    first = tl.load(lse_ptr + row)
     m = first
     for c in range(1, n):
-        m = tl.maximum(m, tl.load(lse_ptr + (c * T + t) * H + h))
+        m = tl.maximum(m, tl.load(lse_ptr + c * step + row))
     m = tl.where(m == float("-inf"), 0.0, m)
     dim = tl.arange(0, D)
+    first_out = tl.load(part_ptr + row * D + dim)
     total = tl.exp2(first - m)
-    acc = total * tl.load(part_ptr + (t * H + h) * D + dim)
+    acc = total * first_out
     for c in range(1, n):
-        weight = tl.exp2(tl.load(lse_ptr + (c * T + t) * H + h) - m)
-        acc += weight * tl.load(part_ptr + ((c * T + t) * H + h) * D + dim)
+        weight = tl.exp2(tl.load(lse_ptr + c * step + row) - m)
+        acc += weight * tl.load(part_ptr + (c * step + row) * D + dim)
         total += weight
-    o = acc / tl.where(total > 0, total, 1.0)
+    # one chunk: its output as the kernel wrote it, which is what its one-pass launch stores (no rounding of
+    # exp2 or division can tell the two apart)
+    o = tl.where(n == 1, first_out, acc / tl.where(total > 0, total, 1.0))
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dim, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _write_rows_kernel(k_new_ptr, v_new_ptr, k_ptr, v_ptr, slot_ptr, off_ptr, stride_nt, stride_nh,
-                       stride_ks, stride_kh, stride_vs, stride_vh, stride_off, D: tl.constexpr):
+                       stride_ks, stride_kh, stride_vs, stride_vh, stride_off, D: tl.constexpr, ALIGN: tl.constexpr):
     """Row t's new key and value of KV head h into slot slot_ptr[t] of row t's cache (at its offsets)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     dim = tl.arange(0, D)
     slot = tl.load(slot_ptr + t)
-    k_dst = k_ptr + tl.multiple_of(tl.load(off_ptr + t * stride_off), 16) + slot * stride_ks + h * stride_kh
-    v_dst = v_ptr + tl.multiple_of(tl.load(off_ptr + t * stride_off + 1), 16) + slot * stride_vs + h * stride_vh
+    k_dst = k_ptr + tl.multiple_of(tl.load(off_ptr + t * stride_off), ALIGN) + slot * stride_ks + h * stride_kh
+    v_dst = v_ptr + tl.multiple_of(tl.load(off_ptr + t * stride_off + 1), ALIGN) + slot * stride_vs + h * stride_vh
     tl.store(k_dst + dim, tl.load(k_new_ptr + t * stride_nt + h * stride_nh + dim))
     tl.store(v_dst + dim, tl.load(v_new_ptr + t * stride_nt + h * stride_nh + dim))
 
 
-def triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v_scale=None) -> torch.Tensor:
+def triton_cache_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None,
+                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """kernels.attention.cache_attention_reference's contract, on the Triton kernels."""
     q = q.contiguous() if q.stride(-1) != 1 else q
     return cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale).run()
@@ -198,23 +206,26 @@ def triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v
 class AttentionLaunch:
     launch: Launch
     combine: Launch | None  # the chunks' combination into `out`, when the keys are split
-    out: torch.Tensor  # [T, H, d]
+    out: Tensor  # [T, H, d]
 
-    def run(self) -> torch.Tensor:
+    def run(self) -> Tensor:
         self.launch()
         if self.combine is not None:
             self.combine()
         return self.out
 
 
-def cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale=None, v_scale=None) -> AttentionLaunch:
+def cache_attention_launch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None,
+                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None
+                           ) -> AttentionLaunch:
     """The launches (and the buffers they write) for q (contiguous in head_dim) over the cache; shared by
     `triton_cache_attention` and the compile report (meta tensors are enough for the latter)."""
     return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets=None)
 
 
-def rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale=None, v_scale=None
-                          ) -> AttentionLaunch:
+def rows_attention_launch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None,
+                          scale: float, offsets: Tensor, k_scale: Tensor | None = None,
+                          v_scale: Tensor | None = None) -> AttentionLaunch:
     """kernels.attention.rows_cache_attention's launches. Each row's output is what `cache_attention_launch` of that
     row alone over its cache gives, bit for bit: its programs are the same, chunks included, which follow the slots;
     a full layer's row alone may be passed its cache up to its position only (as an eager step passes it), since
@@ -222,7 +233,8 @@ def rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale
     return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets=offsets)
 
 
-def _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets) -> AttentionLaunch:
+def _launches(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None, scale: float,
+              k_scale: Tensor | None, v_scale: Tensor | None, offsets: Tensor | None) -> AttentionLaunch:
     T, H, d = q.shape
     S, kv_heads = k.shape[0], k.shape[1]
     group = H // kv_heads
@@ -266,7 +278,8 @@ def _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets) -
     meta = dict(
         GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=tiles.keys,
         HAS_KPOS=k_pos is not None, QUANT=quantized, SCALE_BLOCK=d // k_scale.shape[-1] if quantized else d,
-        SPLIT=splits > 1, ROWS=rows_mode, DOT=dot_dtype(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
+        SPLIT=splits > 1, ROWS=rows_mode, ALIGN=OFFSET_ALIGN, DOT=dot_dtype(q.dtype), num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )
     combine = None
     if partial is not None:
@@ -276,12 +289,12 @@ def _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets) -
     return AttentionLaunch(Launch(_cache_attention_kernel, grid, args, meta), combine, out)
 
 
-def write_rows_launch(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      slots: torch.Tensor, offsets: torch.Tensor) -> Launch:
+def write_rows_launch(k_new: Tensor, v_new: Tensor, k: Tensor, v: Tensor, slots: Tensor, offsets: Tensor) -> Launch:
     """kernels.attention.write_rows' launch (k_new / v_new contiguous in head_dim)."""
     T, kv_heads, d = k_new.shape
     if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("new keys and values must share strides, and every tensor be contiguous in head_dim")
     return Launch(_write_rows_kernel, (T, kv_heads),
                   (k_new, v_new, k, v, slots, offsets, k_new.stride(0), k_new.stride(1),
-                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), offsets.stride(0)), dict(D=d, num_warps=1))
+                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), offsets.stride(0)),
+                  dict(D=d, ALIGN=OFFSET_ALIGN, num_warps=1))

@@ -128,3 +128,20 @@ def test_slots_decode_graph_attends_in_one_launch(kernels, monkeypatch) -> None:
     for i, (eager, graphed) in enumerate(pairs):
         assert torch.equal(outs[i].logits, model(ids[i:i + 1], eager).logits)
         assert graphed.ring_pos.tolist() == eager.ring_pos.tolist() and graphed.length == eager.length
+
+
+def test_decode_rows_attend_apart_where_alone_they_would_not_take_the_kernel(kernels, monkeypatch) -> None:
+    """GemmaModel.joint_offsets joins the decode rows' attention only where each row alone takes the same Triton
+    kernel: not in eager steps whose full layers would go to flash-attn (a graphed step attends by position, so it
+    still joins; int8 caches never go there), nor over caches of another layout."""
+    from dflash_agent.engine import model as model_module
+
+    model = build_model(tiny_packed_checkpoint(), kernels.device, torch.float32, progress=False, packed=True)
+    caches, q8 = [model.new_cache(16) for _ in range(2)], [model.new_cache(16, "q8") for _ in range(2)]
+    offsets = model.joint_offsets(caches, eager=True)
+    assert offsets is not None and offsets.shape == (len(model.layers), 2, 4) and not offsets[:, 0].any()
+    monkeypatch.setattr(model_module, "flash_attn_takes", lambda *args: True)
+    assert model.joint_offsets(caches, eager=True) is None
+    assert model.joint_offsets(caches, eager=False) is not None and model.joint_offsets(q8, eager=True) is not None
+    assert model.joint_offsets([*caches, model.new_cache(24)], eager=False) is None
+    assert model.joint_offsets([caches[0], q8[0]], eager=False) is None
