@@ -166,10 +166,11 @@ def _attention_launches(model: str, config: ModelConfig,
                 offsets = torch.empty(t, OFFSETS_PER_CACHE, dtype=torch.long, device=meta)
                 k_pos = torch.empty(t, slots, dtype=torch.long, device=meta) if ring else None
                 plan = rows_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, offsets, scales, scales)
-                if not q8:
-                    new = torch.empty(t, kv_heads, d, dtype=DTYPE, device=meta)
-                    yield "write_rows", phase, f"d={d}", f"{name}: rows={t}", write_rows_launch(
-                        new, new, k, k, pos, offsets)
+                # the new keys (LayerKV.write_rows): int8 ones and their scales a launch each
+                for stored in [k] if scales is None else [k, scales]:
+                    new = torch.empty(t, kv_heads, stored.shape[-1], dtype=stored.dtype, device=meta)
+                    write = write_rows_launch(new, new, stored, stored, pos, offsets)
+                    yield "write_rows", phase, f"{stored.dtype} d={stored.shape[-1]}", f"{name}: rows={t}", write
             else:
                 k_pos = torch.empty(slots, dtype=torch.long, device=meta) if ring else None
                 plan = cache_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, scales, scales)

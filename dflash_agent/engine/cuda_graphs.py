@@ -13,7 +13,7 @@ slots masked by position and overwritten later; buckets stop at the rings' slack
 Several requests' decode rows in one step (the server's slots: GemmaModel.forward_groups) replay a graph of their
 own, one per combination of slot caches (so at most 2^slots - 1, and in practice the few the scheduler forms), each
 row's plan made on the device as above and the rows' attention one launch a layer (model.JointAttention: the caches'
-offsets are found once, when the graph is made, since a graph keeps its caches).
+offsets, KVCache.offsets_of, are found once per combination, as the graph is).
 
 CUDA only: `enable_cuda_graphs` is a no-op elsewhere. Nothing here has run on a GPU in this repository
 (no GPU in CI); the interpreter tests cover the kernels and the position-masked attention it relies on.

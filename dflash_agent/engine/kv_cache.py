@@ -7,10 +7,12 @@ beside a large model.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels.attention import cache_offsets, write_rows
 from .config import ModelConfig
 from .errors import OptionError
 
@@ -71,6 +73,18 @@ class LayerKV:
         block = self.k.shape[-1] // self.k_scale.shape[-1]
         self.k[slots], self.k_scale[slots] = quantize_q8(k, block)
         self.v[slots], self.v_scale[slots] = quantize_q8(v, block)
+
+    def write_rows(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Row t of k / v [T, kv_heads, d] into slot slots[t] of row t's cache, this layer being the first row's and
+        the others lying `offsets` [T, 4] from it (kernels.attention.cache_offsets), in one launch per tensor pair:
+        each row quantizes alone, as write gives it."""
+        if self.k_scale is None or self.v_scale is None:
+            write_rows(k, v, self.k, self.v, slots, offsets)
+            return
+        block = self.k.shape[-1] // self.k_scale.shape[-1]
+        (qk, k_scale), (qv, v_scale) = quantize_q8(k, block), quantize_q8(v, block)
+        write_rows(qk, qv, self.k, self.v, slots, offsets)
+        write_rows(k_scale, v_scale, self.k_scale, self.v_scale, slots, offsets[:, 2:])
 
     def read(self, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [:end] (all slots when end is None), in the model's dtype."""
@@ -138,10 +152,31 @@ class KVCache:
                 self.layers.append(LayerKV(k, v, spec.sliding, *scales))
             else:
                 self.layers.append(LayerKV(k, v, spec.sliding))
+        # offsets_of's tables by the other caches' ids, with weak references that tell a reused id from its cache
+        self._offsets: dict[tuple[int, ...], tuple[list[weakref.ref[KVCache]], torch.Tensor | None]] = {}
 
     @property
     def device(self) -> torch.device:
         return self.ring_pos.device
+
+    def offsets_of(self, caches: list[KVCache]) -> torch.Tensor | None:
+        """Where each of `caches`' tensors lie from this cache's, per layer ([layers, caches, OFFSETS_PER_CACHE] on
+        the device, kernels.attention.cache_offsets'), or None where one of them is laid out otherwise. Found once per
+        list of caches: a cache's tensors stay where they were made."""
+        key = tuple(id(cache) for cache in caches)
+        known = self._offsets.get(key)
+        if known is not None and all(ref() is cache for ref, cache in zip(known[0], caches, strict=True)):
+            return known[1]
+        table = []
+        for i, layer in enumerate(self.layers):
+            offsets = cache_offsets([layer.storage(), *(cache.layers[i].storage() for cache in caches)])
+            if offsets is None:
+                table = None
+                break
+            table.append(offsets[1:])
+        found = None if table is None else torch.tensor(table, dtype=torch.int64, device=self.device)
+        self._offsets[key] = ([weakref.ref(cache) for cache in caches], found)
+        return found
 
     @property
     def owned(self) -> list[LayerKV]:

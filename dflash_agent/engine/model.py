@@ -13,12 +13,10 @@ from torch import nn
 
 from ..kernels.attention import (
     cache_attention,
-    cache_offsets,
     flash_attn_takes,
     grouped_attention,
     rows_cache_attention,
     triton_takes,
-    write_rows,
 )
 from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .config import LayerSpec, ModelConfig, MoESpec
@@ -193,11 +191,7 @@ class Attention(nn.Module):
         caches kv then holds) and attending its own cache, one launch for all (JointAttention)."""
         plan, first, offsets = joint.sliding if kv[0].sliding else joint.full, kv[0], joint.offsets[index]
         if k is not None and v is not None:
-            if first.k_scale is None:
-                write_rows(k, v, first.k, first.v, plan.slots, offsets)
-            else:  # int8 caches quantize as they write, each its own rows
-                for row, layer in enumerate(kv):
-                    layer.write(plan.slots[row:row + 1], k[row:row + 1], v[row:row + 1])
+            first.write_rows(plan.slots, k, v, offsets)
         pos = plan.positions
         assert pos is not None
         return rows_cache_attention(q, first.k, first.v, pos.query, pos.key, pos.window, self.scale, offsets,
@@ -659,13 +653,7 @@ class GemmaModel(nn.Module):
                                                                                      spec.head_dim)
             if flash or not triton_takes(spec.head_dim):
                 return None
-        table = []
-        for i in range(self.config.num_layers):
-            offsets = cache_offsets([cache.layers[i].storage() for cache in caches])
-            if offsets is None:
-                return None
-            table.append(offsets)
-        return torch.tensor(table, dtype=torch.int64, device=self.device)
+        return caches[0].offsets_of(caches)
 
     def step_rows(self, cache: KVCache) -> int:
         """The most new tokens one forward over `cache` computes as decode rows, each as a one-token step computes

@@ -6,13 +6,16 @@ whichever attention mode that forward plans; plans whose fields contradict their
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from dflash_agent.engine.drafter import DraftLayerPlan
-from dflash_agent.engine.kv_cache import LayerKV
+from dflash_agent.engine.kv_cache import KVCache, LayerKV
 from dflash_agent.engine.model import KeyPositions, LayerPlan, StepPlan
 from dflash_agent.engine.weights import build_model
+from dflash_agent.kernels.attention import cache_offsets
 from tests.engine.test_packed_linear import VOCAB, tiny_packed_checkpoint
 
 
@@ -78,3 +81,26 @@ def test_long_chunks_over_a_wrapped_ring_match_short_steps(monkeypatch) -> None:
     blocked.clear()
     torch.testing.assert_close(long, logits(8), atol=1e-4, rtol=1e-4)
     assert not blocked
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "q8"])
+def test_a_cache_finds_where_the_others_lie_once_per_list(kv_dtype: str) -> None:
+    """KVCache.offsets_of (the slots' joint attention, eager steps included): every layer's element offsets from this
+    cache, as cache_offsets finds them; the same tensor for the same list again; found anew for a cache made after
+    another was freed, and None for a cache laid out otherwise."""
+    config = build_model(tiny_packed_checkpoint(), "meta", torch.float32, progress=False).config
+
+    def found(caches: list[KVCache]) -> list:
+        return [cache_offsets([c.layers[i].storage() for c in caches]) for i in range(config.num_layers)]
+
+    first, second, third = (KVCache(config, 40, kv_dtype=kv_dtype) for _ in range(3))
+    table = first.offsets_of([first, second, third])
+    assert table is not None and table.shape == (config.num_layers, 3, 4)
+    assert table.tolist() == found([first, second, third]) and table[:, 0].eq(0).all()
+    assert first.offsets_of([first, second, third]) is table
+    assert first.offsets_of([first, third, second]).tolist() == found([first, third, second])
+    del second  # a cache made after one is freed (which may take its id) is found where it lies
+    gc.collect()
+    second = KVCache(config, 40, kv_dtype=kv_dtype)
+    assert first.offsets_of([first, second, third]).tolist() == found([first, second, third])
+    assert first.offsets_of([first, KVCache(config, 48, kv_dtype=kv_dtype)]) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_agent.engine.kv_cache import LayerKV
 from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -215,12 +216,13 @@ def test_rows_of_several_caches_come_out_as_each_alone(kernels, layer, cache) ->
                                                  window, 1.0, *(x.cpu() for x in kv[2:]))
             values = kv[1].float() if cache != "q8" else kv[1].float() * kv[3].float().repeat_interleave(32, -1)
             check(alone.cpu(), ref.to(dtype), values.cpu())
-    if cache != "q8":
-        new_k, new_v = torch.randn(2, len(ends), kv_heads, d, device=dev).to(dtype)
-        slot = torch.tensor([3, 17, 0], device=dev)
-        want = [[x.clone() for x in tensors] for tensors, _ in rows]
-        for t, (k, v) in enumerate(want):
-            k[slot[t]], v[slot[t]] = new_k[t], new_v[t]
-        at.write_rows_launch(new_k, new_v, first[0], first[1], slot, offsets)()
-        for (tensors, _), (k, v) in zip(rows, want, strict=True):
-            assert torch.equal(tensors[0], k) and torch.equal(tensors[1], v)
+    # the new keys: one launch a tensor pair (LayerKV.write_rows), each row as its own LayerKV.write puts it
+    new_k, new_v = torch.randn(2, len(ends), kv_heads, d, device=dev).to(dtype)
+    slot = torch.tensor([3, 17, 0], device=dev)
+    want = [LayerKV(*(x.clone() for x in tensors[:2]), layer == "ring", *(x.clone() for x in tensors[2:]))
+            for tensors, _ in rows]
+    for t, layer_kv in enumerate(want):
+        layer_kv.write(slot[t:t + 1], new_k[t:t + 1], new_v[t:t + 1])
+    LayerKV(*first[:2], layer == "ring", *first[2:]).write_rows(slot, new_k, new_v, offsets)
+    for (tensors, _), layer_kv in zip(rows, want, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(tensors, layer_kv.storage(), strict=True))

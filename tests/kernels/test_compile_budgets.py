@@ -48,7 +48,9 @@ def test_report_covers_the_engine_launches(report) -> None:
     assert slots and all("'BLOCK_M': 8" in c["detail"] and "'GEMV': True" in c["detail"] for c in slots)
     # their attention: each row over its own cache in one launch, and their keys written by one
     joint = {c["kernel"] for c in configs if c["phase"] == "slots" and "'ROWS': True" in c["detail"]}
-    assert joint == {"cache_attention"} and any(c["kernel"] == "write_rows" for c in configs)
+    assert joint == {"cache_attention"}
+    written = {c["detail"].split()[0] for c in configs if c["kernel"] == "write_rows"}
+    assert written == {"torch.bfloat16", "torch.int8"}  # int8 caches: their keys, then their scales
     assert any(c["kernel"] == "combine_chunks" for c in configs)
     heads = {c["detail"].split()[0] for c in configs if c["kernel"] == "cache_attention"}
     assert heads == {"d=256", "d=512", "d=128"}  # sliding, full, drafter
