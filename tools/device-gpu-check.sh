@@ -3,7 +3,7 @@
 # torch, triton, transformers, pytest and pytest-xdist but not every package the GPU path imports, and it reaches no
 # network, so the missing ones travel as wheels:
 #   here, once:  tools/device-gpu-check.sh prepare      # cp312 wheels into .whl/ (git-excluded), at .venv's versions
-#   there:       run(command="bash tools/device-gpu-check.sh run", carry=[".whl"], timeout_s=570)
+#   there:       run(command="bash tools/device-gpu-check.sh run 540", carry=[".whl"], timeout_s=580)
 # `run` leaves the log and the JSON (written after each step) under $OUT, so a run stopped at its limit keeps what it
 # measured. The embedded Gemma 3 270M does not travel (250 MB): the tests that need it skip there.
 set -euo pipefail
@@ -30,18 +30,21 @@ prepare)
     du -sh .whl
     ;;
 run)
+    # seconds the check may take, under the device call's timeout_s, so the results are copied before it ends
+    limit="${2:-540}"
     : "${OUT:?run it on the device machine, where OUT is set}"
+    compgen -G '.whl/*.whl' >/dev/null || { echo "no wheels in .whl/: prepare here, and carry .whl" >&2; exit 2; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt" || true
     status=0
-    python3 -m dflash_agent bench --gpu-check --out "$OUT/gpu-check.json" 2>&1 | tee "$OUT/gpu-check.log" \
-        || status=$?
+    timeout -k 10 "$limit" python3 -m dflash_agent bench --gpu-check --out "$OUT/gpu-check.json" 2>&1 \
+        | tee "$OUT/gpu-check.log" || status=$?
     cp bench-results/synthetic-*.json "$OUT/" 2>/dev/null || true
     exit "$status"
     ;;
 *)
-    echo "usage: tools/device-gpu-check.sh prepare|run" >&2
+    echo "usage: tools/device-gpu-check.sh prepare | run [SECONDS]" >&2
     exit 2
     ;;
 esac

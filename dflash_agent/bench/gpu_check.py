@@ -95,6 +95,7 @@ def run_gpu_check(out: Path, repo: Path | None = None) -> tuple[str, bool]:
                         "`dflash-agent bench --kernels` checks the kernels' compile budgets")
     device = torch.cuda.get_device_name()
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)  # a run stopped in its first step leaves no older run's results behind
     lines = [f"GPU check on {device} (torch {torch.__version__}), {out}"]
     steps: list[Step] = []
     runs = [partial(_gpu_tests, repo or Path(__file__).resolve().parents[2]),

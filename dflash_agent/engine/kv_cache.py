@@ -175,6 +175,8 @@ class KVCache:
                 break
             table.append(offsets[1:])
         found = None if table is None else torch.tensor(table, dtype=torch.int64, device=self.device)
+        # the tables of lists with a freed cache go: no id of theirs can come back as the same cache
+        self._offsets = {k: v for k, v in self._offsets.items() if all(ref() is not None for ref in v[0])}
         self._offsets[key] = ([weakref.ref(cache) for cache in caches], found)
         return found
 

@@ -202,8 +202,9 @@ def rows_cache_attention(
 
 def write_rows(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                offsets: torch.Tensor) -> None:
-    """Row t's new key and value [T, kv_heads, d] into slot slots[t] of its own unquantized cache (k / v the first
-    row's, as rows_cache_attention's), in one launch. Triton only."""
+    """Row t's new key and value [T, kv_heads, d] into slot slots[t] of its own cache (k / v the first row's, as
+    rows_cache_attention's), in one launch: the values as given (an int8 cache's quantized ones, or its scales with
+    the offsets' scale columns: engine.kv_cache.LayerKV.write_rows). Triton only."""
     from .attention_triton import write_rows_launch
 
     write_rows_launch(k_new.contiguous(), v_new.contiguous(), k, v, slots, offsets)()

@@ -6,8 +6,6 @@ whichever attention mode that forward plans; plans whose fields contradict their
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -86,8 +84,8 @@ def test_long_chunks_over_a_wrapped_ring_match_short_steps(monkeypatch) -> None:
 @pytest.mark.parametrize("kv_dtype", ["auto", "q8"])
 def test_a_cache_finds_where_the_others_lie_once_per_list(kv_dtype: str) -> None:
     """KVCache.offsets_of (the slots' joint attention, eager steps included): every layer's element offsets from this
-    cache, as cache_offsets finds them; the same tensor for the same list again; found anew for a cache made after
-    another was freed, and None for a cache laid out otherwise."""
+    cache, as cache_offsets finds them; the same tensor for the same list again; found anew for a cache that took a
+    freed one's id, and None for a cache laid out otherwise."""
     config = build_model(tiny_packed_checkpoint(), "meta", torch.float32, progress=False).config
 
     def found(caches: list[KVCache]) -> list:
@@ -99,8 +97,12 @@ def test_a_cache_finds_where_the_others_lie_once_per_list(kv_dtype: str) -> None
     assert table.tolist() == found([first, second, third]) and table[:, 0].eq(0).all()
     assert first.offsets_of([first, second, third]) is table
     assert first.offsets_of([first, third, second]).tolist() == found([first, third, second])
-    del second  # a cache made after one is freed (which may take its id) is found where it lies
-    gc.collect()
-    second = KVCache(config, 40, kv_dtype=kv_dtype)
+    # a cache made where a freed one was, so under its id (CPython gives the freed memory to the next object of
+    # its size), is found where its own tensors lie
+    freed = id(second)
+    del second
+    second = KVCache.__new__(KVCache)
+    assert id(second) == freed
+    second.__init__(config, 40, kv_dtype=kv_dtype)
     assert first.offsets_of([first, second, third]).tolist() == found([first, second, third])
     assert first.offsets_of([first, KVCache(config, 48, kv_dtype=kv_dtype)]) is None

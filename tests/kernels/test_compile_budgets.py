@@ -49,8 +49,10 @@ def test_report_covers_the_engine_launches(report) -> None:
     # their attention: each row over its own cache in one launch, and their keys written by one
     joint = {c["kernel"] for c in configs if c["phase"] == "slots" and "'ROWS': True" in c["detail"]}
     assert joint == {"cache_attention"}
-    written = {c["detail"].split()[0] for c in configs if c["kernel"] == "write_rows"}
-    assert written == {"torch.bfloat16", "torch.int8"}  # int8 caches: their keys, then their scales
+    written = {" ".join(c["detail"].split()[:2]) for c in configs if c["kernel"] == "write_rows"}
+    # bf16 caches, and int8 ones: their keys, then their scales (one per 32 values)
+    assert {"torch.bfloat16 d=256", "torch.int8 d=256", "torch.bfloat16 d=8"} <= written
+    assert {"torch.bfloat16 d=512", "torch.int8 d=512", "torch.bfloat16 d=16"} <= written
     assert any(c["kernel"] == "combine_chunks" for c in configs)
     heads = {c["detail"].split()[0] for c in configs if c["kernel"] == "cache_attention"}
     assert heads == {"d=256", "d=512", "d=128"}  # sliding, full, drafter
