@@ -9,6 +9,8 @@ work is at most len(name) x len(segment)) and a path by the same algorithm over 
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +24,13 @@ class GlobError(ValueError):
 
 @dataclass(frozen=True)
 class _Class:
-    """`[...]`: the characters it takes, as ranges."""
-    ranges: tuple[tuple[str, str], ...]
-    negated: bool
+    """`[...]`: the characters it takes, as fnmatch takes them, through its translation of the class alone (one
+    character, so no backtracking): its quirks included, such as a reversed range being empty and what is left then
+    deciding the negation (`[b-a!x]` is `[!x]`)."""
+    regex: re.Pattern[str]
 
     def takes(self, c: str) -> bool:
-        return any(lo <= c <= hi for lo, hi in self.ranges) != self.negated
+        return self.regex.fullmatch(c) is not None
 
 
 # Tokens: a literal character, a _Class, or one of these two markers. A path pattern is a tuple of
@@ -47,18 +50,9 @@ def _tokens(segment: str) -> tuple[object, ...]:
             out.append(_ANY)
         elif c == "[" and (end := _class_end(segment, i)) > 0:
             body = segment[i + 1:end]
-            negated = body[0] in "!^"
-            if negated:
-                body = body[1:]
-            ranges, j = [], 0
-            while j < len(body):
-                if j + 2 < len(body) and body[j + 1] == "-":
-                    ranges.append((body[j], body[j + 2]))
-                    j += 3
-                else:
-                    ranges.append((body[j], body[j]))
-                    j += 1
-            out.append(_Class(tuple(ranges), negated))
+            if body.startswith("^"):  # the shells' negation too, where fnmatch takes `^` as itself
+                body = "!" + body[1:]
+            out.append(_Class(re.compile(fnmatch.translate(f"[{body}]"))))
             i = end
         else:
             out.append(c)

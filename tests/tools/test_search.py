@@ -332,6 +332,7 @@ NAME_CHARS = "ab.-]![*?"  # fnmatch's own syntax included, so that classes and t
 @settings(max_examples=300, deadline=None)
 @given(pattern=st.text(NAME_CHARS, max_size=10), name=st.text(NAME_CHARS, min_size=1, max_size=10))
 @example(pattern="a[!]", name="aa")  # `]` right after `[!` is a member, so this class never closes
+@example(pattern="[?-.!]", name="?")  # a reversed range is empty, and the `!` it leaves first negates the class
 def test_glob_matches_a_name_as_fnmatch_does(pattern, name):
     assert Glob(pattern).match(name) is fnmatch.fnmatchcase(name, pattern)
 
