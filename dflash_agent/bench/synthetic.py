@@ -8,6 +8,7 @@ z-lab-shaped DFlash drafter quantized to 4 bits (engine.quant_linear "q4"), and 
   bandwidth roofline (tok/s x bytes per token / copy bandwidth);
 - a verify-16 step against a decode step at 8K (the price of checking a DFlash block);
 - one drafter step (draft + LM head + argmax) and appending a block's features to the drafter's context;
+- 1, 4 and 8 streams decoding in one step (the server's slots), and verifying a 16-token block each;
 - peak memory, against the memory plan;
 - projected DFlash tok/s at acceptance lengths 4, 6, 8: tau / (draft + verify-16 + append) at 8K.
 Steps run through CUDA graphs as the engine runs them; the eager (uncaptured) times are reported beside them.
@@ -24,6 +25,7 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -208,7 +210,8 @@ class DecodeSpeed:
 @dataclass
 class StreamsSpeed:
     """Decode steps of several requests at once (GemmaModel.forward_groups), through CUDA graphs as the engine runs
-    them (one per combination of slots; one stream through its own cache's)."""
+    them (one per combination of slots; one stream through its own cache's); and a step verifying a 16-token block of
+    each, as speculating slots run it, through graphs and eagerly."""
 
     streams: int
     context: int
@@ -216,6 +219,8 @@ class StreamsSpeed:
     per_stream_tok_s: float
     over_one_stream: float
     roofline_tok_s: float  # copy bandwidth / (the weights once + each stream's KV)
+    verify16_ms: float = 0.0  # every stream's block in one step
+    verify16_ms_eager: float = 0.0
 
 
 @dataclass
@@ -417,7 +422,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
         return _time_ms(step, iters, device)
 
     eager = {c: step_ms(one, c, None) for c in measured}
-    enable_cuda_graphs(target)  # as the engine runs decode on CUDA; a no-op elsewhere
+    enable_cuda_graphs(target, max(STREAMS))  # as the engine runs decode on CUDA; a no-op elsewhere
     decode: list[DecodeSpeed] = []
     graphed: dict[int, float] = {}
     for c in measured:
@@ -461,18 +466,26 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     streams: list[StreamsSpeed] = []
     context = measured[0]
     for n in STREAMS:
-        groups = [RowGroup(one, target.new_cache(context)) for _ in range(n)]
+        caches = [target.new_cache(context) for _ in range(n)]
 
-        def batched_step(groups: list[RowGroup] = groups) -> None:
+        def batched_step(groups: list[RowGroup]) -> None:
             for group in groups:
-                _fill_context(group.cache, context - 1)
+                _fill_context(group.cache, context - group.ids.shape[0])
             target.forward_groups(groups)
 
-        tok_s = n * 1e3 / _time_ms(batched_step, iters, device)
+        decode_rows = [RowGroup(one, cache) for cache in caches]
+        tok_s = n * 1e3 / _time_ms(partial(batched_step, decode_rows), iters, device)
         one_tok_s = streams[0].tok_s if streams else tok_s
-        roofline = n * bandwidth / (read + n * _kv_bytes_read(groups[0].cache, context))
-        streams.append(StreamsSpeed(n, context, tok_s, tok_s / n, tok_s / one_tok_s, roofline))
-        log.info("%d streams at %d: %.1f tok/s together, %.2fx one stream", n, context, tok_s, tok_s / one_tok_s)
+        roofline = n * bandwidth / (read + n * _kv_bytes_read(caches[0], context))
+        blocks = [RowGroup(block, cache, rows) for cache in caches]
+        verify_n = _time_ms(partial(batched_step, blocks), iters, device)
+        graphs, target.step_graphs = target.step_graphs, None
+        verify_n_eager = _time_ms(partial(batched_step, blocks), iters, device)
+        target.step_graphs = graphs
+        streams.append(StreamsSpeed(n, context, tok_s, tok_s / n, tok_s / one_tok_s, roofline, verify_n,
+                                    verify_n_eager))
+        log.info("%d streams at %d: %.1f tok/s together, %.2fx one stream; verify-16 of each %.2f ms (eager %.2f)",
+                 n, context, tok_s, tok_s / one_tok_s, verify_n, verify_n_eager)
     result = SyntheticResult(
         model=model, quant=quant, draft_quant=str(draft_quant),
         device=torch.cuda.get_device_name(device) if cuda else str(device),
@@ -542,7 +555,8 @@ def report(result: SyntheticResult, out: Path, as_json: bool) -> str:
     for st in result.streams:
         lines.append(f"  {st.streams} streams at {st.context}: {st.tok_s:7.1f} tok/s together, "
                      f"{st.per_stream_tok_s:.1f} each, {st.over_one_stream:.2f}x one stream, "
-                     f"roofline {st.roofline_tok_s:.1f}")
+                     f"roofline {st.roofline_tok_s:.1f}; verify-16 of each {st.verify16_ms:.2f} ms "
+                     f"(eager {st.verify16_ms_eager:.2f})")
     lines.append(f"  peak memory {result.peak_memory_bytes / GiB:.2f} GiB (plan {result.plan['total_gib']:.2f} GiB)")
     lines += [f"  goal {name}: {'met' if ok else 'NOT met'}" for name, ok in result.goals.items()]
     lines.append(f"results in {out} and {out.with_suffix('.png')}")

@@ -10,9 +10,11 @@ different plan:
 Padding tokens sit at positions just past the block, so their keys land where rejected drafts' would: in
 slots masked by position and overwritten later; buckets stop at the rings' slack + 1 so the window stays.
 
-Several requests' decode rows in one step (the server's slots: GemmaModel.forward_groups) replay a graph of their
-own, one per combination of slot caches (so at most 2^slots - 1, and in practice the few the scheduler forms), each
-row's plan made on the device as above and the rows' attention one launch a layer (model.JointAttention: the caches'
+Several requests' rows in one step (the server's slots: GemmaModel.forward_groups) replay a graph of their own, one
+per combination of slot caches, each taking part with a decode row or a verification block padded to its bucket as
+above. A block padded to 16 instead would make fewer combinations, but the attention kernel sizes its row tile by
+the step's rows, so its rows would no longer come out as the block's step alone gives them. Each group's plan is
+made on the device as above, and the decode rows attend in one launch a layer (model.JointAttention: the caches'
 offsets, KVCache.offsets_of, are found once per combination, as the graph is).
 
 CUDA only: `enable_cuda_graphs` is a no-op elsewhere. Nothing here has run on a GPU in this repository
@@ -33,12 +35,17 @@ from .model import ForwardOutput, GemmaModel, JointAttention, KeyPositions, Laye
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16)
+# several requests' graphs kept at once, the least recently used dropped first: a combination of slots and their
+# blocks' buckets is captured when the scheduler first forms it, and most steps form one of a few (a slot's DFlash
+# blocks all take one bucket, its plain steps another)
+MAX_GROUP_GRAPHS = 32
 
 
-def enable_cuda_graphs(model: GemmaModel) -> None:
-    """Route the model's decode / verify forwards (blocks of up to 16 tokens) through captured graphs."""
+def enable_cuda_graphs(model: GemmaModel, slots: int = 1) -> None:
+    """Route the model's decode / verify forwards (blocks of up to 16 tokens; of up to `slots` requests at once)
+    through captured graphs."""
     if model.device.type == "cuda" and model.config.dense:  # the captured step runs the dense layers only
-        model.step_graphs = TargetStepGraphs(model)
+        model.step_graphs = TargetStepGraphs(model, slots)
 
 
 def _capture(step, pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -62,34 +69,42 @@ class _TargetGraph:
     pos: torch.Tensor  # [bucket] positions
     ring: torch.Tensor  # the rings' slot -> position map, copied in and out around a replay
     rows: torch.Tensor  # [bucket] indices of the tokens whose logits are wanted
-    graph: torch.cuda.CUDAGraph | None = None  # with the outputs each replay overwrites:
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor  # [bucket, vocab]: rows of the graphs' one logits buffer (TargetStepGraphs.logits_rows)
+    graph: torch.cuda.CUDAGraph | None = None  # with the captured layers' outputs each replay overwrites
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class _GroupsGraph:
-    caches: list[KVCache]  # one decode row each, in the step's order
-    ids: torch.Tensor  # [rows]
+    caches: list[KVCache]  # one group each, in the step's order: the decode rows', then the blocks'
+    sizes: tuple[int, ...]  # each group's rows: 1 for a decode row, a bucket for a block (padded)
+    ids: torch.Tensor  # [rows] token ids, each block padded with 0
     pos: torch.Tensor  # [rows] each row's position
     rings: list[torch.Tensor]  # each cache's slot -> position map, copied in and out around a replay
-    offsets: torch.Tensor | None  # where each cache lies (GemmaModel.joint_offsets): one attention launch a layer
+    offsets: torch.Tensor | None  # where the decode rows' caches lie (GemmaModel.joint_offsets): one attention launch
+    logits: torch.Tensor  # [rows, vocab], as _TargetGraph's
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # [rows, vocab]
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class TargetStepGraphs:
     """One graph per (cache, bucket, captured layers), captured on first use (a slot's cache is kept for the engine's
-    life); and one per (combination of caches, captured layers) for several requests' decode rows."""
+    life); and one per (combination of caches with each one's rows, captured layers) for several requests' rows, the
+    MAX_GROUP_GRAPHS used last.
 
-    def __init__(self, model: GemmaModel) -> None:
-        self.model = model
+    No two graphs run at once, and a replay's logits are read (copied, or their argmax taken) before the next, so
+    every graph writes them into one buffer (`logits_rows`): a graph keeps only its captured layers' outputs, and the
+    rest of its memory is the one pool's, which holds one step's intermediates."""
+
+    def __init__(self, model: GemmaModel, slots: int = 1) -> None:
+        self.model, self.slots = model, slots
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _TargetGraph] = {}
-        self.group_graphs: dict[tuple[tuple[int, ...], tuple[int, ...]], _GroupsGraph] = {}
-        # one memory pool for every bucket's intermediates (they never run at the same time)
+        self.group_graphs: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], _GroupsGraph] = {}
+        # one memory pool for every graph's intermediates (they never run at the same time)
         self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+        self.logits: torch.Tensor | None = None
         self.offsets = torch.arange(BUCKETS[-1], device=model.device)
+        self.padding = torch.zeros(BUCKETS[-1], dtype=torch.long, device=model.device)
 
     @torch.inference_mode()
     def replay(self, ids: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None,
@@ -107,7 +122,8 @@ class TargetStepGraphs:
             device = self.model.device
             g = _TargetGraph(cache, torch.zeros(bucket, dtype=torch.long, device=device),
                              torch.zeros(bucket, dtype=torch.long, device=device),
-                             cache.ring_pos.clone(), torch.zeros(bucket, dtype=torch.long, device=device))
+                             cache.ring_pos.clone(), torch.zeros(bucket, dtype=torch.long, device=device),
+                             self.logits_rows(bucket))
         g.ids.zero_()
         g.ids[:T].copy_(ids)
         torch.add(self.offsets[:bucket], cache.length, out=g.pos)
@@ -119,7 +135,7 @@ class TargetStepGraphs:
             g.rows[:n_rows].copy_(logits_at)
         if g.graph is None:
             log.info("capturing a CUDA graph of the target step for %d tokens", bucket)
-            g.graph, (g.logits, g.captured) = _capture(lambda: self._step(g, capture), self.pool)
+            g.graph, g.captured = _capture(lambda: self._step(g, capture), self.pool)
             self.graphs[key] = g
         g.graph.replay()
         cache.ring_pos.copy_(g.ring)
@@ -128,56 +144,89 @@ class TargetStepGraphs:
 
     @torch.inference_mode()
     def replay_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput] | None:
-        """GemmaModel.forward_groups of several requests' decode rows (one token each, its logits: logits_at None or
-        its one row, as the scheduler asks) through a graph, or None where none applies (blocks, no logits asked, a
-        full cache)."""
-        if len(groups) < 2 or any(g.ids.shape[0] != 1 or (g.logits_at is not None and g.logits_at.numel() != 1)
-                                  or g.cache.length >= g.cache.max_len for g in groups):
+        """GemmaModel.forward_groups of several requests' decode rows and verification blocks (each padded to a bucket,
+        as `replay` pads one) through a graph, or None where none applies (one group, no logits asked, a block past
+        the rings' slack or the cache's end, or asking one row's logits: the eager head takes that row's GEMV)."""
+        if len(groups) < 2:
             return None
-        key = (tuple(id(g.cache) for g in groups), tuple(capture))
-        g = self.group_graphs.get(key)
+        order = sorted(range(len(groups)), key=lambda i: groups[i].ids.shape[0] > 1)  # as _kernel_groups orders them
+        ordered = [groups[i] for i in order]
+        sizes = tuple(next((b for b in BUCKETS if b >= g.ids.shape[0]), 0) for g in ordered)
+        for group, size in zip(ordered, sizes, strict=True):
+            cache, asked = group.cache, 1 if group.logits_at is None else group.logits_at.numel()
+            if (size == 0 or asked == 0 or (size > 1 and (asked == 1 or size > cache.slack + 1))
+                    or cache.length + size > cache.max_len):
+                return None
+        key = (tuple((id(group.cache), size) for group, size in zip(ordered, sizes, strict=True)), tuple(capture))
+        g = self.group_graphs.pop(key, None)  # and back in last: the least recently used go first
         if g is None:  # the graph keeps its caches, so no other cache can take one's id while it is stored
-            rows = torch.zeros(len(groups), dtype=torch.long, device=self.model.device)
-            caches = [group.cache for group in groups]
-            g = _GroupsGraph(caches, rows, rows.clone(), [cache.ring_pos.clone() for cache in caches],
-                             self.model.joint_offsets(caches, eager=False))
-        torch.cat([group.ids for group in groups], out=g.ids)
-        g.pos.copy_(torch.tensor([group.cache.length for group in groups]), non_blocking=True)
-        for ring, group in zip(g.rings, groups, strict=True):
+            if len(self.group_graphs) >= MAX_GROUP_GRAPHS:
+                del self.group_graphs[next(iter(self.group_graphs))]
+            caches = [group.cache for group in ordered]
+            rows = torch.zeros(sum(sizes), dtype=torch.long, device=self.model.device)
+            joint = sizes.count(1)
+            offsets = self.model.joint_offsets(caches[:joint], eager=False) if joint > 1 else None
+            g = _GroupsGraph(caches, sizes, rows, rows.clone(), [cache.ring_pos.clone() for cache in caches], offsets,
+                             self.logits_rows(sum(sizes)))
+        self.group_graphs[key] = g
+        spans = StepRows(sizes).spans()
+        padded = []
+        for group, (a, b) in zip(ordered, spans, strict=True):
+            padded.append(group.ids)
+            if b - a > group.ids.shape[0]:
+                padded.append(self.padding[:b - a - group.ids.shape[0]])
+        torch.cat(padded, out=g.ids)
+        g.pos.copy_(torch.tensor([group.cache.length + i for group, (a, b) in zip(ordered, spans, strict=True)
+                                  for i in range(b - a)]), non_blocking=True)
+        for ring, group in zip(g.rings, ordered, strict=True):
             ring.copy_(group.cache.ring_pos)
         if g.graph is None:
-            log.info("capturing a CUDA graph of %d requests' decode rows", len(groups))
-            g.graph, (g.logits, g.captured) = _capture(lambda: self._groups_step(g, capture), self.pool)
-            self.group_graphs[key] = g
+            log.info("capturing a CUDA graph of %d requests' rows (%s)", len(groups), "+".join(map(str, sizes)))
+            g.graph, g.captured = _capture(lambda: self._groups_step(g, capture), self.pool)
         g.graph.replay()
-        assert g.logits is not None
+        asked = [group.asked_rows(a) for group, (a, _) in zip(ordered, spans, strict=True)]
         picks = torch.argmax(g.logits, dim=-1).tolist() if any(group.greedy for group in groups) else None
-        outputs = []
-        for i, (ring, group) in enumerate(zip(g.rings, groups, strict=True)):
+        outputs: list[ForwardOutput | None] = [None] * len(groups)
+        for i, (ring, group, (a, _)) in enumerate(zip(g.rings, ordered, spans, strict=True)):
+            T = group.ids.shape[0]
             group.cache.ring_pos.copy_(ring)
-            group.cache.length += 1
-            views = {layer: h[i:i + 1].clone() for layer, h in g.captured.items()}
+            group.cache.length += T
+            views = {layer: h[a:a + T].clone() for layer, h in g.captured.items()}
             if group.greedy:
-                outputs.append(ForwardOutput(None, views, picks[i:i + 1]))
+                outputs[order[i]] = ForwardOutput(None, views, [picks[row] for row in asked[i].tolist()])
             else:
-                outputs.append(ForwardOutput(g.logits[i:i + 1].clone(), views))
+                outputs[order[i]] = ForwardOutput(g.logits[asked[i]], views)
         return outputs
 
-    def _groups_step(self, g: _GroupsGraph, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        # GemmaModel._kernel_groups with each row's plan made on the device, as _step makes one
-        model = self.model
-        plans = [self._device_plan(g.pos[i:i + 1], cache, ring) for i, (cache, ring) in
-                 enumerate(zip(g.caches, g.rings, strict=True))]
-        rows = StepRows((1,) * len(g.caches), None if g.offsets is None else JointAttention.join(plans, g.offsets))
-        x, captured = model.layers_forward(model.embed(g.ids), plans, [c.layers for c in g.caches], capture, rows=rows)
-        return model.logits(x, rows), captured
+    def logits_rows(self, n: int) -> torch.Tensor:
+        """The first n rows of the graphs' logits buffer: a block of every slot's (the memory plan's), made when a
+        graph first needs it and grown only for more rows than that (a graph keeps the buffer it writes)."""
+        if self.logits is None or self.logits.shape[0] < n:
+            vocab = self.model.output_weight.shape[0]
+            rows = max(n, self.slots * BUCKETS[-1])
+            self.logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.model.device)
+        return self.logits[:n]
 
-    def _step(self, g: _TargetGraph, capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _groups_step(self, g: _GroupsGraph, capture: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        # GemmaModel._kernel_groups with each group's plan made on the device, as _step makes one, and every row's
+        # logits (a block's padded rows ride in the head's tile with its asked ones)
+        model = self.model
+        rows = StepRows(g.sizes)
+        plans = [self._device_plan(g.pos[a:b], cache, ring) for (a, b), cache, ring in
+                 zip(rows.spans(), g.caches, g.rings, strict=True)]
+        if g.offsets is not None:
+            rows = StepRows(g.sizes, JointAttention.join(plans[:rows.one_token], g.offsets))
+        x, captured = model.layers_forward(model.embed(g.ids), plans, [c.layers for c in g.caches], capture, rows=rows)
+        g.logits.copy_(model.logits(x, rows))
+        return captured
+
+    def _step(self, g: _TargetGraph, capture: tuple[int, ...]) -> dict[int, torch.Tensor]:
         # GemmaModel.forward with the plan made on the device (see the module doc)
         model = self.model
         plan = self._device_plan(g.pos, g.cache, g.ring)
         x, captured = model.layers_forward(model.embed(g.ids), plan, g.cache.layers, capture)
-        return model.logits(x[g.rows]), captured
+        g.logits.copy_(model.logits(x[g.rows]))
+        return captured
 
     def _device_plan(self, pos: torch.Tensor, cache: KVCache, ring: torch.Tensor) -> StepPlan:
         """The plan of new tokens at positions `pos` (a device buffer) over `cache`, made on the device: full layers

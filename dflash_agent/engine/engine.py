@@ -176,7 +176,7 @@ class Engine:
                      " (--prefill float32: exact)" if prefill_gemm != torch.float32 else "")
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
-        enable_cuda_graphs(net)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
+        enable_cuda_graphs(net, parallel)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter: Drafter | MtpDrafter | None = None
         if draft_path is not None and mtp:
             drafter = load_mtp_drafter(draft_path, ckpt.config, torch_device, torch_dtype)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
+from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
 from .config import ModelConfig
 from .drafter import DrafterCache, DrafterConfig, DrafterError
 from .errors import MemoryPlanError, OptionError
@@ -169,9 +169,10 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
         # sliding layers prefill through SDPA with a mask: float32 scores and probabilities over ring + chunk
         ring = min(ctx_size, config.sliding_window + DEFAULT_SLACK)
         items["workspace: sliding prefill scores"] = 2 * heads * T * (ring + T) * 4
-    # verify logits in float32 plus softcap / softmax temporaries, for the target and the drafter's block
-    rows = SPLIT_ROWS + (drafter.block_size if drafter is not None else 0)
-    items["workspace: logits"] = 3 * rows * V * 4
+    # verify logits in float32 plus softcap / softmax temporaries, for every slot's block and the drafter's; on CUDA
+    # the step graphs copy the target's into a buffer of a block a slot (engine.cuda_graphs)
+    rows = max(SPLIT_ROWS, slots * VERIFY_ROWS) + (drafter.block_size if drafter is not None else 0)
+    items["workspace: logits"] = (3 * rows + slots * VERIFY_ROWS) * V * 4
     # flash-decoding partials of the attention kernel (float32 outputs + log-sum-exp per key chunk), for a verified
     # block's rows or every slot's decode row (model.JointAttention)
     splits = -(-ctx_size // KEYS_PER_CHUNK)

@@ -203,4 +203,5 @@ def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
         assert st.tok_s > 0 and st.per_stream_tok_s == pytest.approx(st.tok_s / st.streams)
         assert st.over_one_stream == pytest.approx(st.tok_s / result.streams[0].tok_s)
         assert st.roofline_tok_s > result.decode[0].roofline_tok_s * (st.streams > 1)  # the weights read once
+        assert st.verify16_ms > 0 and st.verify16_ms_eager > 0  # each stream's block in one step
     assert "4 streams >= 3.5x one" in result.goals

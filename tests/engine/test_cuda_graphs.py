@@ -134,11 +134,84 @@ def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches()
     assert [a.length for a, _ in pairs] == [b.length for _, b in pairs] == [15, 17, 32]
     assert [b.ring_pos.tolist() for _, b in pairs] == [a.ring_pos.tolist() for a, _ in pairs]
     assert len(graphs.group_graphs) == 2
-    one_block = [RowGroup(torch.arange(2), pairs[0][1]), RowGroup(torch.arange(1), pairs[1][1])]
-    assert graphs.replay_groups(one_block, ()) is None  # blocks run eagerly
-    assert graphs.replay_groups(one_block[1:], ()) is None  # one request: replay's graphs
+    assert graphs.replay_groups([RowGroup(torch.arange(1), pairs[1][1])], ()) is None  # one request: replay's graphs
     no_logits = [RowGroup(torch.arange(1), pairs[0][1], torch.arange(0)), RowGroup(torch.arange(1), pairs[1][1])]
     assert graphs.replay_groups(no_logits, ()) is None
+
+
+def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(monkeypatch) -> None:
+    """Several requests' verification blocks (2..16 tokens, each padded to its bucket) and decode rows in one graph:
+    each group's logits, greedy picks and captured layers as its cache's forward alone gives them, after rollbacks of
+    the rejected drafts as the scheduler's commit makes them, past the window and around the rings (whose slots the
+    padding writes); one graph per combination of caches and their rows' buckets, the least recently used dropped
+    past MAX_GROUP_GRAPHS; every graph's logits in one buffer of a block a slot."""
+    from dflash_agent.engine.model import RowGroup
+
+    monkeypatch.setattr(cuda_graphs, "MAX_GROUP_GRAPHS", 4)
+    capture, captured = cuda_graphs._capture, []
+    monkeypatch.setattr(cuda_graphs, "_capture", lambda step, pool: captured.append(step) or capture(step, pool))
+    ckpt = tiny_packed_checkpoint()
+    # float64: a CPU GEMM rounds float32 sums by how many rows it is given, which the padding changes (a GPU's tile
+    # does not: tests/kernels), while a wrong mask or a ring slot lost to the padding moves far more than that
+    eager = build_model(ckpt, "cpu", torch.float64, progress=False)
+    graphed = build_model(ckpt, "cpu", torch.float64, progress=False)
+    graphs = TargetStepGraphs(graphed, slots=3)
+    torch.manual_seed(5)
+    pairs = [(eager.new_cache(128), graphed.new_cache(128)) for _ in range(3)]
+    for n, (a, b) in zip((4, 11, 2), pairs, strict=True):
+        prompt = torch.randint(0, VOCAB, (n,))
+        eager(prompt, a)
+        graphed(prompt, b)
+    # each step's tokens per cache: steps 0 and 2 form one combination of buckets with blocks of other lengths
+    lengths = [[1, 3, 16], [5, 1, 1], [1, 4, 13], [1, 16, 1], [9, 4, 1], [2, 1, 7]]
+    kinds, captures = [], 0
+    for step in range(25):
+        sizes = lengths[step % len(lengths)]
+        members = [2, 0, 1] if step % 2 else [0, 1, 2]  # the scheduler's order, not the graph's
+        groups = []
+        for i in members:
+            T = sizes[i]
+            groups.append(RowGroup(torch.randint(0, VOCAB, (T,)), pairs[i][1],
+                                   torch.arange(T) if T > 1 or step % 3 else None, greedy=(i + step) % 2 == 0))
+        kind = [(i, BUCKETS.index(next(b for b in BUCKETS if b >= sizes[i])))
+                for i in sorted(members, key=lambda i: sizes[i] > 1)]
+        captures += kind not in kinds[-4:]
+        kinds = [k for k in kinds if k != kind] + [kind]
+        outs = graphs.replay_groups(groups, (0, 1))
+        assert outs is not None
+        for group, out, i in zip(groups, outs, members, strict=True):
+            eager_cache, graphed_cache = pairs[i]
+            T = group.ids.shape[0]
+            want = eager(group.ids, eager_cache, logits_at=group.logits_at, capture=(0, 1))
+            for layer in (0, 1):
+                close(out.captured[layer], want.captured[layer])
+            if group.greedy:
+                assert out.tokens == want.logits.argmax(-1).tolist()
+            else:
+                close(out.logits, want.logits)
+            assert graphed_cache.length == eager_cache.length
+            keep = max(1, T // 2)  # the verified prefix a commit keeps
+            for cache in pairs[i]:
+                cache.rollback(cache.length - T + keep)
+            assert graphed_cache.rings_hold(graphed_cache.length)
+    assert [a.length for a, _ in pairs] == [b.length for _, b in pairs]
+    assert min(a.length for a, _ in pairs) > 24 + 8  # around every ring (8 + 16 slots) and past the window
+    assert len(graphs.group_graphs) == 4 and len(captured) == captures < 25
+    # one buffer of a block a slot, made once (the memory plan's)
+    assert graphs.logits.shape[0] == 3 * BUCKETS[-1]
+    assert {g.logits.untyped_storage().data_ptr() for g in graphs.group_graphs.values()} == {graphs.logits.data_ptr()}
+
+    cache = pairs[0][1]
+
+    def beside_a_row(block: RowGroup) -> list[RowGroup]:
+        return [block, RowGroup(torch.arange(1), pairs[1][1])]
+
+    # a block asking one row's logits takes the head's GEMV eagerly; a block past the cache's end declines too
+    assert graphs.replay_groups(beside_a_row(RowGroup(torch.arange(3), cache)), ()) is None
+    near_end = graphed.new_cache(cache.length + 3)
+    graphed(torch.arange(cache.length), near_end)
+    assert graphs.replay_groups(beside_a_row(RowGroup(torch.arange(3), near_end, torch.arange(3))), ()) is None
+    assert graphs.replay_groups(beside_a_row(RowGroup(torch.arange(17), cache, torch.arange(17))), ()) is None
 
 
 def test_draft_graph_matches_drafter(tmp_path) -> None:

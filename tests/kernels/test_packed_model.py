@@ -99,10 +99,11 @@ def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind, kv_
     assert joint_rows == [n for n in decode_rows if n > 1 for _ in model.layers]
 
 
-def test_slots_decode_graph_attends_in_one_launch(kernels, monkeypatch) -> None:
-    """The slots' decode-row graph (cuda_graphs.replay_groups) on the Triton kernels: the rows' plans, made on the
-    device, joined into one attention launch a layer over each row's whole cache (JointAttention); every row's logits
-    bit for bit what the eager step of its cache alone gives, one ring wrapped."""
+def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(kernels, monkeypatch) -> None:
+    """The slots' graph (cuda_graphs.replay_groups) on the Triton kernels: the decode rows' plans, made on the device,
+    joined into one attention launch a layer over each row's whole cache (JointAttention), beside another request's
+    verification block padded to the 16-row tile; every logit bit for bit what the eager step of its cache alone
+    gives, one ring wrapped."""
     from dflash_agent.engine import cuda_graphs
     from dflash_agent.engine import model as model_module
     from dflash_agent.engine.model import RowGroup
@@ -113,21 +114,24 @@ def test_slots_decode_graph_attends_in_one_launch(kernels, monkeypatch) -> None:
     model = build_model(tiny_packed_checkpoint(), kernels.device, torch.float32, progress=False, packed=True)
     torch.manual_seed(6)
     pairs = []
-    for n in (5, 27):  # the rings hold 24 slots
-        eager, graphed = model.new_cache(32), model.new_cache(32)
+    for n in (5, 27, 9):  # the rings hold 24 slots
+        eager, graphed = model.new_cache(48), model.new_cache(48)
         model(torch.randint(0, 64, (n,), device=kernels.device), eager)
         graphed.restore(n, eager.full_snapshot(n, kernels.device), eager.ring_snapshot(kernels.device))
         pairs.append((eager, graphed))
     joint_rows = []
     attend = model_module.rows_cache_attention
     monkeypatch.setattr(model_module, "rows_cache_attention", lambda q, *a: joint_rows.append(len(q)) or attend(q, *a))
-    ids = torch.randint(0, 64, (len(pairs),), device=kernels.device)
+    ids = [torch.randint(0, 64, (n,), device=kernels.device) for n in (1, 3, 1)]  # the scheduler's order
+    asked = [None, torch.arange(3, device=kernels.device), None]
     outs = cuda_graphs.TargetStepGraphs(model).replay_groups(
-        [RowGroup(ids[i:i + 1], graphed) for i, (_, graphed) in enumerate(pairs)], ())
+        [RowGroup(i, graphed, a) for i, a, (_, graphed) in zip(ids, asked, pairs, strict=True)], ())
     assert outs is not None and joint_rows == [2] * (2 * len(model.layers))  # the capture and the replay
     for i, (eager, graphed) in enumerate(pairs):
-        assert torch.equal(outs[i].logits, model(ids[i:i + 1], eager).logits)
-        assert graphed.ring_pos.tolist() == eager.ring_pos.tolist() and graphed.length == eager.length
+        assert torch.equal(outs[i].logits, model(ids[i], eager, asked[i]).logits)
+        assert graphed.length == eager.length
+    for eager, graphed in pairs[::2]:  # the block's padding leaves positions past its end in its ring
+        assert graphed.ring_pos.tolist() == eager.ring_pos.tolist()
 
 
 def test_decode_rows_attend_apart_where_alone_they_would_not_take_the_kernel(kernels, monkeypatch) -> None:
