@@ -134,6 +134,47 @@ def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(ker
         assert graphed.ring_pos.tolist() == eager.ring_pos.tolist()
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "q8"])
+def test_graphs_captured_on_a_gpu_replay_what_eager_steps_give(kernels, kv_dtype) -> None:
+    """Real CUDA-graph captures (the other graph tests stand an eager replay in for one): a slot's own decode step and
+    verification block, several slots' decode rows, and blocks beside decode rows, the combinations formed again
+    replaying their graphs over caches that have moved on, after rollbacks; every logit and captured layer bit for bit
+    what the eager step of its cache alone gives. What only a capture shows: a host synchronisation in the step, or a
+    length or position baked in when it was captured."""
+    if kernels.device.type != "cuda":
+        pytest.skip("captures CUDA graphs")
+    from dflash_agent.engine.cuda_graphs import TargetStepGraphs
+    from dflash_agent.engine.model import RowGroup
+
+    device = kernels.device
+    model = build_model(tiny_packed_checkpoint(), device, torch.float32, progress=False, packed=True)
+    graphs = TargetStepGraphs(model, slots=3)
+    torch.manual_seed(7)
+    pairs = []
+    for n in (5, 27, 9):  # the rings hold 24 slots
+        eager, graphed = model.new_cache(96, kv_dtype), model.new_cache(96, kv_dtype)
+        model(torch.randint(0, 64, (n,), device=device), eager)
+        graphed.restore(n, eager.full_snapshot(n, device), eager.ring_snapshot(device))
+        pairs.append((eager, graphed))
+    steps = [[1], [3], [1, 1, 1], [1, 4, 1], [1], [3], [1, 1, 1], [2, 1, 7], [1, 3, 1], [1, 1, 1]]  # tokens per cache
+    for sizes in steps:
+        ids = [torch.randint(0, 64, (n,), device=device) for n in sizes]
+        asked = [torch.arange(n, device=device) for n in sizes]
+        if len(sizes) == 1:
+            outs = [graphs.replay(ids[0], pairs[0][1], asked[0], (0,))]
+        else:
+            outs = graphs.replay_groups([RowGroup(i, graphed, a) for i, a, (_, graphed) in
+                                         zip(ids, asked, pairs, strict=False)], (0,))
+        assert outs is not None and all(out is not None for out in outs), sizes
+        for out, i, a, n, (eager, graphed) in zip(outs, ids, asked, sizes, pairs, strict=False):
+            want = model(i, eager, a, capture=(0,))
+            assert torch.equal(out.logits, want.logits) and torch.equal(out.captured[0], want.captured[0]), sizes
+            assert graphed.length == eager.length
+            for cache in (eager, graphed):  # a commit keeps the verified prefix
+                cache.rollback(cache.length - n + max(1, n // 2))
+    assert len(graphs.graphs) == 2 and len(graphs.group_graphs) == 3
+
+
 def test_decode_rows_attend_apart_where_alone_they_would_not_take_the_kernel(kernels, monkeypatch) -> None:
     """GemmaModel.joint_offsets joins the decode rows' attention only where each row alone takes the same Triton
     kernel: not in eager steps whose full layers would go to flash-attn (a graphed step attends by position, so it
