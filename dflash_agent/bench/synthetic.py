@@ -422,7 +422,9 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
         return _time_ms(step, iters, device)
 
     eager = {c: step_ms(one, c, None) for c in measured}
-    enable_cuda_graphs(target, max(STREAMS))  # as the engine runs decode on CUDA; a no-op elsewhere
+    # as the engine runs decode on CUDA (a no-op elsewhere); one slot's logits buffer, as the plan the peak is read
+    # against counts (the streams below grow it)
+    enable_cuda_graphs(target)
     decode: list[DecodeSpeed] = []
     graphed: dict[int, float] = {}
     for c in measured:

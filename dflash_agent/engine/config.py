@@ -79,12 +79,6 @@ class ModelConfig:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
-    def dense(self) -> bool:
-        """Every layer owns its K / V and a plain MLP, nothing per layer beside it: what the CUDA graphs capture
-        (other layouts decode eagerly on CUDA; the CPU's C layers run every layout)."""
-        return self.moe is None and not self.per_layer_input and all(s.kv_source is None for s in self.layers)
-
     def layer_intermediate_size(self, index: int) -> int:
         return self.layers[index].intermediate_size or self.intermediate_size
 

@@ -31,6 +31,7 @@ import torch
 from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
 from .model import ForwardOutput, GemmaModel, JointAttention, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
+from .packed_linear import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,11 @@ MAX_GROUP_GRAPHS = 32
 
 def enable_cuda_graphs(model: GemmaModel, slots: int = 1) -> None:
     """Route the model's decode / verify forwards (blocks of up to 16 tokens; of up to `slots` requests at once)
-    through captured graphs."""
-    if model.device.type == "cuda" and model.config.dense:  # the captured step runs the dense layers only
+    through captured graphs, where its steps can be captured: every layout's, but a MoE's experts only packed (the
+    others choose their rows on the host)."""
+    experts = [layer.experts for layer in model.layers if layer.experts is not None]
+    if model.device.type == "cuda" and all(isinstance(e.gate_up_proj, PackedWeight) and
+                                           isinstance(e.down_proj, PackedWeight) for e in experts):
         model.step_graphs = TargetStepGraphs(model, slots)
 
 
@@ -98,6 +102,8 @@ class TargetStepGraphs:
 
     def __init__(self, model: GemmaModel, slots: int = 1) -> None:
         self.model, self.slots = model, slots
+        # a MoE's decode rows take their experts as GEMV rows, but a block's tiles by expert are sized on the host
+        self.blocks = model.config.moe is None
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _TargetGraph] = {}
         self.group_graphs: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], _GroupsGraph] = {}
         # one memory pool for every graph's intermediates (they never run at the same time)
@@ -114,7 +120,7 @@ class TargetStepGraphs:
         bucket = next((b for b in BUCKETS if b >= T), None)
         n_rows = 1 if logits_at is None else logits_at.numel()
         if (bucket is None or bucket > cache.slack + 1 or cache.length + bucket > cache.max_len
-                or n_rows == 0 or n_rows > bucket):
+                or n_rows == 0 or n_rows > bucket or (bucket > 1 and not self.blocks)):
             return None
         key = (id(cache), bucket, tuple(capture))
         g = self.graphs.get(key)
@@ -154,7 +160,7 @@ class TargetStepGraphs:
         sizes = tuple(next((b for b in BUCKETS if b >= g.ids.shape[0]), 0) for g in ordered)
         for group, size in zip(ordered, sizes, strict=True):
             cache, asked = group.cache, 1 if group.logits_at is None else group.logits_at.numel()
-            if (size == 0 or asked == 0 or (size > 1 and (asked == 1 or size > cache.slack + 1))
+            if (size == 0 or asked == 0 or (size > 1 and (asked == 1 or size > cache.slack + 1 or not self.blocks))
                     or cache.length + size > cache.max_len):
                 return None
         key = (tuple((id(group.cache), size) for group, size in zip(ordered, sizes, strict=True)), tuple(capture))
@@ -168,7 +174,6 @@ class TargetStepGraphs:
             offsets = self.model.joint_offsets(caches[:joint], eager=False) if joint > 1 else None
             g = _GroupsGraph(caches, sizes, rows, rows.clone(), [cache.ring_pos.clone() for cache in caches], offsets,
                              self.logits_rows(sum(sizes)))
-        self.group_graphs[key] = g
         spans = StepRows(sizes).spans()
         padded = []
         for group, (a, b) in zip(ordered, spans, strict=True):
@@ -183,9 +188,15 @@ class TargetStepGraphs:
         if g.graph is None:
             log.info("capturing a CUDA graph of %d requests' rows (%s)", len(groups), "+".join(map(str, sizes)))
             g.graph, g.captured = _capture(lambda: self._groups_step(g, capture), self.pool)
+        self.group_graphs[key] = g
         g.graph.replay()
         asked = [group.asked_rows(a) for group, (a, _) in zip(ordered, spans, strict=True)]
-        picks = torch.argmax(g.logits, dim=-1).tolist() if any(group.greedy for group in groups) else None
+        greedy = [i for i, group in enumerate(ordered) if group.greedy]
+        picks: list[list[int]] = [[] for _ in ordered]
+        if greedy:  # every greedy group's picks in one transfer
+            flat = torch.argmax(g.logits[torch.cat([asked[i] for i in greedy])], dim=-1).tolist()
+            for i in greedy:
+                picks[i], flat = flat[:asked[i].numel()], flat[asked[i].numel():]
         outputs: list[ForwardOutput | None] = [None] * len(groups)
         for i, (ring, group, (a, _)) in enumerate(zip(g.rings, ordered, spans, strict=True)):
             T = group.ids.shape[0]
@@ -193,7 +204,7 @@ class TargetStepGraphs:
             group.cache.length += T
             views = {layer: h[a:a + T].clone() for layer, h in g.captured.items()}
             if group.greedy:
-                outputs[order[i]] = ForwardOutput(None, views, [picks[row] for row in asked[i].tolist()])
+                outputs[order[i]] = ForwardOutput(None, views, picks[i])
             else:
                 outputs[order[i]] = ForwardOutput(g.logits[asked[i]], views)
         return outputs
@@ -216,7 +227,9 @@ class TargetStepGraphs:
                  zip(rows.spans(), g.caches, g.rings, strict=True)]
         if g.offsets is not None:
             rows = StepRows(g.sizes, JointAttention.join(plans[:rows.one_token], g.offsets))
-        x, captured = model.layers_forward(model.embed(g.ids), plans, [c.layers for c in g.caches], capture, rows=rows)
+        x = model.embed(g.ids)
+        x, captured = model.layers_forward(x, plans, [c.layers for c in g.caches], capture,
+                                           model.per_layer_inputs(g.ids, x, rows), rows)
         g.logits.copy_(model.logits(x, rows))
         return captured
 
@@ -224,7 +237,8 @@ class TargetStepGraphs:
         # GemmaModel.forward with the plan made on the device (see the module doc)
         model = self.model
         plan = self._device_plan(g.pos, g.cache, g.ring)
-        x, captured = model.layers_forward(model.embed(g.ids), plan, g.cache.layers, capture)
+        x = model.embed(g.ids)
+        x, captured = model.layers_forward(x, plan, g.cache.layers, capture, model.per_layer_inputs(g.ids, x))
         g.logits.copy_(model.logits(x[g.rows]))
         return captured
 

@@ -170,7 +170,8 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
         ring = min(ctx_size, config.sliding_window + DEFAULT_SLACK)
         items["workspace: sliding prefill scores"] = 2 * heads * T * (ring + T) * 4
     # verify logits in float32 plus softcap / softmax temporaries, for every slot's block and the drafter's; on CUDA
-    # the step graphs copy the target's into a buffer of a block a slot (engine.cuda_graphs)
+    # the step graphs copy the target's into a buffer of a block a slot (engine.cuda_graphs; the CPU's plan, this one
+    # against RAM, counts it too, as it does the runtime allowance)
     rows = max(SPLIT_ROWS, slots * VERIFY_ROWS) + (drafter.block_size if drafter is not None else 0)
     items["workspace: logits"] = (3 * rows + slots * VERIFY_ROWS) * V * 4
     # flash-decoding partials of the attention kernel (float32 outputs + log-sum-exp per key chunk), for a verified

@@ -17,7 +17,7 @@ from dflash_agent.engine import cuda_graphs
 from dflash_agent.engine.cuda_graphs import BUCKETS, DraftStepGraph, TargetStepGraphs
 from dflash_agent.engine.drafter import init_drafter_checkpoint, load_drafter
 from dflash_agent.engine.weights import build_model
-from tests.engine.test_packed_linear import VOCAB, tiny_packed_checkpoint
+from tests.engine.test_packed_linear import VOCAB, tiny_family_config, tiny_packed_checkpoint
 
 
 class EagerGraph:
@@ -53,8 +53,9 @@ def eager_capture(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "_capture", capture)
 
 
-def test_target_steps_match_forward() -> None:
-    ckpt = tiny_packed_checkpoint()
+@pytest.mark.parametrize("layout", ["dense", "ple"])
+def test_target_steps_match_forward(layout) -> None:
+    ckpt = tiny_packed_checkpoint(config=None if layout == "dense" else tiny_family_config(layout))
     eager = build_model(ckpt, "cpu", torch.float32, progress=False)
     graphed = build_model(ckpt, "cpu", torch.float32, progress=False)
     graphed.step_graphs = TargetStepGraphs(graphed)
@@ -65,7 +66,7 @@ def test_target_steps_match_forward() -> None:
         model(ids[:5], cache)  # prefill stays eager (no bucket fits 5 here: logits of the last token only)
     # decode steps and verify blocks of every padding amount, with captured layers and rollbacks, past the
     # window (8) and around the ring (8 + 16 slots)
-    pos, step = 5, 0
+    pos, step, held = 5, 0, []
     while pos < 56:
         T = [1, 3, 5, 1, 7, 16, 2][step % 7]
         block = ids[pos : pos + T]
@@ -73,12 +74,15 @@ def test_target_steps_match_forward() -> None:
                 for model, cache in zip((eager, graphed), caches)]
         # float32; the two attend through different SDPA calls (masks vs positions), so sums round differently
         close(outs[1].logits, outs[0].logits)
+        held.append((outs[1].logits, outs[0].logits))
         for layer in (0, 1):
             close(outs[1].captured[layer], outs[0].captured[layer])
         keep = max(1, T // 2)
         for cache in caches:
             cache.rollback(pos + keep)
         pos, step = pos + keep, step + 1
+    for got, want in held:  # what each step returned, after the later ones wrote the graphs' logits buffer
+        close(got, want)
     assert caches[1].length == caches[0].length == pos
     assert {bucket for _, bucket, _ in graphed.step_graphs.graphs} == set(BUCKETS)
 
@@ -99,13 +103,15 @@ def test_target_graphs_decline_what_they_cannot_replay() -> None:
     assert TargetStepGraphs(model).replay(torch.arange(3), near_end, None, ()) is None  # padding past max_len
 
 
-def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches() -> None:
+@pytest.mark.parametrize("layout", ["dense", "moe", "ple"])
+def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches(layout) -> None:
     """The slots' batched decode step as a graph (replay_groups): three caches at different lengths, past the window
     and around the rings, each row's logits, greedy pick and captured layers as the model's own forward of that cache
-    alone gives; one graph per combination of caches (and captured layers), reused across steps."""
+    alone gives; one graph per combination of caches (and captured layers), reused across steps; 26B-A4B's experts
+    and E2B / E4B's per-layer inputs and shared K / V too."""
     from dflash_agent.engine.model import RowGroup
 
-    ckpt = tiny_packed_checkpoint()
+    ckpt = tiny_packed_checkpoint(config=None if layout == "dense" else tiny_family_config(layout))
     eager = build_model(ckpt, "cpu", torch.float32, progress=False)
     graphed = build_model(ckpt, "cpu", torch.float32, progress=False)
     graphs = TargetStepGraphs(graphed)
@@ -137,20 +143,26 @@ def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches()
     assert graphs.replay_groups([RowGroup(torch.arange(1), pairs[1][1])], ()) is None  # one request: replay's graphs
     no_logits = [RowGroup(torch.arange(1), pairs[0][1], torch.arange(0)), RowGroup(torch.arange(1), pairs[1][1])]
     assert graphs.replay_groups(no_logits, ()) is None
+    # a MoE block's tiles by expert are sized on the host, so its blocks run eagerly, alone or beside decode rows
+    block = [RowGroup(torch.arange(2), pairs[0][1], torch.arange(2)), RowGroup(torch.arange(1), pairs[1][1])]
+    assert (graphs.replay_groups(block, ()) is None) == (layout == "moe")
+    assert (graphs.replay(torch.arange(2), pairs[2][1], torch.arange(2), ()) is None) == (layout == "moe")
 
 
-def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(monkeypatch) -> None:
+@pytest.mark.parametrize("layout", ["dense", "ple"])
+def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(monkeypatch, layout) -> None:
     """Several requests' verification blocks (2..16 tokens, each padded to its bucket) and decode rows in one graph:
     each group's logits, greedy picks and captured layers as its cache's forward alone gives them, after rollbacks of
     the rejected drafts as the scheduler's commit makes them, past the window and around the rings (whose slots the
-    padding writes); one graph per combination of caches and their rows' buckets, the least recently used dropped
-    past MAX_GROUP_GRAPHS; every graph's logits in one buffer of a block a slot."""
+    padding writes), for blocks asking some of their rows in any order, and steps of blocks only; one graph per
+    combination of caches and their rows' buckets, the least recently used dropped past MAX_GROUP_GRAPHS; every
+    graph's logits in one buffer of a block a slot, while what a replay returned stays as it was after the next."""
     from dflash_agent.engine.model import RowGroup
 
     monkeypatch.setattr(cuda_graphs, "MAX_GROUP_GRAPHS", 4)
     capture, captured = cuda_graphs._capture, []
     monkeypatch.setattr(cuda_graphs, "_capture", lambda step, pool: captured.append(step) or capture(step, pool))
-    ckpt = tiny_packed_checkpoint()
+    ckpt = tiny_packed_checkpoint(config=None if layout == "dense" else tiny_family_config(layout))
     # float64: a CPU GEMM rounds float32 sums by how many rows it is given, which the padding changes (a GPU's tile
     # does not: tests/kernels), while a wrong mask or a ring slot lost to the padding moves far more than that
     eager = build_model(ckpt, "cpu", torch.float64, progress=False)
@@ -163,16 +175,17 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
         eager(prompt, a)
         graphed(prompt, b)
     # each step's tokens per cache: steps 0 and 2 form one combination of buckets with blocks of other lengths
-    lengths = [[1, 3, 16], [5, 1, 1], [1, 4, 13], [1, 16, 1], [9, 4, 1], [2, 1, 7]]
-    kinds, captures = [], 0
+    lengths = [[1, 3, 16], [5, 2, 3], [1, 4, 13], [1, 16, 1], [9, 4, 1], [2, 1, 7]]
+    kinds, captures, held = [], 0, []
     for step in range(25):
         sizes = lengths[step % len(lengths)]
         members = [2, 0, 1] if step % 2 else [0, 1, 2]  # the scheduler's order, not the graph's
         groups = []
         for i in members:
             T = sizes[i]
+            asked = torch.arange(T) if T == 1 or step % 3 else torch.arange(T).flip(0)[:max(2, T // 2)]
             groups.append(RowGroup(torch.randint(0, VOCAB, (T,)), pairs[i][1],
-                                   torch.arange(T) if T > 1 or step % 3 else None, greedy=(i + step) % 2 == 0))
+                                   None if T == 1 and step % 3 == 0 else asked, greedy=(i + step) % 2 == 0))
         kind = [(i, BUCKETS.index(next(b for b in BUCKETS if b >= sizes[i])))
                 for i in sorted(members, key=lambda i: sizes[i] > 1)]
         captures += kind not in kinds[-4:]
@@ -189,11 +202,14 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
                 assert out.tokens == want.logits.argmax(-1).tolist()
             else:
                 close(out.logits, want.logits)
+                held.append((out.logits, want.logits))
             assert graphed_cache.length == eager_cache.length
             keep = max(1, T // 2)  # the verified prefix a commit keeps
             for cache in pairs[i]:
                 cache.rollback(cache.length - T + keep)
             assert graphed_cache.rings_hold(graphed_cache.length)
+    for got, want in held:  # not views of the buffer the later replays wrote
+        close(got, want)
     assert [a.length for a, _ in pairs] == [b.length for _, b in pairs]
     assert min(a.length for a, _ in pairs) > 24 + 8  # around every ring (8 + 16 slots) and past the window
     assert len(graphs.group_graphs) == 4 and len(captured) == captures < 25

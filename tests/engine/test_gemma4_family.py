@@ -51,7 +51,6 @@ def pair(request, tmp_path):
 def test_configs_read_the_family():
     moe = ModelConfig.from_hf_dict(moe_config().to_dict())
     assert moe.moe is not None and (moe.moe.num_experts, moe.moe.top_k, moe.moe.intermediate_size) == (8, 2, 32)
-    assert not moe.dense
     ple = ModelConfig.from_hf_dict(ple_config().to_dict())
     assert ple.per_layer_input == 16 and ple.moe is None
     # sliding layers 3, 4 read layer 1's K / V, full layer 5 reads layer 2's, as transformers' kv_sharing_modes
