@@ -115,12 +115,13 @@ class TargetStepGraphs:
     @torch.inference_mode()
     def replay(self, ids: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None,
                capture: tuple[int, ...]) -> ForwardOutput | None:
-        """The forward of `ids` at cache.length through a graph, or None where no graph applies."""
+        """The forward of `ids` at cache.length through a graph, or None where no graph applies (as replay_groups:
+        a block asking one row's logits, a short prompt's last chunk, takes the head's GEMV eagerly)."""
         T = ids.shape[0]
         bucket = next((b for b in BUCKETS if b >= T), None)
         n_rows = 1 if logits_at is None else logits_at.numel()
         if (bucket is None or bucket > cache.slack + 1 or cache.length + bucket > cache.max_len
-                or n_rows == 0 or n_rows > bucket or (bucket > 1 and not self.blocks)):
+                or n_rows == 0 or n_rows > bucket or (bucket > 1 and (n_rows == 1 or not self.blocks))):
             return None
         key = (id(cache), bucket, tuple(capture))
         g = self.graphs.get(key)

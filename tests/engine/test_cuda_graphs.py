@@ -94,13 +94,14 @@ def test_target_graphs_decline_what_they_cannot_replay() -> None:
     model(torch.arange(4), cache)
     assert graphs.replay(torch.arange(17), cache, None, ()) is None  # past the largest bucket
     assert graphs.replay(torch.arange(2), cache, torch.arange(0), ()) is None  # no logits wanted
+    assert graphs.replay(torch.arange(4), cache, None, ()) is None  # one row of a block: the head's GEMV, eagerly
     assert graphs.replay(torch.arange(1), cache, None, ()) is not None
     other = model.new_cache(64)  # another slot's cache: a graph of its own, beside the first
     assert graphs.replay(torch.arange(1), other, None, ()) is not None and other.length == 1
     assert {key[0] for key in graphs.graphs} == {id(cache), id(other)}
     near_end = model.new_cache(8)
     model(torch.arange(6), near_end)
-    assert TargetStepGraphs(model).replay(torch.arange(3), near_end, None, ()) is None  # padding past max_len
+    assert TargetStepGraphs(model).replay(torch.arange(3), near_end, torch.arange(3), ()) is None  # padding past max_len
 
 
 @pytest.mark.parametrize("layout", ["dense", "moe", "ple"])
