@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.dispatch import VERIFY_ROWS
 from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
 from .model import ForwardOutput, GemmaModel, JointAttention, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
@@ -35,7 +36,7 @@ from .packed_linear import PackedWeight
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16)
+BUCKETS = (1, 2, 4, 8, VERIFY_ROWS)  # up to a verification tile, as the memory plan's logits rows
 # several requests' graphs kept at once, the least recently used dropped first: a combination of slots and their
 # blocks' buckets is captured when the scheduler first forms it, and most steps form one of a few (a slot's DFlash
 # blocks all take one bucket, its plain steps another)
@@ -115,13 +116,11 @@ class TargetStepGraphs:
     @torch.inference_mode()
     def replay(self, ids: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None,
                capture: tuple[int, ...]) -> ForwardOutput | None:
-        """The forward of `ids` at cache.length through a graph, or None where no graph applies (as replay_groups:
-        a block asking one row's logits, a short prompt's last chunk, takes the head's GEMV eagerly)."""
+        """The forward of `ids` at cache.length through a graph, or None where no graph applies (`_bucket`)."""
         T = ids.shape[0]
-        bucket = next((b for b in BUCKETS if b >= T), None)
         n_rows = 1 if logits_at is None else logits_at.numel()
-        if (bucket is None or bucket > cache.slack + 1 or cache.length + bucket > cache.max_len
-                or n_rows == 0 or n_rows > bucket or (bucket > 1 and (n_rows == 1 or not self.blocks))):
+        bucket = self._bucket(T, cache, n_rows)
+        if bucket is None:
             return None
         key = (id(cache), bucket, tuple(capture))
         g = self.graphs.get(key)
@@ -152,18 +151,16 @@ class TargetStepGraphs:
     @torch.inference_mode()
     def replay_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput] | None:
         """GemmaModel.forward_groups of several requests' decode rows and verification blocks (each padded to a bucket,
-        as `replay` pads one) through a graph, or None where none applies (one group, no logits asked, a block past
-        the rings' slack or the cache's end, or asking one row's logits: the eager head takes that row's GEMV)."""
+        as `replay` pads one) through a graph, or None where none applies (one group, or a group `_bucket` declines)."""
         if len(groups) < 2:
             return None
         order = sorted(range(len(groups)), key=lambda i: groups[i].ids.shape[0] > 1)  # as _kernel_groups orders them
         ordered = [groups[i] for i in order]
-        sizes = tuple(next((b for b in BUCKETS if b >= g.ids.shape[0]), 0) for g in ordered)
-        for group, size in zip(ordered, sizes, strict=True):
-            cache, asked = group.cache, 1 if group.logits_at is None else group.logits_at.numel()
-            if (size == 0 or asked == 0 or (size > 1 and (asked == 1 or size > cache.slack + 1 or not self.blocks))
-                    or cache.length + size > cache.max_len):
-                return None
+        buckets = [self._bucket(g.ids.shape[0], g.cache, 1 if g.logits_at is None else g.logits_at.numel())
+                   for g in ordered]
+        if None in buckets:
+            return None
+        sizes = tuple(buckets)
         key = (tuple((id(group.cache), size) for group, size in zip(ordered, sizes, strict=True)), tuple(capture))
         g = self.group_graphs.pop(key, None)  # and back in last: the least recently used go first
         if g is None:  # the graph keeps its caches, so no other cache can take one's id while it is stored
@@ -209,6 +206,16 @@ class TargetStepGraphs:
             else:
                 outputs[order[i]] = ForwardOutput(g.logits[asked[i]], views)
         return outputs
+
+    def _bucket(self, T: int, cache: KVCache, asked: int) -> int | None:
+        """The rows a graphed step of T new tokens over `cache`, asking `asked` rows' logits, pads to, or None where
+        no graph takes it: past the largest bucket, the rings' slack or the cache's end; no logits asked; a block
+        asking one row's (the eager head takes that row's GEMV, a graph the block's tile); a MoE's block."""
+        bucket = next((b for b in BUCKETS if b >= T), None)
+        if (bucket is None or asked == 0 or asked > bucket or cache.length + bucket > cache.max_len
+                or (bucket > 1 and (asked == 1 or bucket > cache.slack + 1 or not self.blocks))):
+            return None
+        return bucket
 
     def logits_rows(self, n: int) -> torch.Tensor:
         """The first n rows of the graphs' logits buffer: a block of every slot's (the memory plan's), made when a
