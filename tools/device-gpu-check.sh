@@ -4,6 +4,8 @@
 # network, so the missing ones travel as wheels:
 #   here, once:  tools/device-gpu-check.sh prepare      # cp312 wheels into .whl/ (git-excluded), at .venv's versions
 #   there:       run(command="bash tools/device-gpu-check.sh run 540", carry=[".whl"], timeout_s=580)
+#   or there:    run(command="bash tools/device-gpu-check.sh probe 480", carry=[".whl"], timeout_s=500): the kernel
+#                tests, then tools/gpu_probe.py (where a step's time goes; the quant GEMV's launch shapes)
 # `run` leaves the log and the JSON (written after each step) under $OUT, so a run stopped at its limit keeps what it
 # measured. The embedded Gemma 3 270M does not travel (250 MB): the tests that need it skip there.
 set -euo pipefail
@@ -29,7 +31,7 @@ prepare)
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
     du -sh .whl
     ;;
-run)
+run | probe)
     # seconds the check may take, under the device call's timeout_s, so the results are copied before it ends
     limit="${2:-540}"
     : "${OUT:?run it on the device machine, where OUT is set}"
@@ -37,6 +39,14 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt" || true
+    if [ "$1" = probe ]; then
+        timeout -k 5 $((limit / 3)) python3 -m pytest -q -p no:cacheprovider --tb=short -n 12 \
+            tests/kernels/test_quant_matmul.py tests/kernels/test_packed_model.py >"$OUT/probe-tests.log" 2>&1 || true
+        tail -n 15 "$OUT/probe-tests.log"
+        left=$((limit - SECONDS))
+        timeout -k 5 $((left - 5)) python3 tools/gpu_probe.py "$OUT" $((left - 40)) 2>&1 | tee "$OUT/probe.log"
+        exit 0
+    fi
     status=0
     timeout -k 10 "$limit" python3 -m dflash_agent bench --gpu-check --out "$OUT/gpu-check.json" 2>&1 \
         | tee "$OUT/gpu-check.log" || status=$?
@@ -44,7 +54,7 @@ run)
     exit "$status"
     ;;
 *)
-    echo "usage: tools/device-gpu-check.sh prepare | run [SECONDS]" >&2
+    echo "usage: tools/device-gpu-check.sh prepare | run [SECONDS] | probe [SECONDS]" >&2
     exit 2
     ;;
 esac

@@ -51,8 +51,8 @@ def _specialize(launch: Launch, capability: int):
     backend = make_backend(GPUTarget("cuda", capability, 32))
     fn = launch.kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.meta)
-    return fn._pack_args(backend, dict(launch.meta), bound, specialization, options)
+    bound, specialization, options = binder(*launch.args, **launch.options())
+    return fn._pack_args(backend, launch.options(), bound, specialization, options)
 
 
 def compile_key(launch: Launch) -> str:

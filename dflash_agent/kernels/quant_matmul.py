@@ -3,15 +3,17 @@
 W is [N, K] in ggml's layout: each row is K / block_size blocks of type_size bytes, and no block
 straddles two rows. The reference is engine.quant.dequantize (bit-exact against gguf-py) followed by
 F.linear; every weight the tl.dot tiles dequantize has exactly the reference's float32 value (the GEMV multiplies
-the scales in after summing, a rounding difference within the same float32 bound).
+the scales in after summing, a rounding difference within the same float32 bound). No kernel fuses a multiply and
+an add by itself (triton_support.COMPILE_OPTIONS), so the reference's two roundings are the tiles' too.
 
 One kernel, three launch shapes (`launch_shape`):
-- decode rows: a GEMV whose products are plain float32 FMAs (tensor cores need 16 rows). It keeps each block's
-  (or sub-block's) scale and offset out of the inner products: d * sum(q * x) - d * 8 * sum(x) for Q4_0, so a
-  value costs an unpack, a convert and one FMA. One sequence's row takes a program of its own; the one-token steps
-  of several sequences (concurrent requests' decode rows) take GEMV_ROWS rows a program, which loads and unpacks each
-  weight once for all of them. A row's operations are the same in both (the same weight tiles, reductions of the
-  same shapes, the row's sum added into its own column), so a request decodes the same alone or batched;
+- decode rows: a GEMV whose products are plain float32 multiply-adds (tensor cores need 16 rows). It keeps each
+  block's (or sub-block's) scale out of the inner products: d * sum((q - 8) * x) for Q4_0, so a value costs an unpack,
+  a convert through its bits (`_uint_f32`) and a multiply-add. One sequence's row takes a program of its own; the
+  one-token steps of several sequences (concurrent requests' decode rows) take GEMV_ROWS rows a program, which loads
+  and unpacks each weight once for all of them. A row's operations are the same in both (the same weight tiles,
+  reductions of the same shapes, the row's sum added into its own column), so a request decodes the same alone or
+  batched;
 - verification, <= 16 rows of one sequence (or several sequences' blocks, `quant_matmul`'s `one_token_rows`):
   16-row tiles, tl.dot, whose rows never mix;
 - prefill, many rows: 64 x 64 tiles, tl.dot.
@@ -131,6 +133,21 @@ def _load_x(x_rows, m_ok, k):
     return tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None], other=0.0)
 
 
+# A weight's small integer becomes a float through its bits, not a conversion instruction: those issue at a quarter
+# of a float add's rate (16 a clock an SM on sm_86 to sm_90), and the GEMV is bound by instructions, not bytes (an
+# H200 ran the Q4_0 one at 1 TB/s of its 4.8). Exact: 2^23 + q is a float32 whose mantissa is q.
+@triton.jit
+def _uint_f32(q, offset: tl.constexpr):
+    # q - offset as float32 for integers 0 <= q < 2^23: OR q into 2^23's mantissa, subtract 2^23 + offset
+    return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+
+@triton.jit
+def _int8_f32(q):
+    # a signed byte held as uint8, as float32: its bits offset by 128 are 0..255
+    return _uint_f32(q ^ 0x80, 128)
+
+
 @triton.jit
 def _half(h_rows, offset):
     # an fp16 field at `offset` halves into each row (all fields sit at even byte offsets) -> float32
@@ -149,8 +166,8 @@ def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: t
         b = step * NB + j
         q = tl.load(w_rows[:, None] + (b * 18 + 2) + i[None, :])
         d = tl.load(h_rows + b * 9).to(tl.float32)[:, None]
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), ((q & 15).to(tl.float32) - 8.0) * d, DOT)
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), ((q >> 4).to(tl.float32) - 8.0) * d, DOT)
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), _uint_f32(q & 15, 8) * d, DOT)
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), _uint_f32(q >> 4, 8) * d, DOT)
     return acc
 
 
@@ -166,8 +183,8 @@ def _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: t
         q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, :]) >> bit) & 1) << 4)
         q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, :]) >> bit) & 1) << 4)
         d = tl.load(h_rows + b * 11).to(tl.float32)[:, None]
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), (q_lo.to(tl.float32) - 16.0) * d, DOT)
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), (q_hi.to(tl.float32) - 16.0) * d, DOT)
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), _uint_f32(q_lo, 16) * d, DOT)
+        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), _uint_f32(q_hi, 16) * d, DOT)
     return acc
 
 
@@ -179,6 +196,7 @@ def _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: t
         b = step * NB + j
         q = tl.load(w_rows[:, None] + (b * 34 + 2) + i[None, :])
         d = tl.load(h_rows + b * 17).to(tl.float32)[:, None]
+        # a conversion, not _int8_f32: the bit trick's extra live values spilled the MoE tile on sm_90
         w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
         acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), w, DOT)
     return acc
@@ -224,12 +242,12 @@ def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, FIVE_BITS
                 q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
             k = b * 256 + (g * 64 + h * 32) + i
             if GEMV:
-                qf = q_h.to(tl.float32)
+                qf = _uint_f32(q_h, 0)
                 for r in range(rows):
                     x = tl.load(x_rows + r * stride_xm + k).to(tl.float32)
                     acc = _add_row(acc, r, d * sc * tl.sum(qf * x[None, :], axis=1) - dmin * mn * tl.sum(x))
             else:
-                w = q_h.to(tl.float32) * (d * sc)[:, None] - (dmin * mn)[:, None]
+                w = _uint_f32(q_h, 0) * (d * sc)[:, None] - (dmin * mn)[:, None]
                 acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
     return acc
 
@@ -240,7 +258,7 @@ def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, GEMV: tl.c
     # 210 bytes: 128 low-nibble bytes ql, 64 bytes of 2-bit highs qh, 16 int8 scales, fp16 d.
     # Value j = 128g + 64h + 32u + i (g, h, u < 2, i < 32): low = nibble h of ql[64g + 32u + i],
     # high = bits 2(2h + u) of qh[32g + i], scale = scales[j // 16]; value = d * scale * (q - 32).
-    # One 32-value run at a time, as in _q45_k_step. The GEMV adds d * scale * (sum(q * x) - 32 * sum(x)) for
+    # One 32-value run at a time, as in _q45_k_step. The GEMV adds d * scale * sum((q - 32) * x) for
     # each 16 values.
     i = tl.arange(0, 32)
     base = w_rows + b * 210
@@ -254,18 +272,17 @@ def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, GEMV: tl.c
                 q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
                 k = b * 256 + (g * 128 + h * 64 + u * 32) + i
                 if GEMV:
-                    sc = tl.load(at[:, None] + tl.arange(0, 2)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-                    qf = q.to(tl.float32)
+                    sc = _int8_f32(tl.load(at[:, None] + tl.arange(0, 2)[None, :]))
+                    qf = _uint_f32(q, 32)
                     for r in range(rows):
                         x = tl.load(x_rows + r * stride_xm + k).to(tl.float32)
                         qx = tl.sum(tl.reshape(qf * x[None, :], (BN, 2, 16)), axis=2)
-                        xs = tl.sum(tl.reshape(x, (2, 16)), axis=1)
-                        acc = _add_row(acc, r, d * tl.sum(sc * (qx - 32.0 * xs[None, :]), axis=1))
+                        acc = _add_row(acc, r, d * tl.sum(sc * qx, axis=1))
                 else:
-                    sc_lo = tl.load(at).to(tl.int8, bitcast=True).to(tl.float32)
-                    sc_hi = tl.load(at + 1).to(tl.int8, bitcast=True).to(tl.float32)
+                    sc_lo = _int8_f32(tl.load(at))
+                    sc_hi = _int8_f32(tl.load(at + 1))
                     sc = tl.where((i < 16)[None, :], sc_lo[:, None], sc_hi[:, None])
-                    w = (q.to(tl.float32) - 32.0) * (d[:, None] * sc)
+                    w = _uint_f32(q, 32) * (d[:, None] * sc)
                     acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
     return acc
 
@@ -286,13 +303,13 @@ def _add_row(acc, r, part):
 def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
     i = tl.arange(0, 16)
     q = tl.load(w_rows[:, None, None] + (blk * 18 + 2)[None, :, None] + i[None, None, :])
+    q_lo, q_hi = _uint_f32(q & 15, 8), _uint_f32(q >> 4, 8)
     d = _half(h_rows, blk[None, :] * 9)
     for r in range(rows):
         x_lo = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
         x_hi = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
-        qx = tl.sum((q & 15).to(tl.float32) * x_lo[None, :, :] + (q >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
-        xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
-        acc = _add_row(acc, r, tl.sum(d * (qx - 8.0 * xs[None, :]), axis=1))
+        qx = tl.sum(q_lo * x_lo[None, :, :] + q_hi * x_hi[None, :, :], axis=2)
+        acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
     return acc
 
 
@@ -304,24 +321,24 @@ def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
     bit = (i % 8)[None, None, :]
     q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
     q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
+    w_lo, w_hi = _uint_f32(q_lo, 16), _uint_f32(q_hi, 16)
     d = _half(h_rows, blk[None, :] * 11)
     for r in range(rows):
         x_lo = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
         x_hi = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
-        qx = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :] + q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
-        xs = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)
-        acc = _add_row(acc, r, tl.sum(d * (qx - 16.0 * xs[None, :]), axis=1))
+        qx = tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2)
+        acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
     return acc
 
 
 @triton.jit
 def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
     i = tl.arange(0, 32)
-    q = tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :])
+    w = _int8_f32(tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :]))
     d = _half(h_rows, blk[None, :] * 17)
     for r in range(rows):
         x = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-        qx = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)
+        qx = tl.sum(w * x[None, :, :], axis=2)
         acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
     return acc
 

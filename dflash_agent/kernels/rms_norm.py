@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_support import COMPILE_OPTIONS
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, D, H, T, eps, offset,
@@ -63,6 +65,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     _rms_norm_kernel[(rows,)](
         x, x if weight is None else weight, x if cos is None else cos, x if sin is None else sin, y,
         d, heads, steps, eps, offset, HAS_WEIGHT=weight is not None, ROPE=cos is not None, BLOCK=block,
-        num_warps=warps,
+        num_warps=warps, **COMPILE_OPTIONS,
     )
     return y

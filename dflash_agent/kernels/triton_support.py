@@ -10,6 +10,10 @@ import triton
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# Every kernel here compiles in several variants that must round alike (a sequence's rows alone and beside others',
+# a GEMV program of one row and of eight): with a multiply and an add fused where the compiler chooses, the H200
+# found a Q6_K GEMV's row of eight a last bit off the same row alone. Explicit tl.fma still fuses.
+COMPILE_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -22,8 +26,12 @@ class Launch:
     args: tuple
     meta: dict[str, Any] = field(default_factory=dict)  # constexprs by name, num_warps, num_stages
 
+    def options(self) -> dict[str, Any]:
+        """What the launch passes besides its arguments: its meta and the COMPILE_OPTIONS."""
+        return {**self.meta, **COMPILE_OPTIONS}
+
     def __call__(self) -> None:
-        self.kernel[self.grid](*self.args, **self.meta)
+        self.kernel[self.grid](*self.args, **self.options())
 
 
 def interpreting() -> bool:

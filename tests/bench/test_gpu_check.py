@@ -45,7 +45,8 @@ def test_each_step_is_written_as_it_ends(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a test GPU")
-    monkeypatch.setattr(gpu_check, "_gpu_tests", lambda repo: gpu_check.Step("GPU tests", True, 1.0, "12 passed"))
+    monkeypatch.setattr(gpu_check, "_gpu_tests",
+                        lambda repo, log_path: gpu_check.Step("GPU tests", True, 1.0, "12 passed"))
     first = synthetic.QUANTS[0]
 
     def bench(quant):
@@ -59,5 +60,6 @@ def test_each_step_is_written_as_it_ends(tmp_path, monkeypatch):
         gpu_check.run_gpu_check(out)
     written = json.loads(out.read_text())
     assert written["device"] == "a test GPU"
+    # the first quantization's benchmark leads, then the tests; the second benchmark stopped the check
     assert [(s["name"], s["ok"], s["detail"]) for s in written["steps"]] == [
-        ("GPU tests", True, "12 passed"), (f"synthetic {first}", False, "4 streams: 3.1x one")]
+        (f"synthetic {first}", False, "4 streams: 3.1x one"), ("GPU tests", True, "12 passed")]
