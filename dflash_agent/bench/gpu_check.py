@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 # report, which need no GPU)
 GPU_TESTS = (
     "tests/kernels/test_attention.py",
-    "tests/kernels/test_gpu_probe.py",
     "tests/kernels/test_packed_model.py",
     "tests/kernels/test_quant_matmul.py",
     "tests/kernels/test_rms_norm.py",
