@@ -38,8 +38,6 @@ CONTEXT = 1024
 def graphed_ms(fn, device: torch.device, calls: int = 10, iters: int = 10) -> float:
     """Milliseconds one call of `fn` keeps the GPU busy: `calls` of it captured in one CUDA graph, so that the host's
     cost of a launch (tens of microseconds for a Triton kernel, more than a GEMV takes) is not what is timed."""
-    if device.type != "cuda":
-        return synthetic._time_ms(fn, iters, device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiled and warmed outside the capture
@@ -52,21 +50,18 @@ def graphed_ms(fn, device: torch.device, calls: int = 10, iters: int = 10) -> fl
     return synthetic._time_ms(graph.replay, iters, device) / calls
 
 
-def kernel_table(step, device: torch.device, iters: int = 3, top: int = 25) -> dict:
-    """The CUDA kernels one call of `step` runs: per-step microseconds and launches by kernel name (on a CPU, for
-    the smoke test, its operators)."""
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+def kernel_table(step, iters: int = 3, top: int = 25) -> dict:
+    """The CUDA kernels one call of `step` runs: per-step microseconds and launches by kernel name."""
     for _ in range(2):
         step()
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
-        sync()
+        torch.cuda.synchronize()
     by_name: dict[str, list[float]] = {}
     for event in prof.events():
-        if event.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU):
+        if event.device_type == DeviceType.CUDA:
             entry = by_name.setdefault(event.name[:100], [0.0, 0])
             entry[0] += event.time_range.elapsed_us() / iters
             entry[1] += 1 / iters
@@ -77,9 +72,10 @@ def kernel_table(step, device: torch.device, iters: int = 3, top: int = 25) -> d
 
 
 @torch.inference_mode()
-def steps_part(out: dict, config=None, device=torch.device("cuda")) -> None:
+def steps_part(out: dict) -> None:
+    device = torch.device("cuda")
     dtype = torch.bfloat16
-    config = config or synthetic.gemma4_31b_config()
+    config = synthetic.gemma4_31b_config()
     target = synthetic.build_synthetic_target(config, "Q4_0", device, dtype)
     cache = target.new_cache(2 * CONTEXT)
     one = torch.zeros(1, dtype=torch.long, device=device)
@@ -106,7 +102,7 @@ def steps_part(out: dict, config=None, device=torch.device("cuda")) -> None:
 
     scenarios = {"decode eager": run(one), "4 decode rows eager": four_rows, "verify-16 eager": run(block, rows)}
     for name, step in scenarios.items():
-        out["kernels"][name] = table = kernel_table(step, device)
+        out["kernels"][name] = table = kernel_table(step)
         table["wall_ms"] = round(synthetic._time_ms(step, 10, device), 2)
         log.info("%s: %.2f ms a step, %.2f ms of kernels in %d launches\n%s", name, table["wall_ms"],
                  table["kernel_us"] / 1e3, table["launches"],
@@ -115,24 +111,23 @@ def steps_part(out: dict, config=None, device=torch.device("cuda")) -> None:
     for name, step in {"decode graphed": run(one), "4 decode rows graphed": four_rows,
                        "verify-16 graphed": run(block, rows)}.items():
         wall = synthetic._time_ms(step, 10, device)
-        out["kernels"][name] = table = kernel_table(step, device)
+        out["kernels"][name] = table = kernel_table(step)
         table["wall_ms"] = round(wall, 2)
         log.info("%s: %.2f ms a step, %.2f ms of kernels in %d launches seen", name, wall, table["kernel_us"] / 1e3,
                  table["launches"])
-    torch.cuda.empty_cache()
 
 
 @torch.inference_mode()
-def gemv_part(out: dict, deadline: float, shapes=((21504, 5376), (5376, 21504)), qtypes=(T.Q4_0, T.Q4_K, T.Q6_K),
-              row_counts=(1, 4, 16), device=torch.device("cuda")) -> None:
+def gemv_part(out: dict, deadline: float) -> None:
+    device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
-    for qtype in qtypes:
+    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K):
         block, type_size = GGML_QUANT_SIZES[qtype]
-        for n, k in shapes:
+        for n, k in ((21504, 5376), (5376, 21504)):
             raw = synthetic._random_blocks((n, k), qtype, device, generator)
             dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
             row_bytes = k // block * type_size
-            for m in row_counts:
+            for m in (1, 4, 16):
                 if time.monotonic() > deadline:
                     log.info("gemv sweep stopped at its deadline")
                     return
