@@ -7,9 +7,9 @@ Run on a GPU machine from a checkout (the lent one: `tools/device-gpu-check.sh p
 It writes OUT_DIR/probe.json (after each part, so a run stopped at its limit keeps what it measured) and logs:
 - kernels: the CUDA kernels of one step (eager decode, 4 requests' decode rows, a 16-token verification, a graphed
   decode), by total time per step, from torch.profiler;
-- gemv: the quant matmul at 1, 4 and 16 rows over the 31B's MLP shapes, for each launch shape of a small sweep (rows
-  a program, BLOCK_N, warps), beside cuBLAS multiplying the same matrix in bf16: GB/s of the weight's bytes, timed
-  in CUDA graphs (a Triton launch's host cost is more than a GEMV's time).
+- gemv: the quant matmul at 1, 4 and 16 rows over the 31B's MLP shapes, for each launch shape of a small sweep (the
+  one-row GEMV; the tile's BLOCK_N, warps and pipeline stages), beside cuBLAS multiplying the same matrix in bf16:
+  GB/s of the weight's bytes, timed in CUDA graphs (a Triton launch's host cost is more than a GEMV's time).
 """
 
 from __future__ import annotations
@@ -140,13 +140,15 @@ def gemv_part(out: dict, deadline: float) -> None:
                 default = graphed_ms(
                     lambda: qm.quant_matmul(x, raw, qtype, n, one_token_rows=m if m < 16 else 0), device)
                 results["default"] = {"us": round(default * 1e3, 1), "GB/s": round(raw.nbytes / default / 1e6)}
-                nb = 1 if block == 256 else 8
-                launch_shapes = [qm.LaunchShape(rows_a_program, bn, warps, nb, gemv=True)
-                          for rows_a_program in ((1,) if m == 1 else (4, 8) if m == 4 else ())
-                          for bn in (8, 16, 32) for warps in (1, 2)]
-                launch_shapes += [qm.LaunchShape(16, bn, warps, 4) for bn in (32, 64) for warps in (4, 8)]
+                # the one-row GEMV (a MoE pair's; dense decode rows took it until the 16-row tile replaced it)
+                # beside the tile's shapes: the choice launch_shape made without a GPU to time them
+                launch_shapes = [qm.LaunchShape(1, bn, warps, 1 if block == 256 else 8, gemv=True)
+                                 for bn in (8, 16, 32) for warps in (1, 2) if m == 1]
+                launch_shapes += [qm.LaunchShape(16, bn, warps, 4, num_stages=stages)
+                                  for bn in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)]
                 for shape in launch_shapes:
-                    name = f"{'gemv' if shape.gemv else 'dot'} m{shape.block_m} n{shape.block_n} w{shape.num_warps}"
+                    name = (f"{'gemv' if shape.gemv else 'dot'} m{shape.block_m} n{shape.block_n} w{shape.num_warps}"
+                            f" s{shape.num_stages}")
                     try:
                         launch = qm._launch(x, raw, qtype, y, shape, row_bytes)
                         ms = graphed_ms(launch, device)

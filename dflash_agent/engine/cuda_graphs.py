@@ -210,7 +210,8 @@ class TargetStepGraphs:
     def _bucket(self, T: int, cache: KVCache, asked: int) -> int | None:
         """The rows a graphed step of T new tokens over `cache`, asking `asked` rows' logits, pads to, or None where
         no graph takes it: past the largest bucket, the rings' slack or the cache's end; no logits asked; a block
-        asking one row's (the eager head takes that row's GEMV, a graph the block's tile); a MoE's block."""
+        asking one row's (its head row runs eagerly: when a lone row took a GEMV, a graph's padded tile rounded it
+        otherwise; now both take the 16-row tile, so a GPU check could let graphs take these too); a MoE's block."""
         bucket = next((b for b in BUCKETS if b >= T), None)
         if (bucket is None or asked == 0 or asked > bucket or cache.length + bucket > cache.max_len
                 or (bucket > 1 and (asked == 1 or bucket > cache.slack + 1 or not self.blocks))):

@@ -38,7 +38,8 @@ class ForwardOutput:
 class StepRows:
     """The rows of a step over several sequences on the Triton kernels (GemmaModel.forward_groups), as the matmuls
     must see them so each row comes out as its sequence's step alone gives it: `sizes` rows per group in step order,
-    the one-token groups (decode rows: the GEMV) first, then blocks of at most VERIFY_ROWS (the 16-row tiles).
+    the one-token groups (decode rows) first, then blocks of at most VERIFY_ROWS: all in the 16-row tiles, as each
+    step alone takes them (a MoE's decode rows take their experts as GEMV rows, as a decode step alone does).
     `attention`: how the decode rows attend in one launch a layer (None: each group on its own)."""
 
     sizes: tuple[int, ...]
@@ -549,8 +550,8 @@ class GemmaModel(nn.Module):
     def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
         """`forward` of several sequences' new tokens (the slots of concurrent requests: decode rows, verification
         blocks) in one step: where the C layers take them, one call reads each weight once for all rows and each row
-        attends to its own cache; likewise the Triton kernels (`batches`: the decode rows in GEMV programs that load
-        each weight once for all of them, the blocks in tiles whose rows never mix); else one forward per group.
+        attends to its own cache; likewise the Triton kernels (`batches`: the decode rows and the blocks in 16-row
+        tiles that load each weight once for all of them and whose rows never mix); else one forward per group.
         Either way each output is what `forward` of its group alone gives: every row is computed as alone
         (engine.cpu_decode; kernels.quant_matmul)."""
         for group in groups:
@@ -622,7 +623,7 @@ class GemmaModel(nn.Module):
         spans = rows.spans()
         for group, (a, b) in zip(ordered, spans, strict=True):
             group.cache.length += b - a
-        # the head's rows likewise: the groups that want one row first (a row alone takes the GEMV)
+        # the head's rows likewise: the groups that want one row first
         wanted = [g.asked_rows(a) for g, (a, _) in zip(ordered, spans, strict=True)]
         head = sorted((i for i, at in enumerate(wanted) if at.numel()), key=lambda i: wanted[i].numel() > 1)
         logits = {}

@@ -2,34 +2,37 @@
 
 W is [N, K] in ggml's layout: each row is K / block_size blocks of type_size bytes, and no block
 straddles two rows. The reference is engine.quant.dequantize (bit-exact against gguf-py) followed by
-F.linear; every weight the tl.dot tiles dequantize has exactly the reference's float32 value (the GEMV multiplies
-the scales in after summing, a rounding difference within the same float32 bound). No kernel fuses a multiply and
-an add by itself (triton_support.COMPILE_OPTIONS), so the reference's two roundings are the tiles' too.
+F.linear. The tl.dot tiles multiply each weight's quant as the small integer it is (q - 8 for Q4_0; exact in bfloat16,
+`_small_int`) and apply a block's (or sub-block's) scale to that block's float32 sums, so no weight is rounded to a
+half type and a value costs an unpack, an OR and a subtraction, its multiply-add riding on the tensor cores. No
+kernel fuses a multiply and an add by itself (triton_support.COMPILE_OPTIONS), so every compiled variant of a
+kernel rounds alike.
 
 One kernel, three launch shapes (`launch_shape`):
-- decode rows: a GEMV whose products are plain float32 multiply-adds (tensor cores need 16 rows). It keeps each
-  block's (or sub-block's) scale out of the inner products: d * sum((q - 8) * x) for Q4_0, so a value costs an unpack,
-  a convert through its bits (`_uint_f32`) and a multiply-add. One sequence's row takes a program of its own; the
-  one-token steps of several sequences (concurrent requests' decode rows) take GEMV_ROWS rows a program, which loads
-  and unpacks each weight once for all of them. A row's operations are the same in both (the same weight tiles,
-  reductions of the same shapes, the row's sum added into its own column), so a request decodes the same alone or
-  batched;
-- verification, <= 16 rows of one sequence (or several sequences' blocks, `quant_matmul`'s `one_token_rows`):
-  16-row tiles, tl.dot, whose rows never mix;
-- prefill, many rows: 64 x 64 tiles, tl.dot.
+- decode and verification, <= 16 rows: of one sequence, or several sequences' steps (concurrent requests' decode
+  rows and speculative blocks, `quant_matmul`'s `one_token_rows`): 16-row tiles, tl.dot, whose rows never mix. A
+  decode row takes the same tile as a block of 16 (tensor cores need 16 rows; the other 15 are masked loads and
+  idle tensor-core work), so a step costs its weight bytes whatever its rows, and a request decodes the same alone
+  or beside others: one shape, one rounding, for every step of one to 16 rows of each sequence;
+- prefill, many rows: 64 x 64 tiles, tl.dot;
+- a MoE decode step's token-expert pairs, each one row against a matrix of its own (`grouped_quant_matmul`'s
+  single): a GEMV of float32 multiply-adds, d * sum((q - 8) * x) a block.
 K is split (below) by the output tiles of one row block alone, never by how many rows a launch has, for the same
 reason: a row's sums must not depend on its neighbours (the lossless guarantee of batched decoding).
 Decode and verification read every weight byte once per call, which is what makes them run at the
-memory-bandwidth roofline rather than at the tensor cores' rate. They reach it only with enough loads in flight:
-where the output tiles alone are too few programs to fill the GPU (a down projection has 4x fewer rows than
-inputs), K is split between programs (`split_k`) that write float32 partial sums, added after the kernel.
+memory-bandwidth roofline rather than at the tensor cores' rate. They reach it only with enough loads in flight
+and few instructions a weight: where the output tiles alone are too few programs to fill the GPU (a down
+projection has 4x fewer rows than inputs), K is split between programs (`split_k`) that write float32 partial
+sums, added after the kernel. (Compiled for sm_90, the old float32 GEMV spent 0.38 warp instructions a Q4_0 weight
+and ran at about 1 TB/s on an H200, 8 rows costing nearly 8 times one; the 16-row tile spends 0.24.)
 
 The packed fields of a block are read in "planes" of bytes that are contiguous in memory (for Q4_0 the
 low and the high nibbles of the same 16 bytes). A dot product does not care about element order, so each
 plane is multiplied with the matching strided slice of x instead of re-interleaving weights in registers.
 K-quant super-blocks are taken one 32-value sub-block at a time (its bytes, its scale and min as per-row
-scalars), so only a [BLOCK_N, 32] tile of dequantized weights is live: a whole 256-value super-block at once
-needed 255 registers for the Q6_K GEMV and spilled 824 bytes per thread in the verify tile (sm_89).
+scalars; Q6_K one 16-value run, one scale), so only a [BLOCK_N, 32] tile of dequantized weights is live: a whole
+256-value super-block at once needed 255 registers for the Q6_K GEMV and spilled 824 bytes per thread in the verify
+tile (sm_89).
 `dflash-agent bench --kernels` compiles every launch the engine makes for sm_86 / 89 / 90 / 120 and checks
 registers, spills and shared memory against launch_shape's budgets.
 """
@@ -54,13 +57,6 @@ _CODES = {_T.Q4_0: 0, _T.Q5_0: 1, _T.Q8_0: 2, _T.Q4_K: 3, _T.Q5_K: 4, _T.Q6_K: 5
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = PACKED_TYPES  # one list, importable without Triton
 assert set(_CODES) == PACKED_TYPES, "every packed type needs a kernel format code"
 
-DECODE_ROWS = 1
-# Decode rows one GEMV program multiplies when several sequences decode together: each weight is loaded once for all
-# of them. More rows take more programs of this many, so one compiled kernel serves 2 to any number of rows. (The
-# unpacked weights stay in registers across the rows: 96-167 registers a thread against one row's 64-128.)
-GEMV_ROWS = 8
-
-
 @dataclass(frozen=True)
 class LaunchShape:
     block_m: int  # rows a program computes
@@ -69,7 +65,8 @@ class LaunchShape:
     # 32-value blocks per K step of the simple formats (Q4_0, Q5_0, Q8_0), at most; K-quants step one
     # 256-value super-block at a time
     blocks: int
-    gemv: bool = False  # each row's own float32 FMAs (decode rows), not tl.dot tiles
+    gemv: bool = False  # one row's float32 multiply-adds (a MoE decode step's expert pairs), not tl.dot tiles
+    num_stages: int = 3  # Triton's software pipelining: loads in flight a K step ahead, through shared memory
 
 
 # Programs a launch should have per SM before K is split: ~16 programs of 1-2 warps keep enough weight loads in
@@ -80,31 +77,26 @@ RTX_SMS = 128  # an RTX 4090: the SM count the compile report plans for, having 
 
 
 def launch_shape(m: int, qtype: GGMLQuantizationType) -> LaunchShape:
-    """Tile sizes by number of activation rows: the fastest of a sweep on an H200 (Triton 3.6; `BLOCK_N` x warps x
-    split) held to the compile budgets of `dflash-agent bench --kernels` on sm_86 / 89 / 90 / 120 (nothing spilled,
-    shared memory within 80 KB).
+    """Tile sizes by number of activation rows, held to the compile budgets of `dflash-agent bench --kernels` on
+    sm_86 / 89 / 90 / 120 (nothing spilled, shared memory within 80 KB).
 
-    - decode: 8 rows a 1-warp program for the simple formats, 16 for the K-quants (whose sub-block scales are
-      per-row scalars): 0.9-1.6 TB/s for Q4_0, Q4_K and Q8_0, 0.64-0.86 for Q6_K;
-    - verification: 16 x 64 tiles, 4 warps. Q6_K keeps 16 x 32 and 8 warps: with 4 warps its tile spills 8-16
-      bytes a thread on sm_90 / sm_120 (it measured 447 GB/s against 344 with 8 warps on the H200, but the RTX
-      cards it is for are not here to measure);
+    - decode and verification, <= VERIFY_ROWS rows (of one sequence, or several sequences' steps): 64 x 16 tiles (the
+      weights' 64 rows by x's 16), 4 warps: a wgmma of one warpgroup on sm_90. A decode row costs what a verify block
+      costs (the weight bytes, read once), which is what lets several requests' rows and speculation ride along;
     - prefill: 64 x 64 tiles, 8 warps; 128 values of a simple format per step, because the dequantized
-      [BLOCK_N, values] float32 tile beside the tensor-core operands is what spilled at 256.
+      [BLOCK_N, values] tile beside the tensor-core operands is what spilled at 256.
     """
-    if m <= DECODE_ROWS:
-        return decode_shape(qtype, rows=1)
     if m <= VERIFY_ROWS:
-        return LaunchShape(16, 32, 8, 4) if qtype == _T.Q6_K else LaunchShape(16, 64, 4, 4)
+        # two stages, not three: three spilled 8 bytes a thread of the Q6_K tile on sm_89
+        return LaunchShape(VERIFY_ROWS, 64, 4, 4, num_stages=2)
     return LaunchShape(64, 64, 8, 4)
 
 
-def decode_shape(qtype: GGMLQuantizationType, rows: int) -> LaunchShape:
-    """The GEMV's shape at `rows` decode rows a program: 1 for one sequence's step (and a grouped launch's pairs, each
-    with a matrix of its own), GEMV_ROWS for several sequences' steps."""
+def decode_shape(qtype: GGMLQuantizationType) -> LaunchShape:
+    """The GEMV's shape: one row of x against a matrix of its own (a MoE decode step's token-expert pairs)."""
     if GGML_QUANT_SIZES[qtype][0] == 256:
-        return LaunchShape(rows, 16, 1, 1, gemv=True)
-    return LaunchShape(rows, 8, 1, 8, gemv=True)
+        return LaunchShape(1, 16, 1, 1, gemv=True)
+    return LaunchShape(1, 8, 1, 8, gemv=True)
 
 
 def split_k(programs: int, steps: int, sms: int) -> int:
@@ -122,15 +114,16 @@ def _sm_count(index: int) -> int:
 
 
 @triton.jit
-def _accumulate(acc, x, w, DOT: tl.constexpr):
-    # acc [BM, BN] float32 += x [BM, BK] @ w[BN, BK]^T; w holds the exact float32 dequantized values
-    return tl.dot(x.to(DOT), tl.trans(w.to(DOT)), acc, input_precision="ieee")
+def _load_xt(x_rows, m_ok, k, DOT: tl.constexpr):
+    # x_rows [BM] pointers to row starts, k [BK] column offsets -> x^T [BK, BM] as tl.dot's operand type; rows past M
+    # read as 0
+    return tl.load(x_rows[None, :] + k[:, None], mask=m_ok[None, :], other=0.0).to(DOT)
 
 
 @triton.jit
-def _load_x(x_rows, m_ok, k):
-    # x_rows [BM] pointers to row starts, k [BK] column offsets -> [BM, BK]; rows past M read as 0
-    return tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None], other=0.0)
+def _dot(w, xt, acc=None):
+    # [BN, BK] @ [BK, BM] on the tensor cores, accumulated in float32; "ieee": float32 operands stay float32, not TF32
+    return tl.dot(w, xt, acc, input_precision="ieee")
 
 
 # A weight's small integer becomes a float through its bits, not a conversion instruction: those issue at a quarter
@@ -150,6 +143,19 @@ def _int8_f32(q):
 
 
 @triton.jit
+def _small_int(q, offset: tl.constexpr, DOT: tl.constexpr):
+    # q - offset for a quant 0 <= q < 128, exactly, in tl.dot's operand type, by the same trick: 128 + q is a
+    # bfloat16 (1024 + q a float16) whose mantissa is q. The tiles multiply these small integers and apply a block's
+    # scale to its sum, so no weight is rounded to a half type and a value costs no multiply of its own.
+    if DOT == tl.bfloat16:
+        return (q.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - (128.0 + offset)
+    elif DOT == tl.float16:
+        return (q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + offset)
+    else:
+        return _uint_f32(q, offset)
+
+
+@triton.jit
 def _half(h_rows, offset):
     # an fp16 field at `offset` halves into each row (all fields sit at even byte offsets) -> float32
     return tl.load(h_rows[:, None] + offset).to(tl.float32)
@@ -158,7 +164,9 @@ def _half(h_rows, offset):
 # The tl.dot tiles' steps take a simple format one block at a time: [BLOCK_N, 16 or 32] tiles straight from the
 # loads. Taking NB blocks as one [BLOCK_N, NB, 16] load reshaped to [BLOCK_N, NB * 16] made Triton move the tile
 # through shared memory: on an H200 a 16-row Q4_0 matmul ran at 270-340 GB/s that way and 600-940 GB/s this way
-# (Q8_0 550-630 -> 1120-1260; a 512-row prefill tile 3x faster).
+# (Q8_0 550-630 -> 1120-1260; a 512-row prefill tile 3x faster). The weights are tl.dot's first operand (acc is
+# [BLOCK_N, BLOCK_M], y transposed): its 64 rows and 4 warps make a warpgroup's wgmma on sm_90, whose other operand
+# (x, 16 rows at most) is the small one; a block's scale multiplies the block's sums.
 @triton.jit
 def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: tl.constexpr):
     # 18-byte blocks: fp16 d, then 16 bytes whose low nibbles are values 0..15 and high nibbles 16..31
@@ -166,9 +174,10 @@ def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: t
     for j in tl.static_range(NB):
         b = step * NB + j
         q = tl.load(w_rows[:, None] + (b * 18 + 2) + i[None, :])
-        d = tl.load(h_rows + b * 9).to(tl.float32)[:, None]
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), _uint_f32(q & 15, 8) * d, DOT)
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), _uint_f32(q >> 4, 8) * d, DOT)
+        d = tl.load(h_rows + b * 9).to(tl.float32)
+        part = _dot(_small_int(q & 15, 8, DOT), _load_xt(x_rows, m_ok, b * 32 + i, DOT))
+        part = _dot(_small_int(q >> 4, 8, DOT), _load_xt(x_rows, m_ok, b * 32 + 16 + i, DOT), part)
+        acc = tl.fma(d[:, None], part, acc)
     return acc
 
 
@@ -183,23 +192,23 @@ def _q5_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: t
         q = tl.load(base + 6 + i[None, :])
         q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, :]) >> bit) & 1) << 4)
         q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, :]) >> bit) & 1) << 4)
-        d = tl.load(h_rows + b * 11).to(tl.float32)[:, None]
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), _uint_f32(q_lo, 16) * d, DOT)
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + 16 + i), _uint_f32(q_hi, 16) * d, DOT)
+        d = tl.load(h_rows + b * 11).to(tl.float32)
+        part = _dot(_small_int(q_lo, 16, DOT), _load_xt(x_rows, m_ok, b * 32 + i, DOT))
+        part = _dot(_small_int(q_hi, 16, DOT), _load_xt(x_rows, m_ok, b * 32 + 16 + i, DOT), part)
+        acc = tl.fma(d[:, None], part, acc)
     return acc
 
 
 @triton.jit
 def _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: tl.constexpr):
-    # 34-byte blocks: fp16 d, then 32 int8 values
+    # 34-byte blocks: fp16 d, then 32 int8 values (a conversion: 256 values do not fit a bfloat16's mantissa)
     i = tl.arange(0, 32)
     for j in tl.static_range(NB):
         b = step * NB + j
         q = tl.load(w_rows[:, None] + (b * 34 + 2) + i[None, :])
-        d = tl.load(h_rows + b * 17).to(tl.float32)[:, None]
-        # a conversion, not _int8_f32: the bit trick's extra live values spilled the MoE tile on sm_90
-        w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
-        acc = _accumulate(acc, _load_x(x_rows, m_ok, b * 32 + i), w, DOT)
+        d = tl.load(h_rows + b * 17).to(tl.float32)
+        part = _dot(q.to(tl.int8, bitcast=True).to(DOT), _load_xt(x_rows, m_ok, b * 32 + i, DOT))
+        acc = tl.fma(d[:, None], part, acc)
     return acc
 
 
@@ -218,14 +227,13 @@ def _k_scale_min(scales, S: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, FIVE_BITS: tl.constexpr, GEMV: tl.constexpr,
-                DOT: tl.constexpr):
+def _q45_k_step(acc, w_rows, h_rows, x_ptr, m_ok, b, FIVE_BITS: tl.constexpr, GEMV: tl.constexpr, DOT: tl.constexpr):
     # Super-block b of each row. Q4_K (144 bytes): fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes;
     # sub-block s = 2g + h (g < 4) holds values 32s..32s+31 in the h-th nibbles of bytes 32g..32g+31. Q5_K
     # (176 bytes) adds 32 bytes before the nibbles whose bit s is the 5th bit of value i of sub-block s.
-    # One 32-value sub-block at a time: the fewest values live at once (registers, not spills). The GEMV (x_rows
-    # the pointer to x's first row, acc [BN, rows]) adds d * sc * sum(q * x) - dmin * mn * sum(x) a sub-block to
-    # each row's column.
+    # One 32-value sub-block at a time: the fewest values live at once (registers, not spills). Either way a
+    # sub-block adds d * sc * sum(q * x) - dmin * mn * sum(x): the GEMV (x_ptr one row of x, acc [BN]) by float32
+    # multiply-adds, the tile (x_ptr its rows' pointers, acc [BN, BM]) by tl.dot.
     TS: tl.constexpr = 176 if FIVE_BITS else 144
     QS: tl.constexpr = 48 if FIVE_BITS else 16
     i = tl.arange(0, 32)
@@ -243,24 +251,42 @@ def _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, FIVE_BITS
                 q_h = q_h | (((qh >> (2 * g + h)) & 1) << 4)
             k = b * 256 + (g * 64 + h * 32) + i
             if GEMV:
-                qf = _uint_f32(q_h, 0)
-                for r in range(rows):
-                    x = tl.load(x_rows + r * stride_xm + k).to(tl.float32)
-                    acc = _add_row(acc, r, d * sc * tl.sum(qf * x[None, :], axis=1) - dmin * mn * tl.sum(x))
+                x = tl.load(x_ptr + k).to(tl.float32)
+                acc += d * sc * tl.sum(_uint_f32(q_h, 0) * x[None, :], axis=1) - dmin * mn * tl.sum(x)
             else:
-                w = _uint_f32(q_h, 0) * (d * sc)[:, None] - (dmin * mn)[:, None]
-                acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
+                # sum(x) by the tensor cores too (a reduction across lanes cost 36 instructions a sub-block on sm_90)
+                xt = _load_xt(x_ptr, m_ok, k, DOT)
+                acc = tl.fma((d * sc)[:, None], _dot(_small_int(q_h, 0, DOT), xt), acc)
+                acc = tl.fma((-dmin * mn)[:, None], _dot(tl.full(q_h.shape, 1.0, DOT), xt), acc)
     return acc
 
 
 @triton.jit
-def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, GEMV: tl.constexpr, BN: tl.constexpr,
-               DOT: tl.constexpr):
+def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, DOT: tl.constexpr):
     # 210 bytes: 128 low-nibble bytes ql, 64 bytes of 2-bit highs qh, 16 int8 scales, fp16 d.
-    # Value j = 128g + 64h + 32u + i (g, h, u < 2, i < 32): low = nibble h of ql[64g + 32u + i],
-    # high = bits 2(2h + u) of qh[32g + i], scale = scales[j // 16]; value = d * scale * (q - 32).
-    # One 32-value run at a time, as in _q45_k_step. The GEMV adds d * scale * sum((q - 32) * x) for
-    # each 16 values.
+    # Value j = 128g + 64h + 32u + 16s + i (g, h, u, s < 2, i < 16): low = nibble h of ql[64g + 32u + 16s + i],
+    # high = bits 2(2h + u) of qh[32g + 16s + i], scale = scales[j // 16]; value = d * scale * (q - 32).
+    # One 16-value run (one scale) at a time, each adding d * scale * sum((q - 32) * x) to the tile.
+    i = tl.arange(0, 16)
+    base = w_rows + b * 210
+    d = tl.load(h_rows + b * 105 + 104).to(tl.float32)
+    for g in range(2):  # a loop, not unrolled: unrolled, the tile spilled 8 bytes a thread on sm_86 / sm_89
+        for s in tl.static_range(2):
+            qh = tl.load(base[:, None] + (128 + g * 32 + s * 16) + i[None, :])
+            for u in tl.static_range(2):
+                ql = tl.load(base[:, None] + (g * 64 + u * 32 + s * 16) + i[None, :])
+                for h in tl.static_range(2):
+                    q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
+                    k = b * 256 + (g * 128 + h * 64 + u * 32 + s * 16) + i
+                    scale = d * _int8_f32(tl.load(base + (192 + g * 8 + h * 4 + u * 2 + s)))
+                    acc = tl.fma(scale[:, None], _dot(_small_int(q, 32, DOT), _load_xt(x_rows, m_ok, k, DOT)), acc)
+    return acc
+
+
+@triton.jit
+def _q6_k_gemv(acc, w_rows, h_rows, x_ptr, b, BN: tl.constexpr):
+    # _q6_k_step's super-block for one row (acc [BN]), a 32-value run at a time: d * scale * sum((q - 32) * x) for
+    # each of its two 16-value halves
     i = tl.arange(0, 32)
     base = w_rows + b * 210
     d = tl.load(h_rows + b * 105 + 104).to(tl.float32)
@@ -271,77 +297,48 @@ def _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, b, stride_xm, rows, GEMV: tl.c
             for h in tl.static_range(2):
                 at = base + (192 + g * 8 + h * 4 + u * 2)  # the run's two scales: values i < 16, i >= 16
                 q = ((ql >> (4 * h)) & 15) | (((qh >> (h * 4 + u * 2)) & 3) << 4)
-                k = b * 256 + (g * 128 + h * 64 + u * 32) + i
-                if GEMV:
-                    sc = _int8_f32(tl.load(at[:, None] + tl.arange(0, 2)[None, :]))
-                    qf = _uint_f32(q, 32)
-                    for r in range(rows):
-                        x = tl.load(x_rows + r * stride_xm + k).to(tl.float32)
-                        qx = tl.sum(tl.reshape(qf * x[None, :], (BN, 2, 16)), axis=2)
-                        acc = _add_row(acc, r, d * tl.sum(sc * qx, axis=1))
-                else:
-                    sc_lo = _int8_f32(tl.load(at))
-                    sc_hi = _int8_f32(tl.load(at + 1))
-                    sc = tl.where((i < 16)[None, :], sc_lo[:, None], sc_hi[:, None])
-                    w = _uint_f32(q, 32) * (d[:, None] * sc)
-                    acc = _accumulate(acc, _load_x(x_rows, m_ok, k), w, DOT)
+                x = tl.load(x_ptr + b * 256 + (g * 128 + h * 64 + u * 32) + i).to(tl.float32)
+                qx = tl.sum(tl.reshape(_uint_f32(q, 32) * x[None, :], (BN, 2, 16)), axis=2)
+                sc = _int8_f32(tl.load(at[:, None] + tl.arange(0, 2)[None, :]))
+                acc += d * tl.sum(sc * qx, axis=1)
     return acc
 
 
-# The simple formats' GEMV steps: x_ptr points to the program's first row, `rows` rows stride_xm apart, and acc
-# [BN, GEMV rows] float32 holds a column per row. Each block's scale and offset multiply its sums, not its values (the
-# K-quants' steps above have a GEMV mode of their own). The weights are loaded and converted once, then each row
-# takes the same operations in the same order, whatever the rows beside it.
+# The simple formats' GEMV steps (one row of x at x_ptr, acc [BN] float32): each block's scale and offset multiply
+# its sums, not its values.
 @triton.jit
-def _add_row(acc, r, part):
-    # column r of acc [BN, R] += part [BN]; the other columns keep their exact values. Rows are acc's second axis so
-    # that part, a sum over the weight tile's second axis, broadcasts into it in the layout it has.
-    cols = tl.arange(0, acc.shape[1])
-    return tl.where(cols[None, :] == r, acc + part[:, None], acc)
-
-
-@triton.jit
-def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
+def _q4_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
     i = tl.arange(0, 16)
     q = tl.load(w_rows[:, None, None] + (blk * 18 + 2)[None, :, None] + i[None, None, :])
-    q_lo, q_hi = _uint_f32(q & 15, 8), _uint_f32(q >> 4, 8)
     d = _half(h_rows, blk[None, :] * 9)
-    for r in range(rows):
-        x_lo = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-        x_hi = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
-        qx = tl.sum(q_lo * x_lo[None, :, :] + q_hi * x_hi[None, :, :], axis=2)
-        acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
-    return acc
+    x_lo = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+    x_hi = tl.load(x_ptr + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
+    qx = tl.sum(_uint_f32(q & 15, 8) * x_lo[None, :, :] + _uint_f32(q >> 4, 8) * x_hi[None, :, :], axis=2)
+    return acc + tl.sum(d * qx, axis=1)
 
 
 @triton.jit
-def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
+def _q5_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
     i = tl.arange(0, 16)
     base = w_rows[:, None, None] + (blk * 22)[None, :, None]
     q = tl.load(base + 6 + i[None, None, :])
     bit = (i % 8)[None, None, :]
     q_lo = (q & 15) | (((tl.load(base + 2 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
     q_hi = (q >> 4) | (((tl.load(base + 4 + (i // 8)[None, None, :]) >> bit) & 1) << 4)
-    w_lo, w_hi = _uint_f32(q_lo, 16), _uint_f32(q_hi, 16)
     d = _half(h_rows, blk[None, :] * 11)
-    for r in range(rows):
-        x_lo = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-        x_hi = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
-        qx = tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2)
-        acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
-    return acc
+    x_lo = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+    x_hi = tl.load(x_ptr + blk[:, None] * 32 + 16 + i[None, :]).to(tl.float32)
+    qx = tl.sum(_uint_f32(q_lo, 16) * x_lo[None, :, :] + _uint_f32(q_hi, 16) * x_hi[None, :, :], axis=2)
+    return acc + tl.sum(d * qx, axis=1)
 
 
 @triton.jit
-def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, stride_xm, rows, blk):
+def _q8_0_gemv(acc, w_rows, h_rows, x_ptr, blk):
     i = tl.arange(0, 32)
     w = _int8_f32(tl.load(w_rows[:, None, None] + (blk * 34 + 2)[None, :, None] + i[None, None, :]))
     d = _half(h_rows, blk[None, :] * 17)
-    for r in range(rows):
-        x = tl.load(x_ptr + r * stride_xm + blk[:, None] * 32 + i[None, :]).to(tl.float32)
-        qx = tl.sum(w * x[None, :, :], axis=2)
-        acc = _add_row(acc, r, tl.sum(d * qx, axis=1))
-    return acc
+    x = tl.load(x_ptr + blk[:, None] * 32 + i[None, :]).to(tl.float32)
+    return acc + tl.sum(d * tl.sum(w * x[None, :, :], axis=2), axis=1)
 
 
 # M varies with every prompt chunk and speculative block, STEPS with the split: not specializing on them (== 1,
@@ -356,6 +353,7 @@ def _quant_matmul_kernel(
     # program (n, m, s) writes rows m, columns n of y's split s: the products over K steps s*STEPS..(s+1)*STEPS-1.
     # GROUPED (a MoE layer's experts, grouped_quant_matmul): w is a stack of matrices of expert_bytes each, tile m
     # multiplies with matrix expert_ptr[m], and y's row r is x's row x_row_ptr[r] (-1: a padding row, left 0).
+    # GEMV (BLOCK_M = 1): one row of x, by float32 multiply-adds.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -378,34 +376,26 @@ def _quant_matmul_kernel(
         x_row = tl.where(m_ok, x_row, 0)
     first = pid_s * STEPS
     if GEMV:
-        if GROUPED:  # the tile's one row (BLOCK_M = 1)
-            x_ptr += tl.load(x_row_ptr + pid_m).to(tl.int64) * stride_xm
-            rows = 1
-        elif BLOCK_M == 1:  # one sequence's decode row: no loop over rows
-            x_ptr += pid_m.to(tl.int64) * stride_xm
-            rows = 1
-        else:  # the program's rows of x, which are M's rows in order
-            x_ptr += (pid_m * BLOCK_M).to(tl.int64) * stride_xm
-            rows = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M)
-        gemv = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        x_ptr += tl.sum(x_row).to(tl.int64) * stride_xm  # the one row
+        gemv = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for step in range(first, first + STEPS):
             blk = step * NB + tl.arange(0, NB)
             if FORMAT == 0:
-                gemv = _q4_0_gemv(gemv, w_rows, h_rows, x_ptr, stride_xm, rows, blk)
+                gemv = _q4_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
             elif FORMAT == 1:
-                gemv = _q5_0_gemv(gemv, w_rows, h_rows, x_ptr, stride_xm, rows, blk)
+                gemv = _q5_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
             elif FORMAT == 2:
-                gemv = _q8_0_gemv(gemv, w_rows, h_rows, x_ptr, stride_xm, rows, blk)
+                gemv = _q8_0_gemv(gemv, w_rows, h_rows, x_ptr, blk)
             elif FORMAT == 3:
-                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, stride_xm, rows, False, True, DOT)
+                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, False, True, DOT)
             elif FORMAT == 4:
-                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, stride_xm, rows, True, True, DOT)
+                gemv = _q45_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, True, True, DOT)
             else:
-                gemv = _q6_k_step(gemv, w_rows, h_rows, x_ptr, m_ok, step, stride_xm, rows, True, BLOCK_N, DOT)
-        acc = tl.trans(gemv)
+                gemv = _q6_k_gemv(gemv, w_rows, h_rows, x_ptr, step, BLOCK_N)
+        acc = gemv[:, None]
     else:
         x_rows = x_ptr + x_row.to(tl.int64) * stride_xm
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(first, first + STEPS):
             if FORMAT == 0:
                 acc = _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
@@ -414,13 +404,13 @@ def _quant_matmul_kernel(
             elif FORMAT == 2:
                 acc = _q8_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB, DOT)
             elif FORMAT == 3:
-                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, 0, 0, False, False, DOT)
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, False, False, DOT)
             elif FORMAT == 4:
-                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, 0, 0, True, False, DOT)
+                acc = _q45_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, True, False, DOT)
             else:
-                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, 0, 0, False, BLOCK_N, DOT)
-    y = y_ptr + pid_s.to(tl.int64) * stride_ys + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                acc = _q6_k_step(acc, w_rows, h_rows, x_rows, m_ok, step, DOT)
+    y = y_ptr + pid_s.to(tl.int64) * stride_ys + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 def _blocks_per_step(qtype: GGMLQuantizationType, k: int, most: int) -> int:
@@ -451,8 +441,8 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
     GGUF blocks (uint8, contiguous, on x's device).
 
     one_token_rows: None, x's rows are one sequence's (a decode step, a verification block or a prompt chunk: the
-    launch shape goes by their number); else x [M, K] holds several sequences' steps: its first one_token_rows rows
-    are one-token steps (decode rows, the GEMV) and the rest verification blocks (16-row tiles). Either way each
+    launch shape goes by their number); else x [M, K] holds several sequences' steps (its first one_token_rows rows
+    one-token steps, the rest verification blocks), which all take the 16-row tiles, as each step alone does: each
     row comes out as its sequence's step alone gives it."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -461,25 +451,24 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
     y = torch.empty(x2.shape[0], out_features, device=x.device, dtype=x.dtype)
     if one_token_rows is None:
         plan = quant_matmul_launch(x2, raw, qtype, y)
-        launches = [] if plan is None else [plan]
     else:
         if x.dim() != 2 or not 0 <= one_token_rows <= x.shape[0]:
             raise ValueError(f"{one_token_rows} one-token rows of a [{', '.join(map(str, x.shape))}] batch")
-        launches = batched_launches(x2, raw, qtype, y, one_token_rows)
-    for launch in launches:
-        launch()
+        plan = batched_launch(x2, raw, qtype, y)
+    if plan is not None:
+        plan()
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def batched_launches(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor,
-                     one_token_rows: int) -> list[QuantMatmulLaunch]:
-    """The launches for y = x @ W^T where x's first one_token_rows rows are several sequences' one-token steps (the
-    GEMV, GEMV_ROWS a program; a lone row as one sequence's) and the rest verification blocks (16-row tiles). Shared
-    by `quant_matmul` and the compile report."""
+def batched_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
+                   y: torch.Tensor) -> QuantMatmulLaunch | None:
+    """The launch for y = x @ W^T where x holds several sequences' steps of at most VERIFY_ROWS rows each: the 16-row
+    tiles whatever M is (more rows take more tiles, never a wider one, and K splits by the columns alone), so a row's
+    sums are those of its step alone. None when M = 0. Shared by `quant_matmul` and the compile report."""
     row_bytes = _checked_row_bytes(x, raw, qtype, 1, y.shape[1])
-    gemv = decode_shape(qtype, rows=1 if one_token_rows == 1 else GEMV_ROWS)
-    parts = ((slice(0, one_token_rows), gemv), (slice(one_token_rows, x.shape[0]), launch_shape(VERIFY_ROWS, qtype)))
-    return [_launch(x[rows], raw, qtype, y[rows], shape, row_bytes) for rows, shape in parts if rows.stop > rows.start]
+    if x.shape[0] == 0:
+        return None
+    return _launch(x, raw, qtype, y, launch_shape(VERIFY_ROWS, qtype), row_bytes)
 
 
 def _checked_row_bytes(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, matrices: int, n: int) -> int:
@@ -537,7 +526,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: 
         (x, raw, raw.view(torch.float16), out, x_rows, tile_expert, m, out_features, x.stride(0), out.stride(-2),
          out.stride(0) if partials is not None else 0, row_bytes, steps // split, expert_bytes),
         dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
-             GROUPED=x_rows is not None, GEMV=shape.gemv, num_warps=shape.num_warps),
+             GROUPED=x_rows is not None, GEMV=shape.gemv, num_warps=shape.num_warps, num_stages=shape.num_stages),
     )
     return QuantMatmulLaunch(launch, y, partials)
 
@@ -558,11 +547,10 @@ def grouped_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantiza
     if pairs == 0:
         return y
     x_rows, chosen = x_rows.to(torch.int32), chosen.to(torch.int32)
-    most = 1 if single else int(torch.bincount(chosen, minlength=experts).max())
-    shape = launch_shape(most, qtype)
-    if shape.gemv:
-        grouped_launch(x, raw, qtype, experts, x_rows, chosen, y, shape)()
+    if single:
+        grouped_launch(x, raw, qtype, experts, x_rows, chosen, y, decode_shape(qtype))()
         return y
+    shape = launch_shape(int(torch.bincount(chosen, minlength=experts).max()), qtype)
     bm = shape.block_m
     order = torch.argsort(chosen, stable=True)
     by_expert = chosen[order].long()

@@ -94,7 +94,7 @@ def test_target_graphs_decline_what_they_cannot_replay() -> None:
     model(torch.arange(4), cache)
     assert graphs.replay(torch.arange(17), cache, None, ()) is None  # past the largest bucket
     assert graphs.replay(torch.arange(2), cache, torch.arange(0), ()) is None  # no logits wanted
-    assert graphs.replay(torch.arange(4), cache, None, ()) is None  # one row of a block: the head's GEMV, eagerly
+    assert graphs.replay(torch.arange(4), cache, None, ()) is None  # one row of a block: the head's row, eagerly
     assert graphs.replay(torch.arange(1), cache, None, ()) is not None
     other = model.new_cache(64)  # another slot's cache: a graph of its own, beside the first
     assert graphs.replay(torch.arange(1), other, None, ()) is not None and other.length == 1
@@ -223,7 +223,7 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
     def beside_a_row(block: RowGroup) -> list[RowGroup]:
         return [block, RowGroup(torch.arange(1), pairs[1][1])]
 
-    # a block asking one row's logits takes the head's GEMV eagerly; a block past the cache's end declines too
+    # a block asking one row's logits takes the head's row eagerly; a block past the cache's end declines too
     assert graphs.replay_groups(beside_a_row(RowGroup(torch.arange(3), cache)), ()) is None
     near_end = graphed.new_cache(cache.length + 3)
     graphed(torch.arange(cache.length), near_end)

@@ -52,8 +52,8 @@ def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
 @pytest.mark.parametrize("kind,kv_dtype", [("dense", "auto"), ("dense", "q8"), ("moe", "auto"), ("ple", "auto")])
 def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind, kv_dtype) -> None:
     """forward_groups on the Triton kernels (concurrent requests' slots): one forward over three sequences' decode rows
-    and verification blocks, in the scheduler's order (a block before decode rows), the decode rows in one shared
-    GEMV program and the blocks in shared tiles: every logit and greedy pick bit for bit what each group's forward
+    and verification blocks, in the scheduler's order (a block before decode rows), the decode rows and the blocks
+    in shared 16-row tiles (a MoE's decode rows in one grouped GEMV launch): every logit and greedy pick bit for bit what each group's forward
     alone gives, over the dense layout, 26B-A4B's experts (a float32 router: a matmul per sequence) and E2B / E4B's
     per-layer inputs and shared KV; the decode rows attend each its own cache in one launch a layer
     (JointAttention), int8 caches too. Three steps from empty caches, so the later ones attend to what the first

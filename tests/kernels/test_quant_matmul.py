@@ -96,56 +96,55 @@ def test_split_k_fills_the_sms_with_splits_that_divide_k(kernels) -> None:
     assert qm.split_k(programs=672, steps=84, sms=132) == 4  # a down projection: 4 x 672 programs
     assert qm.split_k(programs=6, steps=21, sms=132) == 1  # 21 steps split no way evenly
     assert qm.split_k(programs=1, steps=1024, sms=132) == qm.MAX_SPLIT
-    # the tests' shapes take both paths: N = 48 decode rows split K = 512 in two, K = 160 not at all
+    # the tests' shapes take both paths: N = 48 decode rows split K = 512 (4 steps of 128) four ways, K = 160 not at all
     x = torch.empty(1, K, device="meta")
     plan = qm.quant_matmul_launch(x, torch.empty(N * K // 32 * 18, dtype=torch.uint8, device="meta"), T.Q4_0,
                                   torch.empty(1, N, device="meta"))
-    assert plan.partials is not None and plan.partials.shape == (2, 1, N) and plan.launch.grid[2] == 2
+    assert plan.partials is not None and plan.partials.shape == (4, 1, N) and plan.launch.grid[2] == 4
 
 
 def test_launch_shapes(kernels) -> None:
     qm = kernels.load("quant_matmul")
     for qtype in TYPES:
-        decode = qm.launch_shape(1, qtype)
-        assert decode.gemv and decode == qm.decode_shape(qtype, rows=1)
-        assert qm.decode_shape(qtype, qm.GEMV_ROWS).block_m == qm.GEMV_ROWS
-        assert qm.launch_shape(2, qtype).block_m == qm.launch_shape(16, qtype).block_m == 16
+        # a decode row takes the verification tile: one shape (so one rounding) for every step of <= 16 rows
+        assert qm.launch_shape(1, qtype) == qm.launch_shape(16, qtype) and qm.launch_shape(1, qtype).block_m == 16
+        assert not qm.launch_shape(1, qtype).gemv
         assert qm.launch_shape(17, qtype).block_m == 64
-        assert not qm.launch_shape(2, qtype).gemv
+        assert qm.decode_shape(qtype).gemv and qm.decode_shape(qtype).block_m == 1
     assert set(TYPES) == set(qm.SUPPORTED_TYPES)
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), [(t, torch.float32) for t in TYPES] + [
     (T.Q4_0, torch.bfloat16), (T.Q4_K, torch.bfloat16)], ids=lambda v: getattr(v, "name", str(v)))
 def test_decode_rows_of_several_sequences_come_out_as_each_alone(kernels, qtype, dtype) -> None:
-    """Concurrent requests' decode rows in one launch (GEMV programs of GEMV_ROWS rows, each weight loaded and unpacked
-    once for all of them) and verification blocks beside them: every row bit for bit what its sequence's step alone
-    gives (a program of its own), for 1 to 11 decode rows (a partial second program), K split the same way (two
-    ways at N = 48) whatever the rows. On a GPU (bench --gpu-check) this is the check that the compiled one-row and
-    eight-row GEMVs round alike, and that bfloat16 tensor-core tiles keep their rows apart."""
+    """Concurrent requests' decode rows in one launch (16-row tiles, each weight loaded and unpacked once for all of
+    them) and verification blocks beside them: every row bit for bit what its sequence's step alone gives, for 1 to
+    11 decode rows, and past one tile (3 + 9 rows beside 5 + 4 + 16), K split the same way (four ways at N = 48)
+    whatever the rows. On a GPU (bench --gpu-check) this is the check that bfloat16 tensor-core tiles keep their rows
+    apart."""
     qm = kernels.load("quant_matmul")
     dev = kernels.device
     raw = random_weight(qtype, N, K, seed=7).to(dev)
-    x = torch.randn(11 + 9, K, device=dev).to(dtype)
+    x = torch.randn(11 + 25, K, device=dev).to(dtype)
     alone = [qm.quant_matmul(x[i:i + 1], raw, qtype, N) for i in range(11)]
-    blocks = [(11, 16), (16, 20)]  # two verification blocks, 5 and 4 rows
+    blocks = [(11, 16), (16, 20), (20, 36)]  # three verification blocks, 5, 4 and 16 rows
     alone_blocks = [qm.quant_matmul(x[a:b], raw, qtype, N) for a, b in blocks]
     for rows in (1, 3, 8, 11):
         together = qm.quant_matmul(x[:rows], raw, qtype, N, one_token_rows=rows)
         assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows)), rows
-    mixed = torch.cat((x[:3], x[11:20]))
+    mixed = torch.cat((x[:3], x[11:36]))
     out = qm.quant_matmul(mixed, raw, qtype, N, one_token_rows=3)
     assert all(torch.equal(out[i:i + 1], alone[i]) for i in range(3))
     assert torch.equal(out[3:8], alone_blocks[0]) and torch.equal(out[8:12], alone_blocks[1])
+    assert torch.equal(out[12:28], alone_blocks[2])
     if dtype == torch.float32:
         check(out.cpu(), mixed.cpu(), dequantize(raw.cpu(), qtype, (N, K)))
-    # one sequence's row takes a program of its own, several sequences' GEMV_ROWS a program; K splits the same way
+    # one sequence's row and 28 rows of several take the same tile, K split the same way
     one = qm.quant_matmul_launch(x[:1], raw, qtype, torch.empty(1, N, device=dev)).launch
-    eleven = qm.batched_launches(x[:11], raw, qtype, torch.empty(11, N, device=dev), 11)
-    assert one.meta["GEMV"] and one.meta["BLOCK_M"] == 1 and one.grid[1:] == (1, 2)
-    assert [(b.launch.meta["BLOCK_M"], b.launch.grid[1:]) for b in eleven] == [(qm.GEMV_ROWS, (2, 2))]
-    with pytest.raises(ValueError, match="13 one-token rows of a \\[12, 512\\] batch"):
-        qm.quant_matmul(mixed, raw, qtype, N, one_token_rows=13)
+    batch = qm.batched_launch(mixed, raw, qtype, torch.empty(28, N, device=dev)).launch
+    assert one.meta == batch.meta and one.grid[2] == batch.grid[2] and batch.grid[1] == 2
+    with pytest.raises(ValueError, match="29 one-token rows of a \\[28, 512\\] batch"):
+        qm.quant_matmul(mixed, raw, qtype, N, one_token_rows=29)
 
 
 def test_quant_linear_q4_is_q4_0_blocks_and_runs_on_the_kernel(kernels) -> None:
