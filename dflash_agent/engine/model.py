@@ -347,6 +347,15 @@ class RowGroup:
         return at.to(self.ids.device) + start
 
 
+def check_logits_at(logits_at: torch.Tensor | None, T: int) -> None:
+    """Raise where `logits_at` asks for rows outside a step's T new tokens: eagerly such an index fails (or trips a
+    device assert on CUDA), a graph would gather a padding row, and beside other sequences another one's row."""
+    if logits_at is None or logits_at.numel() == 0:
+        return
+    if logits_at.dim() != 1 or logits_at.dtype.is_floating_point or bool(((logits_at < 0) | (logits_at >= T)).any()):
+        raise ValueError(f"logits_at {logits_at.tolist()} asks for rows outside the step's {T} new tokens")
+
+
 @dataclass(frozen=True)
 class KeyPositions:
     """What the attention kernel masks by: key j is visible to query i iff 0 <= key[j] <= query[i] and
@@ -529,6 +538,7 @@ class GemmaModel(nn.Module):
         end = start + T
         if end > cache.max_len:
             raise ContextOverflowError(end, cache.max_len)
+        check_logits_at(logits_at, T)
         if self.step_graphs is not None:
             out = self.step_graphs.replay(ids, cache, logits_at, capture)
             if out is not None:
@@ -557,6 +567,7 @@ class GemmaModel(nn.Module):
         for group in groups:
             if group.cache.length + group.ids.shape[0] > group.cache.max_len:
                 raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
+            check_logits_at(group.logits_at, group.ids.shape[0])
         if len(groups) > 1 and self.batches(groups):
             graphed = None if self.step_graphs is None else self.step_graphs.replay_groups(groups, capture)
             return self._kernel_groups(groups, capture) if graphed is None else graphed

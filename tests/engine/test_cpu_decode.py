@@ -340,6 +340,15 @@ def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
     assert outs[0].tokens == picks.tokens and outs[0].logits is None
     assert torch.equal(outs[1].logits, logits[:5]) and outs[1].tokens is None
     assert outs[2].tokens == [picks.tokens[2], picks.tokens[8]]
+    # a row outside a group's tokens is refused before anything runs, never another group's row (nor, graphed, a
+    # padding row): the caches keep their lengths
+    caches = [cache(), cache()]
+    for bad in (torch.tensor([5]), torch.tensor([-1]), torch.tensor([0.0])):
+        with pytest.raises(ValueError, match="outside the step's 5 new tokens"):
+            model(block[:5], caches[0], logits_at=bad)
+        with pytest.raises(ValueError, match="outside the step's 5 new tokens"):
+            model.forward_groups([RowGroup(block[:5], caches[0], bad), RowGroup(block[:3], caches[1])])
+    assert [c.length for c in caches] == [40, 40]
 
 
 def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
