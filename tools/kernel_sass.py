@@ -35,8 +35,8 @@ _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 
-def sass(launch: Launch, capability: int) -> tuple[list[tuple[int, str]], int]:
-    """The launch's SASS as (address, instruction) pairs, and its registers a thread."""
+def sass(launch: Launch, capability: int) -> tuple[list[tuple[int, str]], int, int]:
+    """The launch's SASS as (address, instruction) pairs, its registers and its spilled bytes a thread."""
     options, signature, constexprs, attrs = compile_check._specialize(launch, capability)
     target = GPUTarget("cuda", capability, 32)
     with warnings.catch_warnings():
@@ -51,7 +51,7 @@ def sass(launch: Launch, capability: int) -> tuple[list[tuple[int, str]], int]:
         usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
     code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
-    return code, int(re.search(r"REG:(\d+)", usage).group(1))
+    return code, int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def loop_instructions(code: list[tuple[int, str]]) -> int:
@@ -87,9 +87,9 @@ def main() -> None:
             weights = shape.block_n * plan.meta["NB"] * GGML_QUANT_SIZES[qtype][0]
             cells = []
             for capability in (89, 90):
-                code, registers = sass(plan, capability)
+                code, registers, spilled = sass(plan, capability)
                 cells.append(f"sm_{capability} {loop_instructions(code) * shape.num_warps / weights:.3f} "
-                             f"({registers})")
+                             f"({registers}{f', {spilled} spilled' if spilled else ''})")
             print(f"{qtype.name:5} {name:4}  " + "  ".join(cells))
 
 
