@@ -13,17 +13,10 @@ instructions a Q4_0 weight ran at ~1 TB/s of 4.8): at that card's 4 warp instruc
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
-import triton
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from dflash_agent.kernels import compile_check
 from dflash_agent.kernels import quant_matmul as qm
@@ -35,23 +28,13 @@ _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 
 
-def sass(launch: Launch, capability: int) -> tuple[list[tuple[int, str]], int, int]:
+def sass(launch: Launch, target: str) -> tuple[list[tuple[int, str]], int, int]:
     """The launch's SASS as (address, instruction) pairs, its registers and its spilled bytes a thread."""
-    options, signature, constexprs, attrs = compile_check._specialize(launch, capability)
-    target = GPUTarget("cuda", capability, 32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        tool = triton.knobs.nvidia.cuobjdump.path
-        text = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
+    compiled = compile_check.compile_for(launch, target)
+    text = compile_check.cuobjdump(compiled.asm["cubin"], "-sass")
+    usage = compile_check.usage_of(compiled)
     code = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
-    return code, int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
+    return code, usage.registers, usage.spilled
 
 
 def loop_instructions(code: list[tuple[int, str]]) -> int:
@@ -86,9 +69,9 @@ def main() -> None:
             plan = launch(qtype, shape, n, k)
             weights = shape.block_n * plan.meta["NB"] * GGML_QUANT_SIZES[qtype][0]
             cells = []
-            for capability in (89, 90):
-                code, registers, spilled = sass(plan, capability)
-                cells.append(f"sm_{capability} {loop_instructions(code) * shape.num_warps / weights:.3f} "
+            for target in ("sm_89", "sm_90"):
+                code, registers, spilled = sass(plan, target)
+                cells.append(f"{target} {loop_instructions(code) * shape.num_warps / weights:.3f} "
                              f"({registers}{f', {spilled} spilled' if spilled else ''})")
             print(f"{qtype.name:5} {name:4}  " + "  ".join(cells))
 

@@ -8,8 +8,8 @@ tensors of the shapes the engine passes them:
 - matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (the routed experts' stacks
   through kernels.quant_matmul.grouped_launch, as the model launches them) at each quantization
   (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), 4 and 8
-  decode rows of as many requests (slots: kernels.quant_matmul.batched_launch), the CUDA-graph buckets up to the
-  drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
+  decode rows of as many requests (slots: quant_matmul_launch's several_sequences), the CUDA-graph buckets up to
+  the drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
   target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0
   blocks) launch the same Q4_0 kernels at its block's rows.
 - attention: each layer kind of the target (sliding head_dim 256 over its ring, full head_dim 512 over the
@@ -92,7 +92,7 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
 
 def _matmul_launches(model: str, config: ModelConfig,
                      drafter: DrafterConfig) -> Iterator[tuple[str, str, str, str, object]]:
-    from ..kernels.quant_matmul import batched_launch, decode_shape, grouped_launch, launch_shape, quant_matmul_launch
+    from ..kernels.quant_matmul import decode_shape, grouped_launch, launch_shape, quant_matmul_launch
 
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
     rows = _phase_rows(drafter)
@@ -123,10 +123,7 @@ def _matmul_launches(model: str, config: ModelConfig,
             else:
                 raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
                 y = torch.empty(m, n, dtype=DTYPE, device=meta)
-                if phase == "slots":
-                    launch = batched_launch(x, raw, qtype, y).launch
-                else:
-                    launch = quant_matmul_launch(x, raw, qtype, y).launch
+                launch = quant_matmul_launch(x, raw, qtype, y, several_sequences=phase == "slots").launch
             short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
             yield "quant_matmul", phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
 

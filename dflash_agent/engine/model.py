@@ -347,7 +347,7 @@ class RowGroup:
         return at.to(self.ids.device) + start
 
 
-def check_logits_at(logits_at: torch.Tensor | None, T: int) -> None:
+def _check_logits_at(logits_at: torch.Tensor | None, T: int) -> None:
     """Raise where `logits_at` asks for rows outside a step's T new tokens: eagerly such an index fails (or trips a
     device assert on CUDA), a graph would gather a padding row, and beside other sequences another one's row."""
     if logits_at is None or logits_at.numel() == 0:
@@ -538,7 +538,7 @@ class GemmaModel(nn.Module):
         end = start + T
         if end > cache.max_len:
             raise ContextOverflowError(end, cache.max_len)
-        check_logits_at(logits_at, T)
+        _check_logits_at(logits_at, T)
         if self.step_graphs is not None:
             out = self.step_graphs.replay(ids, cache, logits_at, capture)
             if out is not None:
@@ -567,7 +567,7 @@ class GemmaModel(nn.Module):
         for group in groups:
             if group.cache.length + group.ids.shape[0] > group.cache.max_len:
                 raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
-            check_logits_at(group.logits_at, group.ids.shape[0])
+            _check_logits_at(group.logits_at, group.ids.shape[0])
         if len(groups) > 1 and self.batches(groups):
             graphed = None if self.step_graphs is None else self.step_graphs.replay_groups(groups, capture)
             return self._kernel_groups(groups, capture) if graphed is None else graphed

@@ -62,19 +62,33 @@ def compile_key(launch: Launch) -> str:
                  sorted(attrs.items()), options.num_warps, options.num_stages))
 
 
-def resource_usage(launch: Launch, target: str) -> Usage:
-    """Compile `launch` for `target` (a TARGETS key) and read its resource usage."""
+def compile_for(launch: Launch, target: str):
+    """`launch` compiled by Triton for `target` (a TARGETS key): the CompiledKernel, its cubin in .asm["cubin"]."""
     capability = TARGETS[target]
     options, signature, constexprs, attrs = _specialize(launch, capability)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton 3.9's notice about the FP-fusion default
-        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", capability, 32), options=options.__dict__)
+        return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", capability, 32), options=options.__dict__)
+
+
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What the cuobjdump shipped with Triton prints for a cubin with these flags (-sass, --dump-resource-usage)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        dump = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)],
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([triton.knobs.nvidia.cuobjdump.path, *flags, str(path)],
                               capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(launch: Launch, target: str) -> Usage:
+    """Compile `launch` for `target` (a TARGETS key) and read its resource usage."""
+    return usage_of(compile_for(launch, target))
+
+
+def usage_of(compiled) -> Usage:
+    """A compiled kernel's (compile_for) resource usage."""
+    dump = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage")
     fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", dump))
     if "REG" not in fields:
         raise RuntimeError(f"no resource usage in cuobjdump's output:\n{dump}")

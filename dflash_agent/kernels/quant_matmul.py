@@ -454,21 +454,10 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType
     else:
         if x.dim() != 2 or not 0 <= one_token_rows <= x.shape[0]:
             raise ValueError(f"{one_token_rows} one-token rows of a [{', '.join(map(str, x.shape))}] batch")
-        plan = batched_launch(x2, raw, qtype, y)
+        plan = quant_matmul_launch(x2, raw, qtype, y, several_sequences=True)
     if plan is not None:
         plan()
     return y.reshape(*x.shape[:-1], out_features)
-
-
-def batched_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
-                   y: torch.Tensor) -> QuantMatmulLaunch | None:
-    """The launch for y = x @ W^T where x holds several sequences' steps of at most VERIFY_ROWS rows each: the 16-row
-    tiles whatever M is (more rows take more tiles, never a wider one, and K splits by the columns alone), so a row's
-    sums are those of its step alone. None when M = 0. Shared by `quant_matmul` and the compile report."""
-    row_bytes = _checked_row_bytes(x, raw, qtype, 1, y.shape[1])
-    if x.shape[0] == 0:
-        return None
-    return _launch(x, raw, qtype, y, launch_shape(VERIFY_ROWS, qtype), row_bytes)
 
 
 def _checked_row_bytes(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, matrices: int, n: int) -> int:
@@ -491,15 +480,18 @@ def _checked_row_bytes(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizati
     return row_bytes
 
 
-def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
-                        y: torch.Tensor) -> QuantMatmulLaunch | None:
+def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor,
+                        several_sequences: bool = False) -> QuantMatmulLaunch | None:
     """The launch (and the buffers it writes) for y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking
-    the operands; None when M = 0. Shared by `quant_matmul` and the compile report (meta tensors are enough for
-    the latter, which plans for an RTX 4090's SMs)."""
+    the operands; None when M = 0. several_sequences: x holds several sequences' steps of at most VERIFY_ROWS rows
+    each, which take the 16-row tiles whatever M is (more rows take more tiles, never a wider one, and K splits by
+    the columns alone), so a row's sums are those of its step alone. Shared by `quant_matmul` and the compile report
+    (meta tensors are enough for the latter, which plans for an RTX 4090's SMs)."""
     row_bytes = _checked_row_bytes(x, raw, qtype, 1, y.shape[1])
     if x.shape[0] == 0:
         return None
-    return _launch(x, raw, qtype, y, launch_shape(x.shape[0], qtype), row_bytes)
+    shape = launch_shape(VERIFY_ROWS if several_sequences else x.shape[0], qtype)
+    return _launch(x, raw, qtype, y, shape, row_bytes)
 
 
 def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor, shape: LaunchShape,

@@ -141,7 +141,7 @@ def test_decode_rows_of_several_sequences_come_out_as_each_alone(kernels, qtype,
         check(out.cpu(), mixed.cpu(), dequantize(raw.cpu(), qtype, (N, K)))
     # one sequence's row and 28 rows of several take the same tile, K split the same way
     one = qm.quant_matmul_launch(x[:1], raw, qtype, torch.empty(1, N, device=dev)).launch
-    batch = qm.batched_launch(mixed, raw, qtype, torch.empty(28, N, device=dev)).launch
+    batch = qm.quant_matmul_launch(mixed, raw, qtype, torch.empty(28, N, device=dev), several_sequences=True).launch
     assert one.meta == batch.meta and one.grid[2] == batch.grid[2] and batch.grid[1] == 2
     with pytest.raises(ValueError, match="29 one-token rows of a \\[28, 512\\] batch"):
         qm.quant_matmul(mixed, raw, qtype, N, one_token_rows=29)
