@@ -41,7 +41,7 @@ run | probe)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt" || true
     if [ "$1" = probe ]; then
         timeout -k 5 $((limit / 3)) python3 -m pytest -q -p no:cacheprovider --tb=short -n 12 \
-            tests/kernels/test_quant_matmul.py tests/kernels/test_packed_model.py >"$OUT/probe-tests.log" 2>&1 || true
+            tests/kernels/test_quant_matmul.py tests/kernels/test_quant_tuning.py tests/kernels/test_packed_model.py >"$OUT/probe-tests.log" 2>&1 || true
         tail -n 15 "$OUT/probe-tests.log"
         left=$((limit - SECONDS))
         timeout -k 5 $((left - 5)) python3 tools/gpu_probe.py "$OUT" $((left - 40)) 2>&1 | tee "$OUT/probe.log"
@@ -51,6 +51,8 @@ run | probe)
     timeout -k 10 "$limit" python3 -m dflash_agent bench --gpu-check --out "$OUT/gpu-check.json" 2>&1 \
         | tee "$OUT/gpu-check.log" || status=$?
     cp bench-results/synthetic-*.json "$OUT/" 2>/dev/null || true
+    # the tiles timed on this GPU (kernels.quant_tuning): each shape's fastest beside the default
+    cp "${DFLASH_AGENT_CACHE:-$HOME/.cache/dflash-agent}/kernel-tuning.json" "$OUT/" 2>/dev/null || true
     exit "$status"
     ;;
 *)

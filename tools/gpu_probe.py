@@ -7,9 +7,9 @@ Run on a GPU machine from a checkout (the lent one: `tools/device-gpu-check.sh p
 It writes OUT_DIR/probe.json (after each part, so a run stopped at its limit keeps what it measured) and logs:
 - kernels: the CUDA kernels of one step (eager decode, 4 requests' decode rows, a 16-token verification, a graphed
   decode), by total time per step, from torch.profiler;
-- gemv: the quant matmul at 1, 4 and 16 rows over the 31B's MLP shapes, for each launch shape of a small sweep (the
-  one-row GEMV; the tile's BLOCK_N, warps and pipeline stages), beside cuBLAS multiplying the same matrix in bf16:
-  GB/s of the weight's bytes, timed in CUDA graphs (a Triton launch's host cost is more than a GEMV's time).
+- gemv: kernels.quant_tuning's timing of every candidate tile (a decode row plus a 16-row verification block) over
+  the 31B's MLP shapes and a K projection's, beside cuBLAS multiplying the same matrix in bf16, timed in CUDA graphs
+  (a Triton launch's host cost is more than a GEMV's time).
 """
 
 from __future__ import annotations
@@ -21,33 +21,21 @@ import time
 from pathlib import Path
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_agent.bench import synthetic
 from dflash_agent.engine.cuda_graphs import enable_cuda_graphs
 from dflash_agent.engine.model import RowGroup
+from dflash_agent.engine.packed_linear import choose_cuda_tiles
 from dflash_agent.kernels import quant_matmul as qm
+from dflash_agent.kernels.dispatch import VERIFY_ROWS
+from dflash_agent.kernels.quant_tuning import choose_tile, graphed_cost, graphed_ms
 
 log = logging.getLogger("gpu_probe")
 T = GGMLQuantizationType
 CONTEXT = 1024
-
-
-def graphed_ms(fn, device: torch.device, calls: int = 10, iters: int = 10) -> float:
-    """Milliseconds one call of `fn` keeps the GPU busy: `calls` of it captured in one CUDA graph, so that the host's
-    cost of a launch (tens of microseconds for a Triton kernel, more than a GEMV takes) is not what is timed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiled and warmed outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return synthetic._time_ms(graph.replay, iters, device) / calls
 
 
 def kernel_table(step, iters: int = 3, top: int = 25) -> dict:
@@ -77,6 +65,7 @@ def steps_part(out: dict) -> None:
     dtype = torch.bfloat16
     config = synthetic.gemma4_31b_config()
     target = synthetic.build_synthetic_target(config, "Q4_0", device, dtype)
+    choose_cuda_tiles(target)
     cache = target.new_cache(2 * CONTEXT)
     one = torch.zeros(1, dtype=torch.long, device=device)
     block = torch.zeros(16, dtype=torch.long, device=device)
@@ -121,45 +110,31 @@ def steps_part(out: dict) -> None:
 def gemv_part(out: dict, deadline: float) -> None:
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     for qtype in (T.Q4_0, T.Q4_K, T.Q6_K):
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        for n, k in ((21504, 5376), (5376, 21504)):
+        for n, k in ((21504, 5376), (5376, 21504), (4096, 5376)):
+            if time.monotonic() > deadline:
+                log.info("tile sweep stopped at its deadline")
+                return
             raw = synthetic._random_blocks((n, k), qtype, device, generator)
             dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-            row_bytes = k // block * type_size
-            for m in (1, 4, 16):
-                if time.monotonic() > deadline:
-                    log.info("gemv sweep stopped at its deadline")
-                    return
-                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-                key = f"{qtype.name} [{n}, {k}] x {m} rows"
-                results = out["gemv"][key] = {}
-                cublas = graphed_ms(lambda: torch.matmul(x, dense.t()), device)
-                results["cublas bf16"] = {"us": round(cublas * 1e3, 1), "GB/s": round(dense.nbytes / cublas / 1e6)}
-                default = graphed_ms(
-                    lambda: qm.quant_matmul(x, raw, qtype, n, one_token_rows=m if m < 16 else 0), device)
-                results["default"] = {"us": round(default * 1e3, 1), "GB/s": round(raw.nbytes / default / 1e6)}
-                # the one-row GEMV (a MoE pair's; dense decode rows took it until the 16-row tile replaced it)
-                # beside the tile's shapes: the choice launch_shape made without a GPU to time them
-                launch_shapes = [qm.LaunchShape(1, bn, warps, 1 if block == 256 else 8, gemv=True)
-                                 for bn in (8, 16, 32) for warps in (1, 2) if m == 1]
-                launch_shapes += [qm.LaunchShape(16, bn, warps, 4, num_stages=stages)
-                                  for bn in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)]
-                for shape in launch_shapes:
-                    name = (f"{'gemv' if shape.gemv else 'dot'} m{shape.block_m} n{shape.block_n} w{shape.num_warps}"
-                            f" s{shape.num_stages}")
-                    try:
-                        launch = qm._launch(x, raw, qtype, y, shape, row_bytes)
-                        ms = graphed_ms(launch, device)
-                    except Exception as exc:  # a shape that does not compile is a finding, beside the others
-                        results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                        continue
-                    results[name] = {"us": round(ms * 1e3, 1), "GB/s": round(raw.nbytes / ms / 1e6)}
-                best = min((r for r in results.items() if "us" in r[1]), key=lambda r: r[1]["us"])
-                log.info("%s: cuBLAS bf16 %s GB/s, default %s GB/s (%s us); fastest %s %s", key,
-                         results["cublas bf16"]["GB/s"], results["default"]["GB/s"], results["default"]["us"],
-                         best[0], best[1])
+            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for m in (1, VERIFY_ROWS)]
+            cublas = graphed_ms(lambda: [torch.matmul(x, dense.t()) for x in xs]) * 1e3
+            times: dict[qm.TileChoice, float] = {}
+            cost = graphed_cost(raw, qtype, n, k, torch.bfloat16)
+
+            def recorded(choice: qm.TileChoice) -> float:
+                times[choice] = cost(choice)
+                return times[choice]
+
+            best, measured = choose_tile(qtype, n, k, sms, recorded)
+            key = f"{qtype.name} [{n}, {k}]"
+            out["gemv"][key] = {
+                "cublas bf16 us": round(cublas, 1), **measured,
+                "us": {f"n{c.shape.block_n} w{c.shape.num_warps} s{c.shape.num_stages} b{c.shape.blocks} "
+                       f"split{c.split}": round(t, 1) for c, t in sorted(times.items(), key=lambda i: i[1])}}
+            log.info("%s, a decode row + a 16-row block: cuBLAS bf16 %.1f us; tile default %.1f us, best %.1f us "
+                     "(%s)", key, cublas, measured["default_us"], measured["best_us"], best)
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ GPU_TESTS = (
     "tests/kernels/test_attention.py",
     "tests/kernels/test_packed_model.py",
     "tests/kernels/test_quant_matmul.py",
+    "tests/kernels/test_quant_tuning.py",
     "tests/kernels/test_rms_norm.py",
     "tests/engine/test_cuda_graphs.py",
     "tests/engine/test_packed_linear.py",

@@ -374,7 +374,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     """The measurements of the module doc for any config (the 31B on a GPU; the tests' tiny one on the CPU)."""
     from ..engine.cuda_graphs import DraftStepGraph, enable_cuda_graphs
     from ..engine.model import RowGroup
-    from ..engine.packed_linear import PackedWeight
+    from ..engine.packed_linear import PackedWeight, choose_cuda_tiles
 
     cuda, dtype = device.type == "cuda", torch.bfloat16
     block_size = 16
@@ -395,6 +395,8 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
 
     started = time.perf_counter()
     target = build_synthetic_target(config, quant, device, dtype)
+    if cuda:
+        choose_cuda_tiles(target)  # as Engine.load does
     drafter = build_synthetic_drafter(dconfig, config.hidden_size, draft_quant, device, dtype)
     log.info("built the synthetic %s %s target and %s drafter in %.0f s", model, quant, draft_quant,
              time.perf_counter() - started)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.capture import capture_graph
 from ..kernels.dispatch import VERIFY_ROWS
 from .drafter import Drafter, DrafterCache, DraftLayerPlan
 from .kv_cache import KVCache
@@ -51,20 +52,6 @@ def enable_cuda_graphs(model: GemmaModel, slots: int = 1) -> None:
     if model.device.type == "cuda" and all(isinstance(e.gate_up_proj, PackedWeight) and
                                            isinstance(e.down_proj, PackedWeight) for e in experts):
         model.step_graphs = TargetStepGraphs(model, slots)
-
-
-def _capture(step, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Run `step` once eagerly on a side stream (compiles the Triton kernels, sets up cuBLAS), then capture it;
-    returns the graph and the output tensors every replay writes."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = step()
-    return graph, outputs
 
 
 @dataclass
@@ -141,7 +128,7 @@ class TargetStepGraphs:
             g.rows[:n_rows].copy_(logits_at)
         if g.graph is None:
             log.info("capturing a CUDA graph of the target step for %d tokens", bucket)
-            g.graph, g.captured = _capture(lambda: self._step(g, capture), self.pool)
+            g.graph, g.captured = capture_graph(lambda: self._step(g, capture), self.pool)
             self.graphs[key] = g
         g.graph.replay()
         cache.ring_pos.copy_(g.ring)
@@ -185,7 +172,7 @@ class TargetStepGraphs:
             ring.copy_(group.cache.ring_pos)
         if g.graph is None:
             log.info("capturing a CUDA graph of %d requests' rows (%s)", len(groups), "+".join(map(str, sizes)))
-            g.graph, g.captured = _capture(lambda: self._groups_step(g, capture), self.pool)
+            g.graph, g.captured = capture_graph(lambda: self._groups_step(g, capture), self.pool)
         self.group_graphs[key] = g
         g.graph.replay()
         asked = [group.asked_rows(a) for group, (a, _) in zip(ordered, spans, strict=True)]
@@ -291,7 +278,7 @@ class DraftStepGraph:
         torch.add(self.offsets, self.cache.length, out=self.pos)
         if self.graph is None:
             pool = torch.cuda.graph_pool_handle() if self.embeds.is_cuda else None
-            self.graph, self.tokens = _capture(self._step, pool)
+            self.graph, self.tokens = capture_graph(self._step, pool)
         self.graph.replay()
         assert self.tokens is not None
         return self.tokens.clone()

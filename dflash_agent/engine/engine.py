@@ -22,7 +22,7 @@ from .kv_cache import check_kv_dtype
 from .memory_plan import cpu_context_size, cpu_weights, drafter_plan, gpu_context_size
 from .model import ContextOverflowError, GemmaModel
 from .mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
-from .packed_linear import cpu_dot, prefill_dtype, release_cpu_threads
+from .packed_linear import choose_cuda_tiles, cpu_dot, prefill_dtype, release_cpu_threads
 from .prefix_cache import PrefixCacheConfig, PrefixCacheStats
 from .progress import PROGRESS_EVERY_S
 from .scheduler import Job, Scheduler
@@ -127,8 +127,8 @@ class Engine:
         sampling_defaults: "model" (the checkpoint's recommended sampling fills what a request leaves out:
         engine.generation_config) or "none".
         parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context; None:
-        AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots would only
-        take turns (the Triton kernels do not batch sequences yet) and divide the card's memory.
+        AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots divide the
+        card's memory and the batched steps have not yet been timed to earn it (README, GPU path).
         prefill: the dtype of prompt blocks' GEMMs on the CPU C kernels' path (engine.types.PREFILL): "float32"
         (exact on the dequantized weights), "bfloat16", or "auto" (bfloat16 where the CPU has native bf16 dots)."""
         check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
@@ -176,6 +176,8 @@ class Engine:
                      " (--prefill float32: exact)" if prefill_gemm != torch.float32 else "")
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
+        if torch_device.type == "cuda":
+            choose_cuda_tiles(net)  # before the graphs capture the launches
         enable_cuda_graphs(net, parallel)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter: Drafter | MtpDrafter | None = None
         if draft_path is not None and mtp:

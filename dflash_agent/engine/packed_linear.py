@@ -38,7 +38,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +47,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
 from ..kernels.cpu_dot import load as load_cpu_dot
-from ..kernels.dispatch import PACKED_TYPES, triton_runs
+from ..kernels.dispatch import PACKED_TYPES, TUNED_WEIGHTS, triton_runs
 from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, _unpack, dequantize
 from .tokenizer import default_cache_root
+
+if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only install may lack it
+    from ..kernels.quant_matmul import TileChoice
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
@@ -128,6 +132,7 @@ class PackedWeight(torch.Tensor):
     cpu: CpuDotWeight | CpuInt4 | CpuInt8 | None  # set by repack_for_cpu
     rescore: int  # the LM head: candidates per row recomputed exactly after the int4 pass (0: none)
     experts: list[PackedWeight] | None  # a stack's matrices, set by repack_for_cpu
+    tile: TileChoice | None  # the Triton launch of steps of up to 16 rows, set by choose_cuda_tiles
 
     @staticmethod
     def __new__(cls, packed: PackedTensor, dtype: torch.dtype) -> PackedWeight:
@@ -142,6 +147,7 @@ class PackedWeight(torch.Tensor):
         self.cpu = None
         self.rescore = 0
         self.experts = None  # a stack's matrices, each repacked for the CPU kernels (repack_for_cpu)
+        self.tile = None
         return self
 
     def expert(self, index: int) -> PackedWeight:
@@ -199,7 +205,7 @@ class PackedWeight(torch.Tensor):
         if triton_runs(x):
             from ..kernels.quant_matmul import quant_matmul
 
-            return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], one_token_rows)
+            return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], one_token_rows, self.tile)
         if one_token_rows is not None:
             raise ValueError("only the Triton kernels multiply several sequences' steps at once")
         return F.linear(x, self.packed.dequantize(self.dtype))
@@ -246,6 +252,34 @@ class PackedWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None) -> Any:
         raise TypeError(f"{func} on a packed GGUF weight: only F.linear(x, w) and w[ids] are supported")
+
+
+TILE_TUNING_FILE = "kernel-tuning.json"  # under the cache root: kernels.quant_tuning's choices, by GPU
+
+
+def choose_cuda_tiles(model: torch.nn.Module, path: Path | None = None) -> None:
+    """Give each packed CUDA matrix of at least TUNED_WEIGHTS weights the decode / verification tile timed fastest on
+    its GPU (kernels.quant_tuning): each shape timed once, then read from `path` (default: TILE_TUNING_FILE under
+    the cache root)."""
+    weights = [b for b in model.buffers() if isinstance(b, PackedWeight) and b.dim() == 2 and b.is_cuda
+               and b.shape.numel() >= TUNED_WEIGHTS]
+    if not weights:
+        return
+    from ..kernels.quant_tuning import TileTuning
+
+    tuning = TileTuning.for_device(weights[0].device, path or default_cache_root() / TILE_TUNING_FILE)
+    shapes = {(w.packed.qtype, *w.shape, w.dtype) for w in weights}
+    untimed = sum(1 for qtype, n, k, dtype in shapes if not tuning.kept(qtype, n, k, dtype))
+    if untimed:
+        log.info("timing the decode tiles of %d matrix shapes on this GPU (once: kept in %s)", untimed,
+                 tuning.path)
+    chosen: dict[tuple, TileChoice] = {}
+    for w in weights:
+        key = (w.packed.qtype, *w.shape, w.dtype)
+        if key not in chosen:
+            chosen[key] = tuning.choose(w.packed.raw, *key)
+        w.tile = chosen[key]
+    torch.cuda.empty_cache()  # the timing's weight copies
 
 
 def _row_slices(packed: PackedTensor, dequantized: bool = True):

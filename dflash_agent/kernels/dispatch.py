@@ -30,3 +30,6 @@ KEYS_PER_CHUNK = 512
 # The rows of kernels.quant_matmul's verification tile: steps of up to this many rows of several sequences share a
 # forward there (GemmaModel.batches)
 VERIFY_ROWS = 16
+# Packed matrices of at least this many weights get a decode / verification tile timed on their GPU
+# (kernels.quant_tuning); smaller ones cost a launch more than their bytes and keep the default.
+TUNED_WEIGHTS = 1 << 22

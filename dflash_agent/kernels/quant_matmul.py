@@ -34,7 +34,8 @@ scalars; Q6_K one 16-value run, one scale), so only a [BLOCK_N, 32] tile of dequ
 256-value super-block at once needed 255 registers for the Q6_K GEMV and spilled 824 bytes per thread in the verify
 tile (sm_89).
 `dflash-agent bench --kernels` compiles every launch the engine makes for sm_86 / 89 / 90 / 120 and checks
-registers, spills and shared memory against launch_shape's budgets.
+registers, spills and shared memory against launch_shape's budgets. On a GPU, kernels.quant_tuning replaces
+launch_shape's decode tile and split_k's split by the fastest it times for each large matrix (a `TileChoice`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ class LaunchShape:
     blocks: int
     gemv: bool = False  # one row's float32 multiply-adds (a MoE decode step's expert pairs), not tl.dot tiles
     num_stages: int = 3  # Triton's software pipelining: loads in flight a K step ahead, through shared memory
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """One matrix's launch for every step of up to VERIFY_ROWS rows (a decode row, a verification block, several
+    sequences' steps): the tile shape and the ways K splits, fixed per matrix, so every such step rounds alike.
+    kernels.quant_tuning chooses it by timing on the GPU that runs it; without one, `launch_shape` and `split_k`."""
+
+    shape: LaunchShape
+    split: int
 
 
 # Programs a launch should have per SM before K is split: ~16 programs of 1-2 warps keep enough weight loads in
@@ -413,6 +424,19 @@ def _quant_matmul_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
+def k_steps(qtype: GGMLQuantizationType, k: int, shape: LaunchShape) -> int:
+    """The K steps of a row of K values in `shape`'s launches."""
+    return k // (_blocks_per_step(qtype, k, shape.blocks) * GGML_QUANT_SIZES[qtype][0])
+
+
+def default_split(qtype: GGMLQuantizationType, n: int, k: int, shape: LaunchShape, sms: int) -> int:
+    """How many ways K splits untuned: by one row block's tiles (a row's sums never depend on how many rows there
+    are), where a decode or verification launch has too few programs for the SMs; never for prefill tiles."""
+    if shape.block_m > VERIFY_ROWS:
+        return 1
+    return split_k(triton.cdiv(n, shape.block_n), k_steps(qtype, k, shape), sms)
+
+
 def _blocks_per_step(qtype: GGMLQuantizationType, k: int, most: int) -> int:
     block, _ = GGML_QUANT_SIZES[qtype]
     if block == 256:
@@ -432,29 +456,30 @@ class QuantMatmulLaunch:
     def __call__(self) -> None:
         self.launch()
         if self.partials is not None:
-            self.y.copy_(self.partials.sum(dim=0))
+            torch.sum(self.partials, dim=0, out=self.y)  # summed in float32, rounded once to y's dtype
 
 
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int,
-                 one_token_rows: int | None = None) -> torch.Tensor:
+                 one_token_rows: int | None = None, tile: TileChoice | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., out_features] in x's dtype, where `raw` holds W [out_features, K] as packed
     GGUF blocks (uint8, contiguous, on x's device).
 
     one_token_rows: None, x's rows are one sequence's (a decode step, a verification block or a prompt chunk: the
     launch shape goes by their number); else x [M, K] holds several sequences' steps (its first one_token_rows rows
     one-token steps, the rest verification blocks), which all take the 16-row tiles, as each step alone does: each
-    row comes out as its sequence's step alone gives it."""
+    row comes out as its sequence's step alone gives it.
+    tile: the matrix's tuned launch for steps of up to VERIFY_ROWS rows (None: the default)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out_features, device=x.device, dtype=x.dtype)
     if one_token_rows is None:
-        plan = quant_matmul_launch(x2, raw, qtype, y)
+        plan = quant_matmul_launch(x2, raw, qtype, y, tile=tile)
     else:
         if x.dim() != 2 or not 0 <= one_token_rows <= x.shape[0]:
             raise ValueError(f"{one_token_rows} one-token rows of a [{', '.join(map(str, x.shape))}] batch")
-        plan = quant_matmul_launch(x2, raw, qtype, y, several_sequences=True)
+        plan = quant_matmul_launch(x2, raw, qtype, y, several_sequences=True, tile=tile)
     if plan is not None:
         plan()
     return y.reshape(*x.shape[:-1], out_features)
@@ -481,32 +506,38 @@ def _checked_row_bytes(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizati
 
 
 def quant_matmul_launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor,
-                        several_sequences: bool = False) -> QuantMatmulLaunch | None:
+                        several_sequences: bool = False, tile: TileChoice | None = None) -> QuantMatmulLaunch | None:
     """The launch (and the buffers it writes) for y [M, N] = x [M, K] @ W^T (x rows contiguous), after checking
     the operands; None when M = 0. several_sequences: x holds several sequences' steps of at most VERIFY_ROWS rows
     each, which take the 16-row tiles whatever M is (more rows take more tiles, never a wider one, and K splits by
-    the columns alone), so a row's sums are those of its step alone. Shared by `quant_matmul` and the compile report
-    (meta tensors are enough for the latter, which plans for an RTX 4090's SMs)."""
+    the columns alone), so a row's sums are those of its step alone. tile: the tuned launch of such steps (and of
+    one sequence's up to VERIFY_ROWS rows). Shared by `quant_matmul` and the compile report (meta tensors are enough
+    for the latter, which plans for an RTX 4090's SMs)."""
     row_bytes = _checked_row_bytes(x, raw, qtype, 1, y.shape[1])
     if x.shape[0] == 0:
         return None
+    if tile is not None and (several_sequences or x.shape[0] <= VERIFY_ROWS):
+        if tile.shape.block_m != VERIFY_ROWS or tile.shape.gemv:
+            raise ValueError(f"a tuned tile has {VERIFY_ROWS} rows of tl.dot, got {tile.shape}")
+        return _launch(x, raw, qtype, y, tile.shape, row_bytes, split=tile.split)
     shape = launch_shape(VERIFY_ROWS if several_sequences else x.shape[0], qtype)
     return _launch(x, raw, qtype, y, shape, row_bytes)
 
 
 def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: torch.Tensor, shape: LaunchShape,
             row_bytes: int, x_rows: torch.Tensor | None = None, tile_expert: torch.Tensor | None = None,
-            expert_bytes: int = 0) -> QuantMatmulLaunch:
-    """The kernel's launch for y [M, N] in `shape`'s tiles, K split where a decode or verify launch has too few
-    programs for the SMs; grouped (x_rows and tile_expert given): tile t multiplies stack matrix tile_expert[t]."""
+            expert_bytes: int = 0, split: int | None = None) -> QuantMatmulLaunch:
+    """The kernel's launch for y [M, N] in `shape`'s tiles, K split `split` ways (None: where a decode or verify
+    launch has too few programs for the SMs, `default_split`); grouped (x_rows and tile_expert given): tile t
+    multiplies stack matrix tile_expert[t]."""
     m, out_features = y.shape
     k = x.shape[1]
+    steps = k_steps(qtype, k, shape)
+    if split is None:
+        split = default_split(qtype, out_features, k, shape, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
+    elif split < 1 or steps % split:
+        raise ValueError(f"K of {steps} steps does not split {split} ways")
     nb = _blocks_per_step(qtype, k, shape.blocks)
-    steps = k // (nb * GGML_QUANT_SIZES[qtype][0])
-    split = 1
-    if shape.block_m <= VERIFY_ROWS:  # by one row block's tiles: a row's sums never depend on how many rows there are
-        tiles = triton.cdiv(out_features, shape.block_n)
-        split = split_k(tiles, steps, _sm_count(x.device.index or 0) if x.is_cuda else RTX_SMS)
     partials = None
     if split > 1:
         partials = torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)

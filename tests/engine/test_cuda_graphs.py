@@ -2,7 +2,7 @@
 
 Capturing needs CUDA; what can go wrong without it is the device-side plan the captured step makes
 (padding to a bucket, positions from a buffer, the rings' slot map updated on the device, full caches
-attended whole and masked by position). `_capture` is replaced by a stand-in whose replay runs the step
+attended whole and masked by position). `capture_graph` is replaced by a stand-in whose replay runs the step
 again and copies its outputs into the first run's tensors, which is what a graph replay amounts to.
 """
 
@@ -50,7 +50,7 @@ def eager_capture(monkeypatch):
         outputs = step()
         return EagerGraph(step, outputs), outputs
 
-    monkeypatch.setattr(cuda_graphs, "_capture", capture)
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
 
 
 @pytest.mark.parametrize("layout", ["dense", "ple"])
@@ -161,8 +161,8 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
     from dflash_agent.engine.model import RowGroup
 
     monkeypatch.setattr(cuda_graphs, "MAX_GROUP_GRAPHS", 4)
-    capture, captured = cuda_graphs._capture, []
-    monkeypatch.setattr(cuda_graphs, "_capture", lambda step, pool: captured.append(step) or capture(step, pool))
+    capture, captured = cuda_graphs.capture_graph, []
+    monkeypatch.setattr(cuda_graphs, "capture_graph", lambda step, pool: captured.append(step) or capture(step, pool))
     ckpt = tiny_packed_checkpoint(config=None if layout == "dense" else tiny_family_config(layout))
     # float64: a CPU GEMM rounds float32 sums by how many rows it is given, which the padding changes (a GPU's tile
     # does not: tests/kernels), while a wrong mask or a ring slot lost to the padding moves far more than that

@@ -110,7 +110,7 @@ def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(ker
     from tests.engine.test_cuda_graphs import EagerGraph
 
     # a capture computes the step once (CUDA's warm-up run does); each replay computes it again
-    monkeypatch.setattr(cuda_graphs, "_capture", lambda step, pool: (EagerGraph(step, out := step()), out))
+    monkeypatch.setattr(cuda_graphs, "capture_graph", lambda step, pool: (EagerGraph(step, out := step()), out))
     model = build_model(tiny_packed_checkpoint(), kernels.device, torch.float32, progress=False, packed=True)
     torch.manual_seed(6)
     pairs = []
