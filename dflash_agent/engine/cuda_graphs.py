@@ -92,6 +92,9 @@ class TargetStepGraphs:
         self.model, self.slots = model, slots
         # a MoE's decode rows take their experts as GEMV rows, but a block's tiles by expert are sized on the host
         self.blocks = model.config.moe is None
+        # a packed head multiplies every step of up to 16 rows in one 16-row tile, so a block's one asked row comes
+        # out of its padded rows as it does alone; a dense head's GEMM may choose its kernel by the rows
+        self.one_row_heads = isinstance(model.output_weight, PackedWeight)
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _TargetGraph] = {}
         self.group_graphs: dict[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], _GroupsGraph] = {}
         # one memory pool for every graph's intermediates (they never run at the same time)
@@ -197,11 +200,11 @@ class TargetStepGraphs:
     def _bucket(self, T: int, cache: KVCache, asked: int) -> int | None:
         """The rows a graphed step of T new tokens over `cache`, asking `asked` rows' logits, pads to, or None where
         no graph takes it: past the largest bucket, the rings' slack or the cache's end; no logits asked; a block
-        asking one row's (its head row runs eagerly: when a lone row took a GEMV, a graph's padded tile rounded it
-        otherwise; now both take the 16-row tile, so a GPU check could let graphs take these too); a MoE's block."""
+        asking one row's where the head is dense (one_row_heads); a MoE's block."""
         bucket = next((b for b in BUCKETS if b >= T), None)
         if (bucket is None or asked == 0 or asked > bucket or cache.length + bucket > cache.max_len
-                or (bucket > 1 and (asked == 1 or bucket > cache.slack + 1 or not self.blocks))):
+                or (bucket > 1 and ((asked == 1 and not self.one_row_heads) or bucket > cache.slack + 1
+                                    or not self.blocks))):
             return None
         return bucket
 

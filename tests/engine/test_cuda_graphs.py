@@ -223,7 +223,8 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
     def beside_a_row(block: RowGroup) -> list[RowGroup]:
         return [block, RowGroup(torch.arange(1), pairs[1][1])]
 
-    # a block asking one row's logits takes the head's row eagerly; a block past the cache's end declines too
+    # a block asking one row's logits of a dense head runs eagerly (its GEMM may choose a kernel by the rows; a packed
+    # head's replays, tests/kernels/test_packed_model.py); a block past the cache's end declines too
     assert graphs.replay_groups(beside_a_row(RowGroup(torch.arange(3), cache)), ()) is None
     near_end = graphed.new_cache(cache.length + 3)
     graphed(torch.arange(cache.length), near_end)

@@ -132,6 +132,15 @@ def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(ker
         assert graphed.length == eager.length
     for eager, graphed in pairs[::2]:  # the block's padding leaves positions past its end in its ring
         assert graphed.ring_pos.tolist() == eager.ring_pos.tolist()
+    # a block asking one row's logits (a prompt's last chunk beside decode rows) replays a graph too: the packed
+    # head takes its one row in the 16-row tile, as alone
+    ids = [torch.randint(0, 64, (n,), device=kernels.device) for n in (1, 3)]
+    asked = [None, torch.tensor([2], device=kernels.device)]
+    groups = [RowGroup(i, graphed, a) for i, a, (_, graphed) in zip(ids, asked, pairs, strict=False)]
+    outs = cuda_graphs.TargetStepGraphs(model).replay_groups(groups, ())
+    assert outs is not None
+    for i, (eager, _) in enumerate(pairs[:2]):
+        assert torch.equal(outs[i].logits, model(ids[i], eager, asked[i]).logits)
 
 
 @pytest.mark.parametrize("kind,kv_dtype", [("dense", "auto"), ("dense", "q8"), ("moe", "auto"), ("ple", "auto")])
@@ -163,7 +172,8 @@ def test_graphs_captured_on_a_gpu_replay_what_eager_steps_give(kernels, kind, kv
         steps = [sizes for sizes in steps if max(sizes) == 1]
     for sizes in steps:
         ids = [torch.randint(0, 64, (n,), device=device) for n in sizes]
-        asked = [torch.arange(n, device=device) for n in sizes]
+        # a block of 3 asks its last row's logits only (a prompt's last chunk): graphed too, the head being packed
+        asked = [torch.arange(n, device=device) if n != 3 else torch.tensor([2], device=device) for n in sizes]
         if len(sizes) == 1:
             outs = [graphs.replay(ids[0], pairs[0][1], asked[0], (0,))]
         else:
