@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
 from .config import ModelConfig
+from .cuda_graphs import BUCKETS, MAX_GROUP_GRAPHS
 from .drafter import DrafterCache, DrafterConfig, DrafterError
 from .errors import MemoryPlanError, OptionError
 from .host_memory import available_ram_bytes
@@ -181,6 +182,11 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
     if drafter is not None:
         # captured target features of a prefill chunk, and the drafter's fc projection of them
         items["workspace: drafter features"] = T * (len(drafter.target_layer_ids) + 1) * h * dtype_bytes
+        # every CUDA step graph keeps its rows' captured target layers, which its replays overwrite
+        # (engine.cuda_graphs): a slot's own graphs one a bucket, and up to MAX_GROUP_GRAPHS of several slots' rows,
+        # a block a slot at most
+        rows = slots * sum(BUCKETS) + (MAX_GROUP_GRAPHS * slots * VERIFY_ROWS if slots > 1 else 0)
+        items["workspace: step graphs' captured features"] = rows * len(drafter.target_layer_ids) * h * dtype_bytes
     items["workspace: runtime allowance"] = RUNTIME_ALLOWANCE
     return items
 

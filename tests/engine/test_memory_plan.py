@@ -87,6 +87,18 @@ def test_plan_itemises_and_totals() -> None:
         plan_memory(config, GiB, 0)
 
 
+def test_step_graphs_captured_features_are_planned() -> None:
+    """Each CUDA step graph keeps its rows' captured target layers (the drafter's features): 31 rows a slot for its
+    own buckets (1, 2, 4, 8, 16), and 32 graphs of several slots' blocks."""
+    config, dconfig = gemma4_31b_config(), gemma4_31b_drafter_config()
+    row = len(dconfig.target_layer_ids) * config.hidden_size * 2
+    key = "workspace: step graphs' captured features"
+    one = plan_memory(config, 10 * GiB, 4096, drafter=DrafterPlan(dconfig, "q8"))
+    four = plan_memory(config, 10 * GiB, 4096, drafter=DrafterPlan(dconfig, "q8"), slots=4)
+    assert one.items[key] == 31 * row and four.items[key] == (4 * 31 + 32 * 4 * 16) * row
+    assert key not in plan_memory(config, 10 * GiB, 4096, slots=4).items
+
+
 def test_fit_context_picks_the_largest_and_refuses_what_does_not_fit() -> None:
     config = gemma4_31b_config()
     weights = 16 * GiB
