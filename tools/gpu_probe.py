@@ -65,7 +65,7 @@ def steps_part(out: dict) -> None:
     dtype = torch.bfloat16
     config = synthetic.gemma4_31b_config()
     target = synthetic.build_synthetic_target(config, "Q4_0", device, dtype)
-    choose_cuda_tiles(target)
+    choose_cuda_tiles(target.matmul_weights())
     cache = target.new_cache(2 * CONTEXT)
     one = torch.zeros(1, dtype=torch.long, device=device)
     block = torch.zeros(16, dtype=torch.long, device=device)

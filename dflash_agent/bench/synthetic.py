@@ -396,7 +396,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     started = time.perf_counter()
     target = build_synthetic_target(config, quant, device, dtype)
     if cuda:
-        choose_cuda_tiles(target)  # as Engine.load does
+        choose_cuda_tiles(target.matmul_weights())  # as Engine.load does
     drafter = build_synthetic_drafter(dconfig, config.hidden_size, draft_quant, device, dtype)
     log.info("built the synthetic %s %s target and %s drafter in %.0f s", model, quant, draft_quant,
              time.perf_counter() - started)

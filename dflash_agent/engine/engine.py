@@ -177,7 +177,7 @@ class Engine:
         net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
         if torch_device.type == "cuda":
-            choose_cuda_tiles(net)  # before the graphs capture the launches
+            choose_cuda_tiles(net.matmul_weights())  # before the graphs capture the launches
         enable_cuda_graphs(net, parallel)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
         drafter: Drafter | MtpDrafter | None = None
         if draft_path is not None and mtp:

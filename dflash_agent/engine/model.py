@@ -753,6 +753,11 @@ class GemmaModel(nn.Module):
         """The LM head [vocab, hidden] (the embedding when tied); the DFlash drafter reads it too."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """The matrices steps multiply by (every Linear's and the LM head), not those only looked up (embeddings)."""
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear)] + [self.output_weight]
+        return list({id(w): w for w in weights}.values())
+
     def logits(self, hidden: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
         """rows: hidden [n, hidden] holds several sequences' rows (StepRows), each computed as alone."""
         logits = None if self.cpu_layers is None or rows is not None else self.cpu_layers.logits(hidden)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -257,12 +258,13 @@ class PackedWeight(torch.Tensor):
 TILE_TUNING_FILE = "kernel-tuning.json"  # under the cache root: kernels.quant_tuning's choices, by GPU
 
 
-def choose_cuda_tiles(model: torch.nn.Module, path: Path | None = None) -> None:
-    """Give each packed CUDA matrix of at least TUNED_WEIGHTS weights the decode / verification tile timed fastest on
-    its GPU (kernels.quant_tuning): each shape timed once, then read from `path` (default: TILE_TUNING_FILE under
-    the cache root)."""
-    weights = [b for b in model.buffers() if isinstance(b, PackedWeight) and b.dim() == 2 and b.is_cuda
-               and b.shape.numel() >= TUNED_WEIGHTS]
+def choose_cuda_tiles(matrices: Iterable[torch.Tensor], path: Path | None = None) -> None:
+    """Give each packed CUDA matrix of `matrices` (those steps multiply by: GemmaModel.matmul_weights) of at least
+    TUNED_WEIGHTS weights the decode / verification tile timed fastest on its GPU (kernels.quant_tuning): each shape
+    timed once, then read from `path` (default: TILE_TUNING_FILE under the cache root). A shape the GPU has no memory
+    left to time keeps the default."""
+    weights = [w for w in matrices if isinstance(w, PackedWeight) and w.dim() == 2 and w.is_cuda
+               and w.shape.numel() >= TUNED_WEIGHTS]
     if not weights:
         return
     from ..kernels.quant_tuning import TileTuning
@@ -273,13 +275,20 @@ def choose_cuda_tiles(model: torch.nn.Module, path: Path | None = None) -> None:
     if untimed:
         log.info("timing the decode tiles of %d matrix shapes on this GPU (once: kept in %s)", untimed,
                  tuning.path)
-    chosen: dict[tuple, TileChoice] = {}
-    for w in weights:
-        key = (w.packed.qtype, *w.shape, w.dtype)
-        if key not in chosen:
-            chosen[key] = tuning.choose(w.packed.raw, *key)
-        w.tile = chosen[key]
-    torch.cuda.empty_cache()  # the timing's weight copies
+    chosen: dict[tuple, TileChoice | None] = {}
+    try:
+        for w in weights:
+            key = (w.packed.qtype, *w.shape, w.dtype)
+            if key not in chosen:
+                try:
+                    chosen[key] = tuning.choose(w.packed.raw, *key)
+                except torch.cuda.OutOfMemoryError:
+                    log.warning("no GPU memory left to time %s %s's tiles: the default serves", key[0].name,
+                                list(w.shape))
+                    chosen[key] = None
+            w.tile = chosen[key]
+    finally:
+        torch.cuda.empty_cache()  # the timing's weight copies
 
 
 def _row_slices(packed: PackedTensor, dequantized: bool = True):

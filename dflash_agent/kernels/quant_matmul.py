@@ -456,7 +456,8 @@ class QuantMatmulLaunch:
     def __call__(self) -> None:
         self.launch()
         if self.partials is not None:
-            torch.sum(self.partials, dim=0, out=self.y)  # summed in float32, rounded once to y's dtype
+            # summed in float32, then rounded once (a sum with out= in y's dtype would round each partial first)
+            self.y.copy_(self.partials.sum(dim=0))
 
 
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int,

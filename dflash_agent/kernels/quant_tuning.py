@@ -19,14 +19,18 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from . import quant_matmul as qm
+from . import triton_support
 from .capture import capture_graph
 from .dispatch import VERIFY_ROWS
 
@@ -34,7 +38,11 @@ log = logging.getLogger(__name__)
 
 SPLITS = (1, 2, 4, 8)
 ROTATED_BYTES = 256 << 20  # weight copies timed in turn: several times an H200's 50 MB of L2
+MAX_COPIES = 128
 Cost = Callable[[qm.TileChoice], float]  # microseconds of a decode row plus a verification block
+# what a candidate that does not fit this card raises: too much shared memory or too many registers to launch, a
+# compile the backend refuses, or no memory left for its split's partial sums
+UNFIT = (OutOfResources, CompilationError, torch.cuda.OutOfMemoryError)
 
 
 def tile_shapes(qtype: GGMLQuantizationType) -> list[qm.LaunchShape]:
@@ -54,11 +62,13 @@ def choose_tile(qtype: GGMLQuantizationType, n: int, k: int, sms: int, cost: Cos
     def timed(choice: qm.TileChoice) -> float:
         try:
             return cost(choice)
-        except Exception as exc:  # noqa: BLE001 (out of shared memory or registers on this card: not a candidate)
+        except UNFIT as exc:  # not a candidate on this card; anything else is a bug, or a GPU in trouble
             log.debug("tile %s does not run: %s", choice, exc)
             return float("inf")
 
     times: dict[qm.TileChoice, float] = {}
+    # the default once untimed first: clocks ramp up, and the baseline the log reports is timed warm
+    timed(qm.TileChoice(tile_shapes(qtype)[0], qm.default_split(qtype, n, k, tile_shapes(qtype)[0], sms)))
     for shape in tile_shapes(qtype):
         choice = qm.TileChoice(shape, qm.default_split(qtype, n, k, shape, sms))
         times[choice] = timed(choice)
@@ -97,14 +107,15 @@ def graphed_ms(fn: Callable[[], None], calls: int = 4, replays: int = 5) -> floa
 
 def graphed_cost(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, dtype: torch.dtype) -> Cost:
     """The cost of a TileChoice for the matrix in `raw` (packed, on CUDA): a decode row and a verification block
-    against each of its copies in turn, microseconds per copy."""
-    copies = [raw] + [raw.clone() for _ in range(min(15, ROTATED_BYTES // raw.numel()))]
+    against each of its copies in turn (ROTATED_BYTES of them, at most MAX_COPIES), microseconds per copy."""
+    copies = [raw] + [raw.clone() for _ in range(min(MAX_COPIES, -(-ROTATED_BYTES // raw.numel())) - 1)]
     generator = torch.Generator(device=raw.device).manual_seed(0)
     xs = [torch.randn(m, k, device=raw.device, dtype=dtype, generator=generator) for m in (1, VERIFY_ROWS)]
     ys = [torch.empty(x.shape[0], n, device=raw.device, dtype=dtype) for x in xs]
 
     def cost(choice: qm.TileChoice) -> float:
-        launches = [qm.quant_matmul_launch(x, w, qtype, y, tile=choice) for w in copies for x, y in zip(xs, ys)]
+        # every copy's decode row, then every copy's block: no launch reads what the one before it left in L2
+        launches = [qm.quant_matmul_launch(x, w, qtype, y, tile=choice) for x, y in zip(xs, ys) for w in copies]
 
         def run() -> None:
             for launch in launches:
@@ -117,7 +128,8 @@ def graphed_cost(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int,
 
 def _kept_choice(kept: object, qtype: GGMLQuantizationType, k: int) -> qm.TileChoice | None:
     """The TileChoice a tuning file's entry names, if it is one of tile_shapes' with a split K allows."""
-    if not isinstance(kept, dict):
+    fields = ("block_n", "num_warps", "blocks", "num_stages", "split")
+    if not isinstance(kept, dict) or any(type(kept.get(f)) is not int for f in fields):  # 64.0 or True: not a tile
         return None
     shape = qm.LaunchShape(VERIFY_ROWS, kept.get("block_n"), kept.get("num_warps"), kept.get("blocks"),
                            num_stages=kept.get("num_stages"))
@@ -128,20 +140,25 @@ def _kept_choice(kept: object, qtype: GGMLQuantizationType, k: int) -> qm.TileCh
 
 
 def _kernel_source_hash() -> str:
-    return hashlib.sha256(Path(qm.__file__).read_bytes()).hexdigest()[:12]
+    """The kernel's source and its compile options' (triton_support): a change to either times the tiles again."""
+    digest = hashlib.sha256()
+    for module in (qm, triton_support):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 class TileTuning:
-    """Tile choices for one GPU (its name and SM count), timed on first use of a matrix shape and kept in `path`
-    (None: this process only)."""
+    """Tile choices for one GPU (its name and SM count; torch, Triton and the kernel's source), timed on first use of
+    a matrix shape and kept in `path` (None: this process only)."""
 
     def __init__(self, device_name: str, sms: int, path: Path | None) -> None:
         self.sms, self.path = sms, path
-        self.prefix = f"{device_name}|triton {triton.__version__}|{_kernel_source_hash()}"
+        self.prefix = (f"{device_name}|{sms} SMs|torch {torch.__version__}|triton {triton.__version__}|"
+                       f"{_kernel_source_hash()}")
         self.choices: dict[str, dict] = {}
-        if path is not None and path.exists():
+        if path is not None:
             try:
-                self.choices = json.loads(path.read_text())
+                self.choices = json.loads(path.read_text()) if path.exists() else {}
                 if not isinstance(self.choices, dict):
                     raise ValueError("not a JSON object")
             except (OSError, ValueError) as exc:
@@ -172,6 +189,9 @@ class TileTuning:
                 return kept
             log.warning("the kernel tuning file's entry for %s is not a tile: timed again", key)
         choice, measured = choose_tile(qtype, n, k, self.sms, cost or graphed_cost(raw, qtype, n, k, dtype))
+        if measured["best_us"] == float("inf"):  # nothing ran: the default, timed again at the next load
+            log.warning("no tile of %s [%d, %d] could be timed on this GPU: the default serves", qtype.name, n, k)
+            return choice
         shape = choice.shape
         log.info("%s [%d, %d]: tile of %d columns, %d warps, %d stages, %d blocks a step, K split %d: %.1f us "
                  "(default %.1f us; %d timed)", qtype.name, n, k, shape.block_n, shape.num_warps, shape.num_stages,
@@ -191,8 +211,13 @@ class TileTuning:
                 self.choices = {**on_disk, **self.choices} if isinstance(on_disk, dict) else self.choices
             except (OSError, ValueError):
                 pass
-            temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
-            os.replace(temporary, self.path)
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            try:
+                with os.fdopen(handle, "w") as file:
+                    json.dump(self.choices, file, indent=1, sort_keys=True)
+                os.replace(temporary, self.path)
+            except BaseException:
+                os.unlink(temporary)
+                raise
         except OSError as exc:
             log.warning("could not keep the kernel tuning in %s (%s): the next load times again", self.path, exc)

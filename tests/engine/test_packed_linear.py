@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from dflash_agent.engine.config import ModelConfig
-from dflash_agent.engine.model import GemmaModel
+from dflash_agent.engine.model import GemmaModel, Linear
 from dflash_agent.engine.packed_linear import PACKED_TYPES, PackedWeight
 from dflash_agent.engine.quant import PackedTensor, dequantize
 from dflash_agent.engine.weights import Checkpoint, build_model
@@ -131,6 +131,17 @@ def test_gemma4_family_packed_is_bit_identical(kind) -> None:
         assert isinstance(packed.embed_tokens_per_layer.weight, PackedWeight)
     for a, b in zip(run_steps(plain), run_steps(packed), strict=True):
         assert torch.equal(a, b)
+
+
+def test_matmul_weights_are_the_linears_and_the_head() -> None:
+    """What choose_cuda_tiles times: every matrix a step multiplies by, not the per-layer embedding (PLE), which is
+    only looked up."""
+    model = build_model(tiny_packed_checkpoint(config=tiny_family_config("ple")), "cpu", torch.float32,
+                        progress=False, packed=True)
+    weights = {id(w) for w in model.matmul_weights()}
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    assert weights == linears | {id(model.output_weight)} and len(model.matmul_weights()) == len(weights)
+    assert id(model.embed_tokens_per_layer.weight) not in weights
 
 
 def test_default_is_packed_only_on_cuda() -> None:

@@ -66,9 +66,11 @@ def test_choose_tile_takes_the_cheapest_shape_then_split(kernels) -> None:
     assert shapes[0] == default and len(shapes) == len(set(shapes)) == 24
     fastest = qm.LaunchShape(16, 32, 8, 8, num_stages=3)
 
+    from triton.runtime.errors import OutOfResources
+
     def cost(choice) -> float:
         if choice.shape.block_n == 128:
-            raise RuntimeError("out of resources: shared memory")  # does not compile for this card
+            raise OutOfResources(300000, 232448, "shared memory")  # does not launch on this card
         return (10.0 if choice.shape == fastest else 20.0) + abs(choice.split - 2)
 
     calls: list = []
@@ -76,16 +78,24 @@ def test_choose_tile_takes_the_cheapest_shape_then_split(kernels) -> None:
     assert best == qm.TileChoice(fastest, 2)
     default_split = qm.default_split(T.Q4_0, n, k, default, sms)
     assert measured == {"default_us": cost(qm.TileChoice(default, default_split)), "best_us": 10.0,
-                        "timed": len(calls)}
-    # every shape once at its default split, then the fastest shape at the splits not yet timed
+                        "timed": len(set(calls))}
+    # the default warms up, then every shape once at its default split, then the fastest shape at the splits not
+    # yet timed
     steps = qm.k_steps(T.Q4_0, k, fastest)
-    assert len(calls) == len(set(calls)) == 24 + sum(1 for s in qt.SPLITS if steps % s == 0) - 1
+    assert calls[0] == calls[1] == qm.TileChoice(default, default_split)
+    assert len(calls) - 1 == len(set(calls)) == 24 + sum(1 for s in qt.SPLITS if steps % s == 0) - 1
+
+    def unfit(choice) -> float:
+        raise OutOfResources(1, 0, "registers")
+
+    best, measured = qt.choose_tile(T.Q4_0, n, k, sms, unfit)
+    assert best == qm.TileChoice(default, default_split) and measured["best_us"] == float("inf")
 
     def broken(choice) -> float:
-        raise RuntimeError("no GPU")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    best, measured = qt.choose_tile(T.Q4_0, n, k, sms, broken)
-    assert best == qm.TileChoice(default, default_split) and measured["best_us"] == float("inf")
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # a GPU in trouble is not an unfit tile
+        qt.choose_tile(T.Q4_0, n, k, sms, broken)
 
 
 def test_tile_choices_are_kept_per_gpu(kernels, tmp_path, caplog) -> None:
@@ -124,6 +134,21 @@ def test_tile_choices_are_kept_per_gpu(kernels, tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         qt.TileTuning("NVIDIA H200", 132, path).choose(raw, T.Q4_K, 8192, 4096, torch.bfloat16, cost_on("h200"))
         assert timed and "not a tile" in caplog.text
+        # a tile size read back as 64.0 is not a tile either
+        entries = json.loads(path.read_text())
+        entries[key]["block_n"] = float(entries[key]["block_n"])
+        path.write_text(json.dumps(entries))
+        assert qt.TileTuning("NVIDIA H200", 132, path).kept(T.Q4_K, 8192, 4096, torch.bfloat16) is None
+        # a shape no tile of which runs serves the default, and is not kept (timed again at the next load)
+        from triton.runtime.errors import OutOfResources
+
+        def unfit(choice) -> float:
+            raise OutOfResources(1, 0, "shared memory")
+
+        tuning = qt.TileTuning("NVIDIA H200", 132, path)
+        assert tuning.choose(raw, T.Q6_K, 4096, 4096, torch.bfloat16, unfit).shape == qm.launch_shape(1, T.Q6_K)
+        assert "could be timed" in caplog.text and tuning.kept(T.Q6_K, 4096, 4096, torch.bfloat16) is None
+        assert not any("Q6_K" in kept for kept in json.loads(path.read_text()))
         path.write_text("{not json")
         fresh = qt.TileTuning("NVIDIA H200", 132, path)
         assert fresh.choices == {} and "ignoring the kernel tuning file" in caplog.text
@@ -154,11 +179,8 @@ def test_tiles_are_timed_on_the_gpu(tmp_path) -> None:
     n, k = 2048, 4096  # TUNED_WEIGHTS: the smallest that is timed
     raw = random_weight(T.Q4_K, n, k, seed=2).cuda()
     weights = [PackedWeight(PackedTensor(raw, T.Q4_K, (n, k)), torch.bfloat16) for _ in range(2)]
-    module = torch.nn.Module()
-    for i, w in enumerate(weights):
-        module.register_buffer(f"w{i}", w)
     path = tmp_path / TILE_TUNING_FILE
-    choose_cuda_tiles(module, path)
+    choose_cuda_tiles(weights, path)
     tile = weights[0].tile
     assert tile is not None and tile is weights[1].tile and tile.shape in tile_shapes(T.Q4_K)
     (entry,) = json.loads(path.read_text()).values()
