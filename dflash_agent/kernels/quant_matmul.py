@@ -74,7 +74,8 @@ class LaunchShape:
 class TileChoice:
     """One matrix's launch for every step of up to VERIFY_ROWS rows (a decode row, a verification block, several
     sequences' steps): the tile shape and the ways K splits, fixed per matrix, so every such step rounds alike.
-    kernels.quant_tuning chooses it by timing on the GPU that runs it; without one, `launch_shape` and `split_k`."""
+    kernels.quant_tuning chooses it by timing on the GPU that runs it; without one, `launch_shape` and
+    `default_split`."""
 
     shape: LaunchShape
     split: int

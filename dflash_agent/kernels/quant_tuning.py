@@ -9,7 +9,8 @@ is kept for every step of up to VERIFY_ROWS rows of that shape: one choice for 1
 as its step alone gives it. The cost timed is a decode row plus a 16-row verification block (what DFlash and several
 slots run), inside a CUDA graph (a Triton launch's host cost is more than a small matrix's GEMV), over copies of the
 weights that together outgrow the L2 cache, as a step's matrices do. Choices are kept in a JSON file keyed by the
-device's name, Triton's version and the kernel's source, so a model loads untimed the second time.
+device's name and SMs, torch's and Triton's versions and the kernel's source, so a model loads untimed the second
+time.
 """
 
 from __future__ import annotations
@@ -66,13 +67,10 @@ def choose_tile(qtype: GGMLQuantizationType, n: int, k: int, sms: int, cost: Cos
             log.debug("tile %s does not run: %s", choice, exc)
             return float("inf")
 
-    times: dict[qm.TileChoice, float] = {}
-    # the default once untimed first: clocks ramp up, and the baseline the log reports is timed warm
-    timed(qm.TileChoice(tile_shapes(qtype)[0], qm.default_split(qtype, n, k, tile_shapes(qtype)[0], sms)))
-    for shape in tile_shapes(qtype):
-        choice = qm.TileChoice(shape, qm.default_split(qtype, n, k, shape, sms))
-        times[choice] = timed(choice)
-    default = next(iter(times))  # launch_shape's, untuned
+    candidates = [qm.TileChoice(shape, qm.default_split(qtype, n, k, shape, sms)) for shape in tile_shapes(qtype)]
+    default = candidates[0]  # launch_shape's, untuned
+    timed(default)  # once untimed first: clocks ramp up, and the baseline the log reports is timed warm
+    times = {choice: timed(choice) for choice in candidates}
     best = min(times, key=times.__getitem__)
     steps = qm.k_steps(qtype, k, best.shape)
     for split in SPLITS:
@@ -139,6 +137,16 @@ def _kept_choice(kept: object, qtype: GGMLQuantizationType, k: int) -> qm.TileCh
     return qm.TileChoice(shape, split)
 
 
+def _read_choices(path: Path) -> dict:
+    """A tuning file's entries ({} where there is none yet); ValueError where it is not a JSON object."""
+    if not path.exists():
+        return {}
+    choices = json.loads(path.read_text())
+    if not isinstance(choices, dict):
+        raise ValueError("not a JSON object")
+    return choices
+
+
 def _kernel_source_hash() -> str:
     """The kernel's source and its compile options' (triton_support): a change to either times the tiles again."""
     digest = hashlib.sha256()
@@ -158,12 +166,9 @@ class TileTuning:
         self.choices: dict[str, dict] = {}
         if path is not None:
             try:
-                self.choices = json.loads(path.read_text()) if path.exists() else {}
-                if not isinstance(self.choices, dict):
-                    raise ValueError("not a JSON object")
+                self.choices = _read_choices(path)
             except (OSError, ValueError) as exc:
                 log.warning("ignoring the kernel tuning file %s (%s): tiles are timed again", path, exc)
-                self.choices = {}
 
     @classmethod
     def for_device(cls, device: torch.device, path: Path | None) -> TileTuning:
@@ -182,11 +187,11 @@ class TileTuning:
                dtype: torch.dtype, cost: Cost | None = None) -> qm.TileChoice:
         """The tile of the packed [n, k] matrix in `raw` with `dtype` activations: the kept one, or timed (by
         `cost`, default graphed_cost) and kept."""
+        kept = self.kept(qtype, n, k, dtype)
+        if kept is not None:
+            return kept
         key = self._key(qtype, n, k, dtype)
         if key in self.choices:
-            kept = _kept_choice(self.choices[key], qtype, k)
-            if kept is not None:
-                return kept
             log.warning("the kernel tuning file's entry for %s is not a tile: timed again", key)
         choice, measured = choose_tile(qtype, n, k, self.sms, cost or graphed_cost(raw, qtype, n, k, dtype))
         if measured["best_us"] == float("inf"):  # nothing ran: the default, timed again at the next load
@@ -207,9 +212,8 @@ class TileTuning:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             try:  # another process (or GPU) may have kept its choices since this one read the file
-                on_disk = json.loads(self.path.read_text())
-                self.choices = {**on_disk, **self.choices} if isinstance(on_disk, dict) else self.choices
-            except (OSError, ValueError):
+                self.choices = {**_read_choices(self.path), **self.choices}
+            except ValueError:  # not this process's to mend: replaced by what it knows
                 pass
             handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             try:

@@ -54,4 +54,3 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16 and interpreting():
         return tl.float32
     return tl_dtype(dtype)
-
