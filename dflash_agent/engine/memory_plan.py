@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.dispatch import KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
+from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
 from .config import ModelConfig
 from .cuda_graphs import BUCKETS, MAX_GROUP_GRAPHS
 from .drafter import DrafterCache, DrafterConfig, DrafterError
@@ -178,6 +178,8 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
     # flash-decoding partials of the attention kernel (float32 outputs + log-sum-exp per key chunk), for a verified
     # block's rows or every slot's decode row (model.JointAttention)
     splits = -(-ctx_size // KEYS_PER_CHUNK)
+    if any(s.sliding for s in config.layers):  # a ring's chunks are shorter (kernels.dispatch)
+        splits = max(splits, -(-min(ctx_size, config.sliding_window + DEFAULT_SLACK) // RING_KEYS_PER_CHUNK))
     items["workspace: attention partials"] = splits * max(SPLIT_ROWS, slots) * heads * (max_d + 1) * 4
     if drafter is not None:
         # captured target features of a prefill chunk, and the drafter's fc projection of them

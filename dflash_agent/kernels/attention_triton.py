@@ -1,9 +1,10 @@
 """The Triton kernels behind kernels.attention.cache_attention: flash-decoding over a KV cache masked by positions.
 
-Programs split the keys into chunks (decode and verification steps), keep an online softmax over their
-chunk for a tile of (query token, query head) rows of one KV head, and a second kernel combines the chunks by
-their log-sum-exp. int8 caches are scaled as they are read. Tile sizes: `_tiles`, checked by
-`dflash-agent bench --kernels` (compiled for sm_86 / 89 / 90 / 120, no GPU needed).
+Programs split the keys into chunks (decode and verification steps; a sliding ring's are shorter, its keys being
+few whatever the context: kernels.dispatch), keep an online softmax over their chunk for a tile of (query token,
+query head) rows of one KV head, and a second kernel combines the chunks by their log-sum-exp. int8 caches are
+scaled as they are read. Tile sizes: `_tiles`, checked by `dflash-agent bench --kernels` (compiled for sm_86 / 89 /
+90 / 120, no GPU needed).
 
 Several requests' decode rows (one query token each, over its own cache) share one launch of each kernel
 (`rows_attention_launch`): a program serves one row as the launch of that row alone would (the same tile, keys
@@ -22,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .attention import NO_WINDOW, OFFSET_ALIGN, blocked_scales
-from .dispatch import KEYS_PER_CHUNK, SPLIT_ROWS
+from .dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS
 from .triton_support import Launch, dot_dtype
 
 
@@ -249,8 +250,10 @@ def _launches(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | No
     tiles = _tiles(d, quantized)
     rows = group if rows_mode else T * group  # the rows of one program's query tokens
     block_r = min(tiles.rows, max(16, triton.next_power_of_2(rows)))
-    splits = triton.cdiv(S, KEYS_PER_CHUNK) if T <= SPLIT_ROWS or rows_mode else 1
-    chunk = KEYS_PER_CHUNK if splits > 1 else S
+    # a slot -> position map is a sliding ring's (fixed length: a window's keys); slot = position, a full cache's
+    keys_per_chunk = RING_KEYS_PER_CHUNK if k_pos is not None else KEYS_PER_CHUNK
+    splits = triton.cdiv(S, keys_per_chunk) if T <= SPLIT_ROWS or rows_mode else 1
+    chunk = keys_per_chunk if splits > 1 else S
     out = torch.empty_like(q)
     if splits > 1:
         partial = torch.empty(splits, T, H, d, device=q.device, dtype=torch.float32)

@@ -158,9 +158,10 @@ def test_report_writes_json_and_png(tmp_path) -> None:
     assert json.loads(printed)["plan"]["total_bytes"] == plan.total_bytes
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "decode at" in synthetic.report(result, out, as_json=False)
-    result.streams = [synthetic.StreamsSpeed(4, 1024, 8.0, 2.0, 3.6, 12.0)]
-    assert "4 streams at 1024:     8.0 tok/s together, 2.0 each, 3.60x one stream" in \
-        synthetic.report(result, out, as_json=False)
+    result.streams = [synthetic.StreamsSpeed(1, 1024, "q8", 2.5, 2.5, 1.0, 4.0),
+                      synthetic.StreamsSpeed(4, 1024, "q8", 9.0, 2.25, 3.6, 14.8)]
+    assert ("4 streams at 1024, q8 KV:     9.0 tok/s together, 2.2 each, 3.60x one stream, roofline 14.8 (3.70x one)"
+            in synthetic.report(result, out, as_json=False))
 
 
 @pytest.mark.parametrize("layout", ["dense", "moe"])
@@ -196,12 +197,16 @@ def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
     total_ms = result.drafter_step_ms + result.verify16_ms + result.append_context_ms
     assert result.dflash_projected_tok_s["6"] == pytest.approx(6e3 / total_ms)
     assert result.plan["ctx_size"] == 64 and not result.goals["peak <= 23 GiB"]
-    # the slots: 1, 4 and 8 streams decoding together at the shortest context, against one stream
-    assert [(st.streams, st.context) for st in result.streams] == [(1, 32), (4, 32), (8, 32)]
-    assert result.streams[0].over_one_stream == 1.0
+    # the slots: 1, 4 and 8 streams decoding together at the shortest context, against one stream with the same
+    # KV cache (the default, then 8-bit)
+    assert [(st.streams, st.context, st.kv_cache) for st in result.streams] == [
+        (n, 32, kv) for kv in ("auto", "q8") for n in (1, 4, 8)]
+    one = {st.kv_cache: st for st in result.streams if st.streams == 1}
+    assert one["auto"].over_one_stream == one["q8"].over_one_stream == 1.0
     for st in result.streams:
         assert st.tok_s > 0 and st.per_stream_tok_s == pytest.approx(st.tok_s / st.streams)
-        assert st.over_one_stream == pytest.approx(st.tok_s / result.streams[0].tok_s)
+        assert st.over_one_stream == pytest.approx(st.tok_s / one[st.kv_cache].tok_s)
         assert st.roofline_tok_s > result.decode[0].roofline_tok_s * (st.streams > 1)  # the weights read once
         assert st.verify16_ms > 0 and st.verify16_ms_eager > 0  # each stream's block in one step
+    assert one["q8"].roofline_tok_s > one["auto"].roofline_tok_s  # half the KV bytes
     assert "4 streams >= 3.5x one" in result.goals

@@ -7,6 +7,7 @@ import torch
 
 from dflash_agent.bench.synthetic import build_synthetic_drafter, gemma4_31b_config, gemma4_31b_drafter_config
 from dflash_agent.engine.drafter import DrafterConfig
+from dflash_agent.engine.kv_cache import DEFAULT_SLACK
 from dflash_agent.engine.memory_plan import (
     DrafterPlan,
     GiB,
@@ -21,6 +22,7 @@ from dflash_agent.engine.memory_plan import (
 )
 from dflash_agent.engine.packed_linear import PackedWeight
 from dflash_agent.engine.weights import build_model
+from dflash_agent.kernels.dispatch import SPLIT_ROWS
 from tests.engine.test_packed_linear import tiny_gemma4_config, tiny_packed_checkpoint
 
 
@@ -97,6 +99,24 @@ def test_step_graphs_captured_features_are_planned() -> None:
     four = plan_memory(config, 10 * GiB, 4096, drafter=DrafterPlan(dconfig, "q8"), slots=4)
     assert one.items[key] == 31 * row and four.items[key] == (4 * 31 + 32 * 4 * 16) * row
     assert key not in plan_memory(config, 10 * GiB, 4096, slots=4).items
+
+
+@pytest.mark.parametrize("ctx", [1024, 32768])
+def test_attention_partials_hold_what_a_verify_step_allocates(ctx) -> None:
+    """The attention kernel's float32 partials (kernels.attention_triton) for a verified block over each layer kind's
+    cache: a ring's shorter chunks are the most at a short context, the full layers' at a long one."""
+    from dflash_agent.kernels.attention_triton import cache_attention_launch
+
+    config, meta = gemma4_31b_config(), torch.device("meta")
+    planned = plan_memory(config, 10 * GiB, ctx).items["workspace: attention partials"]
+    for spec in {(s.sliding, s.head_dim, s.num_kv_heads): s for s in config.layers}.values():
+        slots = min(ctx, config.sliding_window + DEFAULT_SLACK) if spec.sliding else ctx
+        q = torch.empty(SPLIT_ROWS, config.num_heads, spec.head_dim, device=meta)
+        kv = torch.empty(slots, spec.num_kv_heads, spec.head_dim, device=meta)
+        k_pos = torch.empty(slots, dtype=torch.long, device=meta) if spec.sliding else None
+        launch = cache_attention_launch(q, kv, kv, q[:, 0, 0].long(), k_pos, config.sliding_window, 1.0).launch
+        partial, lse = launch.args[9:11]
+        assert partial.nbytes + lse.nbytes <= planned, (spec.sliding, ctx)
 
 
 def test_fit_context_picks_the_largest_and_refuses_what_does_not_fit() -> None:

@@ -70,6 +70,10 @@ CASES = {
     "decode-ring-d256": (ring, dict(T=1, end=45, window=16, slack=4, heads=4, kv_heads=2, d=256)),
     "verify-ring-wrapped": (ring, dict(T=4, end=70, window=16, slack=4, heads=4, kv_heads=2, d=256)),
     "decode-ring-not-full": (ring, dict(T=1, end=9, window=16, slack=4, heads=4, kv_heads=2, d=256)),
+    # rings longer than RING_KEYS_PER_CHUNK: chunks of their own, and chunks of only empty slots while not yet full
+    "decode-ring-split-chunks": (ring, dict(T=1, end=700, window=300, slack=16, heads=2, kv_heads=1, d=64)),
+    "verify-ring-split-chunks": (ring, dict(T=4, end=450, window=200, slack=16, heads=4, kv_heads=2, d=64)),
+    "decode-ring-split-not-full": (ring, dict(T=1, end=100, window=300, slack=16, heads=2, kv_heads=1, d=64)),
 }
 
 
@@ -176,9 +180,9 @@ def test_rows_of_several_caches_come_out_as_each_alone(kernels, layer, cache) ->
     attn, at = kernels.load("attention"), kernels.load("attention_triton")
     torch.manual_seed(5)
     dtype = torch.float32 if cache == "float32" else torch.bfloat16
-    heads, kv_heads, d, window = 4, 2, 256, (None if layer == "full" else 40)
-    slots = 1100 if layer == "full" else 48  # a full cache of three key chunks
-    ends = [37, 1050, 600] if layer == "full" else [30, 90, 47]  # rings: not yet full, wrapped, wrapped
+    heads, kv_heads, d, window = 4, 2, 256, (None if layer == "full" else 200)
+    slots = 1100 if layer == "full" else 210  # a full cache of three key chunks, a ring of two
+    ends = [37, 1050, 600] if layer == "full" else [30, 500, 247]  # rings: not yet full, wrapped, wrapped
     rows = []
     for end in ends:
         k, v = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
@@ -226,3 +230,18 @@ def test_rows_of_several_caches_come_out_as_each_alone(kernels, layer, cache) ->
     LayerKV(*first[:2], layer == "ring", *first[2:]).write_rows(slot, new_k, new_v, offsets)
     for (tensors, _), layer_kv in zip(rows, want, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(tensors, layer_kv.storage(), strict=True))
+
+
+def test_a_ring_splits_into_shorter_chunks_than_a_full_cache(kernels) -> None:
+    """Decode programs: a sliding ring of the 31B's shape (1040 slots, 16 KV heads) splits at RING_KEYS_PER_CHUNK, so
+    one row makes more programs than an H200 has SMs; a full cache keeps KEYS_PER_CHUNK, whose partials the memory
+    plan sizes by the context."""
+    at, dispatch = kernels.load("attention_triton"), kernels.load("dispatch")
+    meta = torch.device("meta")
+    q, q_pos = torch.empty(1, 32, 256, device=meta), torch.empty(1, dtype=torch.long, device=meta)
+    kv = torch.empty(1040, 16, 256, device=meta)
+    ring = at.cache_attention_launch(q, kv, kv, q_pos, torch.empty(1040, dtype=torch.long, device=meta), 1024, 1.0)
+    full = at.cache_attention_launch(q, kv, kv, q_pos, None, None, 1.0)
+    chunks = -(-1040 // dispatch.RING_KEYS_PER_CHUNK)
+    assert ring.launch.grid == (1, chunks, 16) and chunks * 16 > 132
+    assert full.launch.grid == (1, -(-1040 // dispatch.KEYS_PER_CHUNK), 16)
