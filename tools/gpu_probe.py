@@ -6,7 +6,7 @@ Run on a GPU machine from a checkout (the lent one: `tools/device-gpu-check.sh p
 
 It writes OUT_DIR/probe.json (after each part, so a run stopped at its limit keeps what it measured) and logs:
 - kernels: the CUDA kernels of one step (eager decode, 4 requests' decode rows, a 16-token verification, a graphed
-  decode), by total time per step, from torch.profiler;
+  decode, a DFlash drafter's step), by total time per step, from torch.profiler;
 - gemv: kernels.quant_tuning's timing of every candidate tile (a decode row plus a 16-row verification block) over
   the 31B's MLP shapes and a K projection's, beside cuBLAS multiplying the same matrix in bf16, timed in CUDA graphs
   (a Triton launch's host cost is more than a GEMV's time).
@@ -26,7 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_agent.bench import synthetic
-from dflash_agent.engine.cuda_graphs import enable_cuda_graphs
+from dflash_agent.engine.cuda_graphs import DraftStepGraph, enable_cuda_graphs
 from dflash_agent.engine.model import RowGroup
 from dflash_agent.engine.packed_linear import choose_cuda_tiles
 from dflash_agent.kernels import quant_matmul as qm
@@ -104,6 +104,20 @@ def steps_part(out: dict) -> None:
         table["wall_ms"] = round(wall, 2)
         log.info("%s: %.2f ms a step, %.2f ms of kernels in %d launches seen", name, wall, table["kernel_us"] / 1e3,
                  table["launches"])
+    # last, so a failure here loses none of the above: a DFlash draft as bench --synthetic times it (a block of 16
+    # after the context, the LM head on 15 rows, argmax): the graph's wall time, and its kernels run eagerly
+    drafter = synthetic.build_synthetic_drafter(synthetic.gemma4_31b_drafter_config(), config.hidden_size,
+                                                synthetic.DRAFT_QUANT, device, dtype)
+    dcache = drafter.new_cache(2 * CONTEXT)
+    dcache.length = CONTEXT - 16
+    embeds = target.embed_tokens.weight[block]
+    draft = DraftStepGraph(drafter, target.output_weight, dcache, block=16)
+    wall = synthetic._time_ms(lambda: draft.draft(embeds), 10, device)
+    out["kernels"]["drafter step"] = table = kernel_table(draft._step)  # the inputs the graph's replays left
+    table["wall_ms"] = round(wall, 2)
+    log.info("drafter step: %.2f ms graphed, %.2f ms of kernels in %d launches eagerly\n%s", wall,
+             table["kernel_us"] / 1e3, table["launches"],
+             "\n".join(f"  {k['us']:9.1f} us {k['launches']:6.1f}x  {k['name']}" for k in table["top"]))
 
 
 @torch.inference_mode()
