@@ -64,12 +64,13 @@ DTYPE = torch.bfloat16  # the 31B's activations
 # mma, about 100 there. Unrolled less, it took 85 but a third more instructions a weight, which is what binds.)
 DECODE_REGISTERS = 192
 # Spilled bytes per thread a prefill launch may have, by kernel: only what its docstring shows is harmless.
-PREFILL_SPILL_ALLOWANCE: dict[str, int] = {"quant_matmul": 0, "cache_attention": 0, "combine_chunks": 0}
+PREFILL_SPILL_ALLOWANCE: dict[str, int] = {"quant_matmul": 0, "sum_splits": 0, "cache_attention": 0,
+                                           "combine_chunks": 0}
 
 
 @dataclass
 class KernelConfig:
-    kernel: str  # quant_matmul | cache_attention | combine_chunks (its split keys' combination) | write_rows
+    kernel: str  # quant_matmul | sum_splits (its split K's) | cache_attention | combine_chunks (keys') | write_rows
     phase: str  # decode | slots | verify | prefill
     detail: str  # what distinguishes the compiled kernel
     used_by: list[str]  # model: quantization / weight or layer kind, rows
@@ -119,13 +120,16 @@ def _matmul_launches(model: str, config: ModelConfig,
                 y = torch.empty(tiles * shape.block_m, n, dtype=DTYPE, device=meta)
                 x_rows = torch.empty(tiles * shape.block_m, dtype=torch.int32, device=meta)
                 tile_expert = torch.empty(tiles, dtype=torch.int32, device=meta)
-                launch = grouped_launch(x, raw, qtype, experts, x_rows, tile_expert, y, shape).launch
+                plan = grouped_launch(x, raw, qtype, experts, x_rows, tile_expert, y, shape)
             else:
                 raw = torch.empty(n * (k // block) * type_size, dtype=torch.uint8, device=meta)
                 y = torch.empty(m, n, dtype=DTYPE, device=meta)
-                launch = quant_matmul_launch(x, raw, qtype, y, several_sequences=phase == "slots").launch
+                plan = quant_matmul_launch(x, raw, qtype, y, several_sequences=phase == "slots")
             short = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") else name
-            yield "quant_matmul", phase, f"{qtype.name}", f"{model} {quant}: {short} K={k} M={m}", launch
+            use = f"{model} {quant}: {short} K={k} M={m}"
+            yield "quant_matmul", phase, f"{qtype.name}", use, plan.launch
+            if plan.total is not None:  # K split: the partials' sum
+                yield "sum_splits", phase, f"split={plan.launch.grid[2]}", use, plan.total
 
 
 def _attention_launches(model: str, config: ModelConfig,

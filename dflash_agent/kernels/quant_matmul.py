@@ -448,17 +448,36 @@ def _blocks_per_step(qtype: GGMLQuantizationType, k: int, most: int) -> int:
     return nb
 
 
+# Partial sums add in split order whatever the rows (torch's sum chooses its order by the tensor's sizes), and in one
+# launch, not a sum and a copy: nearly every decode matmul splits, and each launch costs a step ~1 us. M varies with
+# the step's rows: one compiled kernel for all of them.
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # y[m, n] = the float32 sum of partials[0..SPLIT-1, m, n] in that order, rounded once to y's dtype
+    m = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = n < N
+    at = part_ptr + m * N + n
+    total = tl.load(at, mask=n_ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        total += tl.load(at + s * M * N, mask=n_ok, other=0.0)
+    tl.store(y_ptr + m * stride_ym + n, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+SUM_BLOCK = 1024  # outputs a program of _sum_splits_kernel
+
+
 @dataclass(frozen=True)
 class QuantMatmulLaunch:
     launch: Launch
     y: torch.Tensor  # [M, N], written by the kernel when K is not split
     partials: torch.Tensor | None  # [split, M, N] float32 when it is: y is their sum
+    total: Launch | None  # the sum, when K is split
 
     def __call__(self) -> None:
         self.launch()
-        if self.partials is not None:
-            # summed in float32, then rounded once (a sum with out= in y's dtype would round each partial first)
-            self.y.copy_(self.partials.sum(dim=0))
+        if self.total is not None:
+            self.total()
 
 
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, out_features: int,
@@ -540,9 +559,11 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: 
     elif split < 1 or steps % split:
         raise ValueError(f"K of {steps} steps does not split {split} ways")
     nb = _blocks_per_step(qtype, k, shape.blocks)
-    partials = None
+    partials, total = None, None
     if split > 1:
         partials = torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+        total = Launch(_sum_splits_kernel, (triton.cdiv(out_features, SUM_BLOCK), m),
+                       (partials, y, m, out_features, y.stride(0)), dict(SPLIT=split, BLOCK=SUM_BLOCK, num_warps=4))
     out = y if partials is None else partials
     grid = (triton.cdiv(out_features, shape.block_n), triton.cdiv(m, shape.block_m), split)
     # The fp16 scales are read through a half view of the same bytes (every scale sits at an even offset).
@@ -553,7 +574,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, y: 
         dict(FORMAT=_CODES[qtype], NB=nb, BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, DOT=dot_dtype(x.dtype),
              GROUPED=x_rows is not None, GEMV=shape.gemv, num_warps=shape.num_warps, num_stages=shape.num_stages),
     )
-    return QuantMatmulLaunch(launch, y, partials)
+    return QuantMatmulLaunch(launch, y, partials, total)
 
 
 def grouped_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, experts: int,

@@ -101,6 +101,25 @@ def test_split_k_fills_the_sms_with_splits_that_divide_k(kernels) -> None:
     plan = qm.quant_matmul_launch(x, torch.empty(N * K // 32 * 18, dtype=torch.uint8, device="meta"), T.Q4_0,
                                   torch.empty(1, N, device="meta"))
     assert plan.partials is not None and plan.partials.shape == (4, 1, N) and plan.launch.grid[2] == 4
+    assert plan.total is not None and plan.total.meta["SPLIT"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_split_partials_add_in_split_order_and_round_once(kernels, dtype) -> None:
+    """The split K's sum: float32 partials added in split order, whatever the rows, rounded once to y's dtype, into
+    a y whose rows are strided (a view), past one program's outputs."""
+    qm, dev = kernels.load("quant_matmul"), kernels.device
+    if dtype == torch.bfloat16 and dev.type != "cuda":
+        pytest.skip("Triton's interpreter converts to bfloat16 by truncating")
+    from dflash_agent.kernels.triton_support import Launch
+
+    partials = (torch.randn(8, 3, 1500, generator=torch.Generator().manual_seed(3)) * 1e3).to(dev)
+    y = torch.full((3, 1600), -1.0, dtype=dtype, device=dev)[:, :1500]
+    Launch(qm._sum_splits_kernel, (2, 3), (partials, y, 3, 1500, y.stride(0)), dict(SPLIT=8, BLOCK=qm.SUM_BLOCK))()
+    want = partials[0].clone()
+    for s in range(1, 8):
+        want += partials[s]
+    assert torch.equal(y.cpu(), want.to(dtype).cpu())
 
 
 def test_launch_shapes(kernels) -> None:
