@@ -14,10 +14,10 @@ tensors of the shapes the engine passes them:
   blocks) launch the same Q4_0 kernels at its block's rows.
 - attention: each layer kind of the target (sliding head_dim 256 over its ring, full head_dim 512 over the
   cache) with bf16 and q8 KV, at the same rows, where the engine routes them to the kernel (model._plan: sliding
-  layers only for blocks within the ring's slack), at a context within one key chunk and a long one (so both the
-  single-pass and the split-keys kernels, and the latter's combination); the slots' rows each over its own cache in
-  one launch (kernels.attention_triton.rows_attention_launch) and their keys' write; the drafter's CUDA-graph step
-  attends its cache through the kernel too.
+  layers only for blocks within the ring's slack), at contexts within one key chunk of a ring, within one of a
+  full cache, and a long one (so both the single-pass and the split-keys kernels, and the latter's combination);
+  the slots' rows each over its own cache in one launch (kernels.attention_triton.rows_attention_launch) and their
+  keys' write; the drafter's CUDA-graph step attends its cache through the kernel too.
 Launches that compile to the same kernel (same constexprs, dtypes and integer specializations) are merged.
 
 Budgets (`violations`): no spilled bytes for decode / slots / verify on any target; decode and slots launches (the
@@ -50,7 +50,7 @@ from ..engine.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
 from ..engine.model import GemmaModel
 from ..engine.speculative import PREFILL_CHUNK
 from ..kernels.attention import OFFSETS_PER_CACHE
-from ..kernels.dispatch import KEYS_PER_CHUNK
+from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def _attention_launches(model: str, config: ModelConfig,
     kinds = {}
     for spec in config.layers:  # one per distinct layer kind
         kinds[(spec.sliding, spec.head_dim, spec.num_kv_heads)] = spec
-    for context in (KEYS_PER_CHUNK, DEFAULT_CTX):
+    for context in (RING_KEYS_PER_CHUNK, KEYS_PER_CHUNK, DEFAULT_CTX):
         cases = []
         for (sliding, d, kv_heads), _ in kinds.items():
             slots = min(context, config.sliding_window + DEFAULT_SLACK) if sliding else context

@@ -475,6 +475,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     streams: list[StreamsSpeed] = []
     context = measured[0]
     for kv_cache, n in ((kv_cache, n) for kv_cache in STREAMS_KV for n in STREAMS):
+        enable_cuda_graphs(target)  # a fresh set: the last count's graphs go, and the caches they kept with them
         caches = [target.new_cache(context, kv_cache) for _ in range(n)]
 
         def batched_step(groups: list[RowGroup]) -> None:

@@ -164,6 +164,8 @@ def cache_attention(
     last T positions (a full-attention cache sliced to the sequence end), so flash-attn's own causal
     mask is the position rule. Without it, slots past the queries are skipped by position alone, so a
     whole preallocated cache can be passed (what CUDA graphs need: shapes that do not grow).
+    k_pos is a sliding ring's map, a window's slots whatever the context: the Triton kernel splits its keys in
+    shorter chunks than a full cache's (kernels.dispatch.RING_KEYS_PER_CHUNK), whose partials the memory plan sizes.
     """
     if contiguous and k_pos is None and k_scale is None and flash_attn_takes(q.device, q.dtype, q.shape[-1]):
         from flash_attn import flash_attn_func

@@ -458,9 +458,10 @@ def _sum_splits_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT: tl.constexpr, BL
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < N
     at = part_ptr + m * N + n
+    split_stride = M.to(tl.int64) * N
     total = tl.load(at, mask=n_ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        total += tl.load(at + s * M * N, mask=n_ok, other=0.0)
+        total += tl.load(at + s * split_stride, mask=n_ok, other=0.0)
     tl.store(y_ptr + m * stride_ym + n, total.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
