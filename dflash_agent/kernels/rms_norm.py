@@ -17,9 +17,12 @@ from .triton_support import COMPILE_OPTIONS
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, D, H, T, eps, offset,
-                     HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
-    # one row of D values; with ROPE the rows are [..., T, H] and row r rotates by position (r // H) % T
+def _rms_norm_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, res_ptr, scale_ptr, y_ptr, D, H, T, eps, offset,
+                     HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # one row of D values; with ROPE the rows are [..., T, H] and row r rotates by position (r // H) % T; with
+    # RESIDUAL the rounded norm is added to the residual's row, then with SCALE the rounded sum times the scale,
+    # each rounded to y's dtype as PyTorch's separate add and multiply round them
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < D
@@ -38,16 +41,28 @@ def _rms_norm_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, D, H, T, eps, offset
         cos = tl.load(cos_ptr + t * D + cols, mask=ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * D + cols, mask=ok, other=0.0).to(tl.float32)
         y = y * cos + tl.where(cols < half, -xp, xp) * sin
+    if RESIDUAL:
+        residual = tl.load(res_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
+        if SCALE:
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
     tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
-             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of x [..., D] over its last dim, times (offset + weight) when there is a weight, in x's dtype; with
-    cos / sin [T, D], x is [..., T, heads, D] and each row is then rotated by its position's angles."""
+    cos / sin [T, D], x is [..., T, heads, D] and each row is then rotated by its position's angles. residual (x's
+    shape and dtype): the result is residual + the norm, and with scale (one value) that sum times scale: a decoder
+    layer's residual stream in the norm's launch, rounded as PyTorch's add and multiply would round it."""
     d = x.shape[-1]
     if weight is not None and weight.shape != (d,):
         raise ValueError(f"a norm over {d} values got a weight of shape {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"a residual {tuple(residual.shape)} {residual.dtype} for rows {tuple(x.shape)} {x.dtype}")
+    if scale is not None and (residual is None or scale.numel() != 1):
+        raise ValueError("a scale goes with a residual, and is one value")
     heads = steps = 1
     if cos is not None:
         assert sin is not None
@@ -63,8 +78,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     block = triton.next_power_of_2(d)
     warps = 1 if block <= 512 else 4 if block <= 2048 else 8
     _rms_norm_kernel[(rows,)](
-        x, x if weight is None else weight, x if cos is None else cos, x if sin is None else sin, y,
-        d, heads, steps, eps, offset, HAS_WEIGHT=weight is not None, ROPE=cos is not None, BLOCK=block,
-        num_warps=warps, **COMPILE_OPTIONS,
+        x, x if weight is None else weight, x if cos is None else cos, x if sin is None else sin,
+        x if residual is None else residual.contiguous(), x if scale is None else scale, y,
+        d, heads, steps, eps, offset, HAS_WEIGHT=weight is not None, ROPE=cos is not None,
+        RESIDUAL=residual is not None, SCALE=scale is not None, BLOCK=block, num_warps=warps, **COMPILE_OPTIONS,
     )
     return y

@@ -76,3 +76,20 @@ def test_bad_shapes(kernels) -> None:
         rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6, 0.0)
     with pytest.raises(ValueError, match="RoPE tables"):
         rms_norm(torch.randn(3, 2, 8), None, 1e-6, 0.0, torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="a residual"):
+        rms_norm(torch.randn(2, 8), None, 1e-6, 0.0, residual=torch.randn(2, 4))
+    with pytest.raises(ValueError, match="a scale goes with a residual"):
+        rms_norm(torch.randn(2, 8), None, 1e-6, 0.0, scale=torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_residual_and_scale_round_as_pytorch_does(kernels, dtype) -> None:
+    """A decoder layer's `x + norm(attn)` (then `* layer_scalar`) in the norm's launch: bit for bit PyTorch's add and
+    multiply of the kernel's own norm, each rounded to the dtype."""
+    if dtype == torch.bfloat16 and kernels.device.type != "cuda":
+        pytest.skip("Triton's interpreter converts to bfloat16 by truncating")
+    x, residual = (torch.randn(3, 640) * 4).to(dtype), (torch.randn(3, 640) * 30).to(dtype)
+    weight, scale = torch.randn(640).to(dtype), torch.tensor([0.37]).to(dtype)
+    norm = run(kernels, x, weight, 1e-6, 1.0)
+    assert torch.equal(run(kernels, x, weight, 1e-6, 1.0, None, None, residual), residual + norm)
+    assert torch.equal(run(kernels, x, weight, 1e-6, 1.0, None, None, residual, scale), (residual + norm) * scale)
