@@ -166,9 +166,10 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
     # a prefill chunk: residual stream and norms (~6 copies of [T, hidden]), q/k/v, the MLP's gate, up and product
     activations = T * (6 * h + qkv + 3 * config.intermediate_size) * dtype_bytes
     items = {"workspace: prefill activations": activations}
-    if any(s.sliding for s in config.layers):
+    sliding = any(s.sliding for s in config.layers)
+    ring = min(ctx_size, config.sliding_window + DEFAULT_SLACK) if sliding else 0  # a sliding layer's slots
+    if sliding:
         # sliding layers prefill through SDPA with a mask: float32 scores and probabilities over ring + chunk
-        ring = min(ctx_size, config.sliding_window + DEFAULT_SLACK)
         items["workspace: sliding prefill scores"] = 2 * heads * T * (ring + T) * 4
     # verify logits in float32 plus softcap / softmax temporaries, for every slot's block and the drafter's; on CUDA
     # the step graphs copy the target's into a buffer of a block a slot (engine.cuda_graphs; the CPU's plan, this one
@@ -177,9 +178,8 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
     items["workspace: logits"] = (3 * rows + slots * VERIFY_ROWS) * V * 4
     # flash-decoding partials of the attention kernel (float32 outputs + log-sum-exp per key chunk), for a verified
     # block's rows or every slot's decode row (model.JointAttention)
-    splits = -(-ctx_size // KEYS_PER_CHUNK)
-    if any(s.sliding for s in config.layers):  # a ring's chunks are shorter (kernels.dispatch)
-        splits = max(splits, -(-min(ctx_size, config.sliding_window + DEFAULT_SLACK) // RING_KEYS_PER_CHUNK))
+    # (a ring's chunks are shorter: kernels.dispatch)
+    splits = max(-(-ctx_size // KEYS_PER_CHUNK), -(-ring // RING_KEYS_PER_CHUNK))
     items["workspace: attention partials"] = splits * max(SPLIT_ROWS, slots) * heads * (max_d + 1) * 4
     if drafter is not None:
         # captured target features of a prefill chunk, and the drafter's fc projection of them
