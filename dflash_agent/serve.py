@@ -58,7 +58,8 @@ class _Server(uvicorn.Server):
 @click.option("--parallel", "-np", type=click.IntRange(min=1), default=None,
               help="Requests served at once (slots, as llama-server's -np), each with a --ctx-size context of its "
                    "own: their decode steps share one forward, so 4 streams cost little more than one. [default: 4 "
-                   "on the CPU; 1 on CUDA, where the slots would take turns and divide the card's memory]")
+                   "on the CPU; 1 on CUDA, where each slot's context divides the card's memory and the batched "
+                   "steps are not yet timed to earn it (README: GPU path)]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
               help="Requests that may wait for a free slot; more get 503 with Retry-After.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=-1), default=DEFAULT_MAX_TOKENS, show_default=True,

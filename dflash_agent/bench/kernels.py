@@ -7,7 +7,8 @@ The launches are not a hand-kept list: they come from the same functions the eng
 tensors of the shapes the engine passes them:
 - matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (the routed experts' stacks
   through kernels.quant_matmul.grouped_launch, as the model launches them) at each quantization
-  (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it), at M = 1 (decode), 4 and 8
+  (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it; and Q5_K_M: Q4_K_M's mix
+  with Q5_K for Q4_K), at M = 1 (decode), 4 and 8
   decode rows of as many requests (slots: quant_matmul_launch's several_sequences), the CUDA-graph buckets up to
   the drafter's block (verify), PREFILL_CHUNK and a partial last chunk (prefill), and the drafter's LM head (the
   target's embedding, block - 1 rows). The drafter's own q4 matrices (QuantLinear's Q4_0
@@ -56,7 +57,7 @@ from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types
 log = logging.getLogger(__name__)
 
 T = GGMLQuantizationType
-QUANTS = ("Q4_0", "Q4_K_M", "Q8_0")
+QUANTS = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q8_0")
 PHASES = ("decode", "slots", "verify", "prefill")
 DTYPE = torch.bfloat16  # the 31B's activations
 # A decode step's 4-warp tile at <= 192 registers a thread keeps two programs an SM, each with a K step of loads in
@@ -88,6 +89,12 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
     if quant == "Q8_0":
         types = quant_types(config, "Q4_0")
         return {name: T.Q8_0 for name, qtype in types.items() if qtype is not None}
+    if quant == "Q5_K_M":
+        # llama.cpp's Q5_K_M: Q4_K_M's mix with Q5_K for Q4_K. Its rows of widths no 256 divides take Q5_1 there,
+        # which loads dequantized (not a packed type): they launch no quant matmul.
+        types = quant_types(config, "Q4_K_M")
+        return {name: T.Q5_K if qtype == T.Q4_K else qtype for name, qtype in types.items()
+                if qtype is not None and qtype != T.Q5_0}
     return {name: qtype for name, qtype in quant_types(config, quant).items() if qtype is not None}
 
 

@@ -99,8 +99,9 @@ def launch_shape(m: int, qtype: GGMLQuantizationType) -> LaunchShape:
       [BLOCK_N, values] tile beside the tensor-core operands is what spilled at 256.
     """
     if m <= VERIFY_ROWS:
-        # two stages, not three: three spilled 8 bytes a thread of the Q6_K tile on sm_89
-        return LaunchShape(VERIFY_ROWS, 64, 4, 4, num_stages=2)
+        # two stages, not three: three spilled 8 bytes a thread of the Q6_K tile on sm_86 / sm_89, where two spilled
+        # Q5_K's (8 bytes, 168 registers; three take 140 and spill nothing)
+        return LaunchShape(VERIFY_ROWS, 64, 4, 4, num_stages=3 if qtype == _T.Q5_K else 2)
     # Q6_K's prefill tile spilled 32 bytes a thread on sm_120 at three stages once its loads took two bytes at a time
     return LaunchShape(64, 64, 8, 4, num_stages=2 if qtype == _T.Q6_K else 3)
 

@@ -41,7 +41,7 @@ def test_report_covers_the_engine_launches(report) -> None:
     configs = report["configs"]
     assert all(set(c["usage"]) == {"sm_86", "sm_89", "sm_90", "sm_120"} for c in configs)
     matmuls = {(c["detail"].split()[0], c["phase"]) for c in configs if c["kernel"] == "quant_matmul"}
-    for qtype in ("Q4_0", "Q4_K", "Q6_K", "Q8_0"):  # Q4_0, Q4_K_M's mix, Q8_0
+    for qtype in ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"):  # Q4_0, Q4_K_M's and Q5_K_M's mixes, Q8_0
         for phase in ("decode", "prefill"):
             assert (qtype, phase) in matmuls
     # verify blocks and several requests' decode rows compile to the kernel a decode step alone runs (the 16-row
