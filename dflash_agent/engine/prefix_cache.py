@@ -84,7 +84,9 @@ class Reuse:
     logits: torch.Tensor | None = None  # [vocab] of the last prompt token when the whole prompt was cached
 
 
-@dataclass
+# eq=False: checkpoints and stored conversations are told apart by identity (list.remove, `in`); field equality
+# would compare their tensors, which have no truth value
+@dataclass(eq=False)
 class Checkpoint:
     position: int
     ring: RingSnapshot
@@ -95,7 +97,7 @@ class Checkpoint:
         return self.ring.nbytes + (self.logits.nbytes if self.logits is not None else 0)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     ids: list[int]  # the tokens whose keys this state holds
     checkpoints: list[Checkpoint]  # ascending positions, all <= len(ids)
@@ -342,6 +344,12 @@ class PrefixCache:
         when that is a large part of it."""
         n = len(live.ids)
         if not self._worth_keeping(n, position) or self.config.max_entries == 0:
+            return
+        # A stored conversation this one repeats (restored from it in part, its greedy turn written again) is
+        # already what a copy would be: it counts as used now instead
+        stored = next((entry for entry in self.store.entries if entry.ids == live.ids), None)
+        if stored is not None:
+            stored.last_used = max(stored.last_used, live.last_used)
             return
         per_token = sum(t[0].nbytes for layer in self.cache.owned if not layer.sliding for t in layer.storage())
         if self.drafter_cache is not None:

@@ -13,7 +13,7 @@ from dflash_agent.engine import speculative
 from dflash_agent.engine.drafter import load_drafter
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.kv_cache import dequantize_q8, quantize_q8
-from dflash_agent.engine.prefix_cache import PrefixCacheConfig, common_prefix
+from dflash_agent.engine.prefix_cache import PrefixCacheConfig, PrefixStore, _Entry, common_prefix
 from dflash_agent.engine.sampling import Sampler, SamplingParams
 from dflash_agent.engine.speculative import RequestDecoder, SpecConfig
 from dflash_agent.engine.weights import build_model, open_checkpoint
@@ -376,3 +376,41 @@ def test_reused_logits_are_a_copy(pair):
         prefix.release(decoder.finish())
     assert reused == [0, len(prompt), len(prompt)]
     assert firsts[0] == firsts[1] == firsts[2]
+
+
+def test_slots_storing_the_same_conversation(pair):
+    """Requests one after another over four slots: two conversations asked in turn each take over the slot of the
+    other (their common start), so the store is offered the same conversation again while it holds it, then past
+    its max_entries evicts. One copy is kept of each conversation, and every output still equals uncached
+    decoding."""
+    target, _ = pair
+    config = PrefixCacheConfig(min_tokens=8, max_entries=4)
+    cached = Engine(target, _word_tokenizer(), N_CTX, spec=SpecConfig(enabled=False), prefix_cache=config,
+                    parallel=4)
+    plain = Engine(target, _word_tokenizer(), N_CTX, spec=SpecConfig(enabled=False), prefix_cache=None)
+    shared = _tokens(12, seed=39)  # a chat template's start: each turn reaches the slot that held the other
+    a, b = shared + _tokens(30, seed=40), shared + _tokens(30, seed=41)
+    prompts = [a, b] * 3 + [shared + _tokens(20 + i, seed=50 + i) for i in range(8)]
+    try:
+        for prompt in prompts:
+            # a turn longer than a quarter of the conversation: restoring its prompt keeps the stored copy
+            assert _run(cached, prompt, 20)[0] == _run(plain, prompt, 20)[0]
+            entries = cached._scheduler.slots[0].prefix.store.entries
+            assert len({tuple(e.ids) for e in entries}) == len(entries)
+        stats = cached.prefix_stats
+    finally:
+        cached.close()
+        plain.close()
+    assert stats.evicted > 0 and stats.restored + stats.hits > 0 and stats.entries <= 4
+
+
+def test_stored_conversations_are_told_apart_by_identity() -> None:
+    """Eviction removes the entry it chose, not the first one equal to it: comparing two copies of a conversation
+    field by field would ask their tensors for a truth value (a 500 on every later request, once)."""
+    store = PrefixStore(PrefixCacheConfig(max_entries=1))
+    ids = [1, 2, 3]
+    newer, older = _Entry(ids, [], [torch.ones(3, 4)], last_used=2), _Entry(list(ids), [], [torch.ones(3, 4)],
+                                                                             last_used=1)
+    store.entries += [newer, older]
+    store.fit()
+    assert store.entries == [newer] and store.entries[0] is newer and store.stats.evicted == 1
