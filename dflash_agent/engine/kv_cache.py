@@ -209,14 +209,23 @@ class KVCache:
 
     # --- snapshots (the prefix cache) -------------------------------------------------------------
 
+    def full_state(self) -> list[torch.Tensor]:
+        """The full-attention layers' tensors themselves (all positions): what `restore` writes, or reads from
+        another cache of the same model."""
+        return [t for layer in self.owned if not layer.sliding for t in layer.storage()]
+
+    def ring_state(self) -> RingSnapshot:
+        """The rings and their position map themselves, not copies: another cache of the same model restored from
+        them at a length they hold (`rings_hold`) gets what this one holds there."""
+        return RingSnapshot(self.ring_pos, [t for layer in self.owned if layer.sliding for t in layer.storage()])
+
     def full_snapshot(self, length: int, device: torch.device | str) -> list[torch.Tensor]:
         """Copies of the full-attention layers' state for positions [:length]."""
-        return [t[:length].to(device, copy=True) for layer in self.owned if not layer.sliding
-                for t in layer.storage()]
+        return [t[:length].to(device, copy=True) for t in self.full_state()]
 
     def ring_snapshot(self, device: torch.device | str) -> RingSnapshot:
-        rings = [t.to(device, copy=True) for layer in self.owned if layer.sliding for t in layer.storage()]
-        return RingSnapshot(self.ring_pos.to(device, copy=True), rings)
+        state = self.ring_state()
+        return RingSnapshot(state.ring_pos.to(device, copy=True), [t.to(device, copy=True) for t in state.rings])
 
     def restore(self, length: int, full: list[torch.Tensor] | None, ring: RingSnapshot | None) -> None:
         """Set the cache to `length` tokens: full layers from `full` (None: keep what they hold, which must
@@ -224,12 +233,10 @@ class KVCache:
         if full is None and length > self.length:
             raise ValueError(f"cannot extend a cache of {self.length} tokens to {length} without their keys")
         if full is not None:
-            targets = [t for layer in self.owned if not layer.sliding for t in layer.storage()]
-            for dst, src in zip(targets, full, strict=True):
+            for dst, src in zip(self.full_state(), full, strict=True):
                 dst[:length].copy_(src[:length])
         if ring is not None:
-            targets = [t for layer in self.owned if layer.sliding for t in layer.storage()]
-            for dst, src in zip(targets, ring.rings, strict=True):
+            for dst, src in zip(self.ring_state().rings, ring.rings, strict=True):
                 dst.copy_(src)
             self.ring_pos.copy_(ring.ring_pos)
         elif not self.rings_hold(length):

@@ -68,6 +68,7 @@ class PrefixCacheStats:
     cached_tokens: int = 0  # prompt tokens served from the cache
     stored: int = 0  # conversations copied out of the working cache
     restored: int = 0  # hits served from a stored conversation
+    lent: int = 0  # hits served from another slot's request in flight (its prompt's chunks done)
     evicted: int = 0
     entries: int = 0  # stored conversations now
     host_bytes: int = 0  # now
@@ -98,13 +99,19 @@ class Checkpoint:
 
 
 @dataclass(eq=False)
-class _Entry:
+class Conversation:
+    """A conversation's tokens and the state that holds their keys: stored, in a slot's working caches (its `live`
+    one between requests) or lent from another slot's."""
+
     ids: list[int]  # the tokens whose keys this state holds
     checkpoints: list[Checkpoint]  # ascending positions, all <= len(ids)
     full: list[torch.Tensor] | None = None  # full-layer state [:len(ids)]; None while in the working cache
     drafter: list[torch.Tensor] | None = None
     on_device: bool = False
     last_used: int = 0
+    # Another slot's working caches, lent while its request runs (PrefixCache.lend): `full`, `drafter` and these
+    # rings are its tensors themselves, valid until that request's next step; never stored
+    lender: KVCache | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -130,7 +137,7 @@ class PrefixStore:
     def __init__(self, config: PrefixCacheConfig) -> None:
         self.config = config
         self.stats = PrefixCacheStats()
-        self.entries: list[_Entry] = []
+        self.entries: list[Conversation] = []
         self.slots: list[PrefixCache] = []
         self.clock = itertools.count(1)
         self.host = torch.device("cpu")
@@ -203,7 +210,7 @@ class PrefixCache:
         self.cache = cache
         self.drafter_cache = drafter_cache
         self.stats = self.store.stats
-        self._live: _Entry | None = None
+        self._live: Conversation | None = None
         self._pending: list[Checkpoint] = []  # the request in flight's checkpoints
         self._caching = False  # whether the request in flight stores its state
         self._last_checkpoint = 0  # of the request in flight
@@ -213,6 +220,18 @@ class PrefixCache:
         """The checkpoints of the conversation in this slot's working caches (the list itself)."""
         return self._pending if self._caching else (self._live.checkpoints if self._live is not None else [])
 
+    def lend(self, ids: list[int]) -> Conversation:
+        """This slot's working caches as a source another slot may restore from while this slot's request runs:
+        `ids` the tokens they hold for sure (its prompt's chunks done). Read in place, between steps: the full
+        layers up to len(ids), the rings at any position they still hold, and the checkpoints taken so far."""
+        drafter = [*self.drafter_cache.k, *self.drafter_cache.v] if self.drafter_cache is not None else None
+        return Conversation(list(ids), [c for c in self.own_checkpoints() if c.position <= len(ids)],
+                      self.cache.full_state(), drafter, lender=self.cache)
+
+    def reusable(self, prompt: list[int], lent: list[Conversation] = ()) -> int:
+        """How many of prompt's tokens `acquire` would reuse now."""
+        return self._best(prompt, self._live, lent)[0]
+
     def live_match(self, prompt: list[int]) -> int:
         """How many of prompt's tokens this slot's working caches hold (between requests): choosing a slot by it
         keeps a conversation where it is."""
@@ -220,9 +239,10 @@ class PrefixCache:
 
     # --- per request ------------------------------------------------------------------------------
 
-    def acquire(self, prompt: list[int], enabled: bool = True) -> Reuse:
-        """Set the working caches to the longest reusable prefix of `prompt`. Not `enabled`: the request
-        neither reuses nor stores, and starts from empty caches."""
+    def acquire(self, prompt: list[int], enabled: bool = True, lent: list[Conversation] = ()) -> Reuse:
+        """Set the working caches to the longest reusable prefix of `prompt`: of this slot's conversation, a stored
+        one, or `lent` (other slots' requests in flight: `lend`). Not `enabled`: the request neither reuses nor
+        stores, and starts from empty caches."""
         live, self._live = self._live, None  # until release(), the working caches are the request's
         self._caching, self._pending = enabled, []
         if not enabled:
@@ -230,7 +250,7 @@ class PrefixCache:
                 self._keep(live, 0)
             self._reset()
             return Reuse()
-        position, source, checkpoint = self._best(prompt, live)
+        position, source, checkpoint = self._best(prompt, live, lent)
         if source is not None and source is live:
             self._keep(live, position)
             self._truncate(position, checkpoint)
@@ -240,7 +260,7 @@ class PrefixCache:
             if source is None:
                 self._reset()
             else:
-                assert checkpoint is not None
+                assert checkpoint is not None or source.lender is not None
                 self._load(source, position, checkpoint)
         if source is not None:
             self._pending = [c for c in source.checkpoints if c.position <= position]
@@ -256,7 +276,8 @@ class PrefixCache:
         self.stats.cached_tokens += position
         self.store.fit()
         log.debug("prefix cache: %d of %d prompt tokens cached (%s)", position, len(prompt),
-                  "none" if source is None else "live" if source is live else "stored")
+                  "none" if source is None else "live" if source is live else
+                  "stored" if source.lender is None else "another slot's")
         return Reuse(position, logits)
 
     def prefilled(self, position: int, logits: torch.Tensor | None) -> None:
@@ -282,24 +303,26 @@ class PrefixCache:
             return
         if self.cache.length != len(ids) or (self.drafter_cache is not None and self.drafter_cache.length != len(ids)):
             raise RuntimeError(f"the caches hold {self.cache.length} tokens, not the {len(ids)} recorded")
-        self._live = _Entry(list(ids), [c for c in self._pending if c.position <= len(ids)],
+        self._live = Conversation(list(ids), [c for c in self._pending if c.position <= len(ids)],
                             last_used=next(self.store.clock))
         self._pending, self._caching = [], False
         self.store.fit()
 
     # --- choosing and loading a prefix ------------------------------------------------------------
 
-    def _best(self, prompt: list[int], live: _Entry | None) -> tuple[int, _Entry | None, Checkpoint | None]:
+    def _best(self, prompt: list[int], live: Conversation | None,
+              lent: list[Conversation] = ()) -> tuple[int, Conversation | None, Checkpoint | None]:
         """(position, source, checkpoint): the most tokens any state can serve. The last prompt token is
-        run again for its logits unless a prompt-end checkpoint kept them. Ties go to the live state."""
-        best: tuple[int, _Entry | None, Checkpoint | None] = (0, None, None)
-        for entry in ([live] if live is not None else []) + self.store.entries:
+        run again for its logits unless a prompt-end checkpoint kept them. Ties go to the live state, then to
+        stored ones. A checkpoint of None: the source's rings as they are (rolled back within their reach)."""
+        best: tuple[int, Conversation | None, Checkpoint | None] = (0, None, None)
+        for entry in ([live] if live is not None else []) + self.store.entries + list(lent):
             common = common_prefix(entry.ids, prompt)
             if common <= best[0]:
                 continue
-            if entry is live:
+            if entry is live or entry.lender is not None:
                 limit = min(common, len(prompt) - 1)
-                if limit > best[0] and self.cache.rings_hold(limit):
+                if limit > best[0] and (entry.lender or self.cache).rings_hold(limit):
                     best = (limit, entry, None)
             for checkpoint in reversed(entry.checkpoints):
                 usable = checkpoint.position < len(prompt) or checkpoint.logits is not None
@@ -316,12 +339,15 @@ class PrefixCache:
         if self.drafter_cache is not None:
             self.drafter_cache.restore(position, None)
 
-    def _load(self, entry: _Entry, position: int, checkpoint: Checkpoint) -> None:
-        self.cache.restore(position, entry.full, checkpoint.ring)
+    def _load(self, entry: Conversation, position: int, checkpoint: Checkpoint | None) -> None:
+        self.cache.restore(position, entry.full, entry.lender.ring_state() if checkpoint is None else checkpoint.ring)
         if self.drafter_cache is not None:
             if entry.drafter is None:
                 raise RuntimeError("a stored conversation lacks the drafter's context K/V")
             self.drafter_cache.restore(position, entry.drafter)
+        if entry.lender is not None:
+            self.stats.lent += 1
+            return
         self.stats.restored += 1
         if self._worth_keeping(len(entry.ids), position):
             entry.last_used = next(self.store.clock)
@@ -339,7 +365,7 @@ class PrefixCache:
         lost = length - position
         return length >= self.config.min_tokens and lost >= max(self.config.min_tokens, length // 4)
 
-    def _keep(self, live: _Entry, position: int) -> None:
+    def _keep(self, live: Conversation, position: int) -> None:
         """Store a copy of the live conversation before the working caches drop what follows `position`,
         when that is a large part of it."""
         n = len(live.ids)
@@ -360,7 +386,7 @@ class PrefixCache:
         if not checkpoints or checkpoints[-1].position != n:
             checkpoints.append(Checkpoint(n, self.cache.ring_snapshot(self._host)))
             self.store.thin(checkpoints)
-        entry = _Entry(
+        entry = Conversation(
             list(live.ids), checkpoints, self.cache.full_snapshot(n, where),
             self.drafter_cache.snapshot(n, where) if self.drafter_cache is not None else None,
             on_device, live.last_used,

@@ -33,7 +33,7 @@ from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
 from .mtp import MtpDrafter
 from .packed_linear import cpu_dot, release_cpu_threads
-from .prefix_cache import PrefixCache, PrefixCacheConfig, PrefixStore, Reuse
+from .prefix_cache import Conversation, PrefixCache, PrefixCacheConfig, PrefixStore, Reuse, common_prefix
 from .progress import ProgressLog
 from .sampling import Sampler, StopStringFilter
 from .speculative import CopyMemory, LengthController, PlannedStep, RequestDecoder, SpecConfig
@@ -67,11 +67,13 @@ class Slot:
 
 
 class Task:
-    """One request in a slot, from admission to its final event: prefill chunks, then steps."""
+    """One request in a slot, from admission to its final event: prefill chunks, then steps. A request whose prompt
+    starts as another's in flight does, further than anything held, first waits for that one's chunks to get there
+    (`lender`, `until`), then takes them from its caches (PrefixCache.lend): the shared part is prefilled once."""
 
-    def __init__(self, scheduler: Scheduler, job: Job, slot: Slot) -> None:
+    def __init__(self, scheduler: Scheduler, job: Job, slot: Slot, lender: Task | None = None, until: int = 0) -> None:
         req, model = job.request, scheduler.model
-        self.job, self.slot = job, slot
+        self.scheduler, self.job, self.slot = scheduler, job, slot
         self.decoder = RequestDecoder(
             model, slot.cache, Sampler(req.sampling, model.device, model.argmax),
             drafter=scheduler.drafter, drafter_cache=slot.drafter_cache,
@@ -85,21 +87,61 @@ class Task:
         self.budget = scheduler.n_ctx - len(req.prompt_ids)
         self.max_tokens = self.budget if req.max_tokens is None else min(req.max_tokens, self.budget)
         self.started = time.perf_counter()
-        self.reuse = slot.prefix.acquire(req.prompt_ids, req.cache_prompt) if slot.prefix is not None else Reuse()
-        if req.on_prefix is not None:
-            req.on_prefix(self.reuse.tokens)
         self.progress = ProgressLog(req.request_id, scheduler.progress_every_s)
-        self.timings = Timings(cache_n=self.reuse.tokens, prompt_n=len(req.prompt_ids) - self.reuse.tokens)
-        self.prefilled = self.reuse.tokens  # the chunks done
-        self.prefill_position = float(self.reuse.tokens)  # counting a chunk's layers done as its fraction
-        self.prefill: Iterator[float] | None = self.decoder.prefill_chunks(
-            req.prompt_ids, self.reuse.tokens, self.reuse.logits, on_chunk=self._on_chunk)
+        self.followers: list[Task] = []  # requests waiting for this one's chunks
+        self.lender, self.until = lender, until
+        self.taken = False  # whether it took the slot's caches (`start`)
+        self.reuse = Reuse()
+        self.timings = Timings(prompt_n=len(req.prompt_ids))
+        self.prefilled = 0  # the chunks done
+        self.prefill_position = 0.0  # counting a chunk's layers done as its fraction
+        self.prefill: Iterator[float] | None = None
         self.decode_started = 0.0
         self.generated: list[int] = []
         self.consumed = 0  # generated tokens taken, the one generation stopped at included
         self.anchor: int | None = None
         self.finish: str | None = None
         self.matched: int | str | None = None
+        if lender is None:
+            self.start()
+        else:
+            lender.followers.append(self)
+
+    def start(self) -> None:
+        """Take the slot's caches at the longest prefix of the prompt held anywhere (this slot's conversation, a
+        stored one, another slot's request in flight), and set out to prefill the rest."""
+        if self.lender is not None:
+            self.lender.followers.remove(self)
+            self.lender = None
+        req, prefix = self.job.request, self.slot.prefix
+        self.taken = True
+        lent = self.scheduler.lent(self.slot) if req.cache_prompt else []
+        self.reuse = prefix.acquire(req.prompt_ids, req.cache_prompt, lent) if prefix is not None else Reuse()
+        if req.on_prefix is not None:
+            req.on_prefix(self.reuse.tokens)
+        self.timings = Timings(cache_n=self.reuse.tokens, prompt_n=len(req.prompt_ids) - self.reuse.tokens)
+        self.prefilled = self.reuse.tokens
+        self.prefill_position = float(self.reuse.tokens)
+        self.prefill = self.decoder.prefill_chunks(req.prompt_ids, self.reuse.tokens, self.reuse.logits,
+                                                   on_chunk=self._on_chunk)
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting for another request's chunks (`lender`): neither prefilling nor decoding yet."""
+        return self.lender is not None
+
+    def release_followers(self, position: int | None = None) -> None:
+        """Start the requests waiting for this one's chunks up to `position` (None: all of them, as it ends)."""
+        for follower in [f for f in self.followers if position is None or f.until <= position]:
+            if not follower.job.cancelled.is_set():  # one cancelled ends at the next turn without the caches
+                self.scheduler.guard([follower], follower.start)
+
+    @property
+    def lendable(self) -> bool:
+        """Whether another slot may restore from this request's caches now: its prompt's chunks done and between
+        steps (not inside a chunk run a layer at a time), and its prompt meant for the prefix cache."""
+        return (self.taken and self.running and self.job.request.cache_prompt and self.slot.prefix is not None
+                and (self.prefill is None or self.prefill_position == self.prefilled))
 
     @property
     def running(self) -> bool:
@@ -112,9 +154,11 @@ class Task:
 
     def _on_chunk(self, position: int, logits: torch.Tensor | None) -> None:
         self.prefilled = position
+        self.prefill_position = float(position)
         if self.slot.prefix is not None:
             self.slot.prefix.prefilled(position, logits)
         self.progress.prefilled(position - self.reuse.tokens, len(self.job.request.prompt_ids) - self.reuse.tokens)
+        self.release_followers(position)  # the caches hold this chunk's end now, as they will not after the next
 
     def prefill_chunk(self) -> float:
         """One chunk of the prompt, or one layer of a long chunk; after the last, the first token. Returns the
@@ -171,8 +215,12 @@ class Task:
         """The slot's caches handed back, the held-back text emitted, and the final event to emit once the slot is
         free (a caller that reads the slots after its final event finds it idle)."""
         req = self.job.request
-        if self.prefill is not None:  # cancelled before the prompt was in
-            self.prefill.close()
+        if self.lender is not None:  # cancelled while it waited: the slot's caches were never taken
+            self.lender.followers.remove(self)
+            self.lender = None
+        if self.prefill is not None or not self.taken:  # cancelled before the prompt was in
+            if self.prefill is not None:
+                self.prefill.close()
             self.finish = "cancelled"
         if not isinstance(self.matched, str) and self.decode_started:
             # Bytes the detokenizer held back, then whatever the stop filter held back.
@@ -182,9 +230,10 @@ class Task:
                 self.finish, self.matched = "stop", hit
             if tail:
                 self.job.emit(TokenEvent([], tail))
-        cached_ids = self.decoder.finish(self.consumed)
-        if self.slot.prefix is not None:
-            self.slot.prefix.release(cached_ids)
+        if self.taken:
+            cached_ids = self.decoder.finish(self.consumed)
+            if self.slot.prefix is not None:
+                self.slot.prefix.release(cached_ids)
         timings = self.timings
         if self.decode_started:
             timings.predicted_n = len(self.generated)
@@ -397,9 +446,35 @@ class Scheduler:
             slot = max(free, key=lambda s: (s.prefix.live_match(prompt) if s.prefix is not None else 0,
                                             -s.last_used))
             try:
-                slot.task = Task(self, job, slot)
+                slot.task = Task(self, job, slot, *self._lender_for(job, slot))
             except Exception as exc:  # noqa: BLE001 - surfaced to the caller; the others keep running
                 self._fail(job, slot, exc)
+
+    def lent(self, slot: Slot) -> list[Conversation]:
+        """The other slots' requests in flight whose caches `slot` may restore from now (PrefixCache.lend)."""
+        return [task.slot.prefix.lend(task.job.request.prompt_ids[:task.prefilled])
+                for task in self._tasks() if task.slot is not slot and task.lendable]
+
+    def _lender_for(self, job: Job, slot: Slot) -> tuple[Task | None, int]:
+        """(a request still prefilling, the chunk end of its up to which `job`'s prompt is the same), where that
+        gives `job` more than anything held now: `job` then waits for it rather than prefill the same tokens (two
+        sub-agents with one long system prompt). Else (None, 0)."""
+        request = job.request
+        if slot.prefix is None or not request.cache_prompt:
+            return None, 0
+        prompt = request.prompt_ids
+        best: tuple[Task | None, int] = (None, slot.prefix.reusable(prompt, self.lent(slot)))
+        for task in self._tasks():
+            if (task.waiting or task.prefill is None or not task.running or not task.job.request.cache_prompt
+                    or task.slot.prefix is None):
+                continue
+            # where its chunks end (multiples of PREFILL_CHUNK, as prefill_chunks cuts them), within the prompts'
+            # common part and short of this prompt's last token, whose logits this request computes itself
+            shared = min(common_prefix(task.job.request.prompt_ids, prompt), len(prompt) - 1)
+            until = shared // speculative.PREFILL_CHUNK * speculative.PREFILL_CHUNK
+            if until > max(best[1], task.prefilled):
+                best = (task, until)
+        return best if best[0] is not None else (None, 0)
 
     def _turn(self) -> None:
         """Prefill chunks, then one step of every decoding request."""
@@ -411,7 +486,7 @@ class Scheduler:
         # chunk at a time. A long chunk runs a layer at a time, and a request that arrives meanwhile is admitted
         # before the next layer: its prompt, shorter, goes first, so its first token waits for one layer of the
         # long chunk, not all of them.
-        decoding_any = any(t.running and t.prefill is None for t in self._tasks())
+        decoding_any = any(t.running and t.prefill is None and not t.waiting for t in self._tasks())
         budget = float(PREFILL_BESIDE_DECODES if decoding_any else speculative.PREFILL_CHUNK)
         while budget > 0:
             prefilling = [t for t in self._tasks() if t.running and t.prefill is not None
@@ -420,7 +495,7 @@ class Scheduler:
                 break
             task = min(prefilling, key=lambda t: t.prompt_left)
             work: list[float] = []
-            self._guard([task], lambda t=task: work.append(t.prefill_chunk()))
+            self.guard([task], lambda t=task: work.append(t.prefill_chunk()))
             budget -= max(1.0, work[0] if work else 0.0)
             self._take(block=False)
             self._admit()
@@ -431,7 +506,7 @@ class Scheduler:
         for task in tasks:
             if task.finish is not None and task.slot.task is task:
                 final: list[FinalEvent] = []
-                if self._guard([task], lambda t=task: final.append(t.close())):
+                if self.guard([task], lambda t=task: final.append(t.close())):
                     self._free(task.slot)
                     task.job.emit(final[0])
 
@@ -444,7 +519,7 @@ class Scheduler:
         started = time.perf_counter()
         planned = []
         for task in tasks:
-            self._guard([task], lambda t=task: planned.append((t, t.plan(draft))))
+            self.guard([task], lambda t=task: planned.append((t, t.plan(draft))))
         if not planned:
             return
         groups = [RowGroup(p.ids, t.slot.cache, p.logits_at, p.greedy) for t, p in planned]
@@ -453,10 +528,10 @@ class Scheduler:
         def forward() -> None:
             outs = self.model.forward_groups(groups, self.capture)
             for (task, p), out in zip(planned, outs, strict=True):
-                self._guard([task], lambda t=task, p=p, o=out: committed.append(t.commit(p, o)))
+                self.guard([task], lambda t=task, p=p, o=out: committed.append(t.commit(p, o)))
 
         def guarded() -> None:
-            self._guard([t for t, _ in planned], forward)
+            self.guard([t for t, _ in planned], forward)
 
         if self.thread_count is not None:
             self.thread_count.run(sum(len(p.ids) for _, p in planned), guarded)
@@ -465,7 +540,7 @@ class Scheduler:
         if len(tasks) > 1:
             self.batch_drafting.record(len(tasks), draft, sum(committed), time.perf_counter() - started)
 
-    def _guard(self, tasks: list[Task], work: Callable[[], None]) -> bool:
+    def guard(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run work; on an exception, end `tasks` with it (the others keep running). False when it raised."""
         try:
             work()
@@ -478,7 +553,10 @@ class Scheduler:
 
     def _fail(self, job: Job, slot: Slot, exc: Exception, task: Task | None = None) -> None:
         log.exception("request %s failed", job.request.request_id, exc_info=exc)
-        if task is not None:
+        if task is not None and task.lender is not None:
+            task.lender.followers.remove(task)
+            task.lender = None
+        if task is not None and task.taken:
             try:  # the slot's caches back to a state the prefix cache knows
                 ids = task.decoder.finish(task.consumed)
                 if slot.prefix is not None:
@@ -491,8 +569,10 @@ class Scheduler:
         job.emit(ErrorEvent(exc))
 
     def _free(self, slot: Slot) -> None:
-        slot.task = None
+        task, slot.task = slot.task, None
         slot.last_used = time.perf_counter()
+        if task is not None:  # what waited for its chunks takes what it can without them
+            task.release_followers()
 
 
 def _rate(n: int, ms: float) -> float:

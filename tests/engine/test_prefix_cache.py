@@ -13,7 +13,7 @@ from dflash_agent.engine import speculative
 from dflash_agent.engine.drafter import load_drafter
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.kv_cache import dequantize_q8, quantize_q8
-from dflash_agent.engine.prefix_cache import PrefixCacheConfig, PrefixStore, _Entry, common_prefix
+from dflash_agent.engine.prefix_cache import Conversation, PrefixCacheConfig, PrefixStore, common_prefix
 from dflash_agent.engine.sampling import Sampler, SamplingParams
 from dflash_agent.engine.speculative import RequestDecoder, SpecConfig
 from dflash_agent.engine.weights import build_model, open_checkpoint
@@ -409,7 +409,7 @@ def test_stored_conversations_are_told_apart_by_identity() -> None:
     field by field would ask their tensors for a truth value (a 500 on every later request, once)."""
     store = PrefixStore(PrefixCacheConfig(max_entries=1))
     ids = [1, 2, 3]
-    newer, older = _Entry(ids, [], [torch.ones(3, 4)], last_used=2), _Entry(list(ids), [], [torch.ones(3, 4)],
+    newer, older = Conversation(ids, [], [torch.ones(3, 4)], last_used=2), Conversation(list(ids), [], [torch.ones(3, 4)],
                                                                              last_used=1)
     store.entries += [newer, older]
     store.fit()

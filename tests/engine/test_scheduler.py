@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dflash_agent.engine import GenerateRequest, SamplingParams, SpecConfig, TokenEvent
+from dflash_agent.engine import FinalEvent, GenerateRequest, SamplingParams, SpecConfig, TokenEvent
 from dflash_agent.engine.engine import Engine
 from dflash_agent.engine.grammar import GrammarCompiler
 from dflash_agent.engine.model import GemmaModel
@@ -92,6 +92,87 @@ def test_eight_concurrent_requests_each_give_what_they_give_alone(engines, monke
     got = asyncio.run(together())
     assert got == expected
     assert slots.prefix_stats.cached_tokens > alone.prefix_stats.cached_tokens // 2
+
+
+RULES = "Rules for the agent: read a file before editing it, run the tests after each change, keep diffs small. "
+
+
+async def _final(engine: Engine, request: GenerateRequest) -> tuple[list[int], FinalEvent]:
+    ids: list[int] = []
+    async with engine.stream(request) as events:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                ids.extend(event.ids)
+            else:
+                return ids, event
+    raise AssertionError("no final event")
+
+
+@pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
+def test_requests_that_start_alike_prefill_the_start_once(engines):
+    """Two sub-agents with one long system prompt, sent together: the second waits for the first's chunks over
+    their common start and restores them from its caches (with the drafter's context, speculating), so the start is
+    prefilled once; each output is what it is alone."""
+    alone, slots = engines
+    system = slots.tokenizer.encode(RULES * 60)[:700]  # a chunk ends at 512 inside it
+    prompts = [system + slots.tokenizer.encode(f" Task {i}: list the files you would read first.") for i in (1, 2)]
+
+    def request(ids, rid):
+        return GenerateRequest(ids, GREEDY, max_tokens=12, request_id=rid)
+
+    expected = [asyncio.run(_final(alone, request(ids, f"alone{i}")))[0] for i, ids in enumerate(prompts)]
+    lent = slots.prefix_stats.lent
+
+    async def together():
+        return await asyncio.gather(*(_final(slots, request(ids, f"agent{i}")) for i, ids in enumerate(prompts)))
+
+    got = asyncio.run(together())
+    assert [ids for ids, _ in got] == expected
+    prefilled = [final.timings.prompt_n for _, final in got]
+    assert sum(prefilled) <= sum(map(len, prompts)) - 512  # the common start's chunk once, not twice
+    assert max(final.timings.cache_n for _, final in got) >= 512 and slots.prefix_stats.lent == lent + 1
+
+
+def test_a_request_waiting_for_another_s_chunks_outlives_its_cancellation():
+    """The request whose chunks two others wait for is cancelled before they get there: one of them prefills its
+    prompt itself, and its output is what it is alone; the other, cancelled while it waits, just ends."""
+    engine = Engine.load(ctx_size=2048, progress=False, spec=SpecConfig(enabled=False), parallel=3)
+    try:
+        system = engine.tokenizer.encode(RULES * 60)[:1100]
+        prompts = [system + engine.tokenizer.encode(f" Task {i}: say which tests you would run.") for i in (1, 2, 3)]
+
+        def request(ids, rid, cache=True):
+            return GenerateRequest(ids, GREEDY, max_tokens=10, request_id=rid, cache_prompt=cache)
+
+        expected = asyncio.run(_final(engine, request(prompts[1], "alone", cache=False)))[0]
+        # held inside the first request's first chunk (the others arrive then), and inside its second (before the
+        # chunk end the others wait for)
+        events = [(threading.Event(), threading.Event()) for _ in range(2)]
+        for start, (reached, go) in zip((0, 512), events, strict=True):
+            _pause_in_chunk(engine.model, start, reached, go)
+
+        async def scenario():
+            first = asyncio.create_task(_final(engine, request(prompts[0], "first")))
+            assert await asyncio.to_thread(events[0][0].wait, 60)
+            others = [asyncio.create_task(_final(engine, request(ids, rid)))
+                      for ids, rid in ((prompts[1], "second"), (prompts[2], "third"))]
+            while engine.queued < 2:
+                await asyncio.sleep(0.002)
+            events[0][1].set()
+            assert await asyncio.to_thread(events[1][0].wait, 60)
+            assert [s.state for s in engine.slots] == ["prefilling"] * 3  # admitted, and waiting
+            assert sorted(s.prefilled_tokens for s in engine.slots) == [0, 0, 512]
+            assert engine.cancel("first") and engine.cancel("third")
+            events[1][1].set()
+            assert (await first)[1].finish_reason == (await others[1])[1].finish_reason == "cancelled"
+            return await others[0]
+
+        ids, final = asyncio.run(scenario())
+        assert ids == expected and final.finish_reason == "length"
+        assert final.timings.prompt_n + final.timings.cache_n == len(prompts[1])
+        assert all(s.state == "idle" for s in engine.slots)
+    finally:
+        engine.close()
 
 
 def test_a_cancelled_waiting_request_never_takes_a_slot_and_slots_are_reported():
