@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from contextlib import aclosing
 from dataclasses import asdict
 
 from ..chat.chat_format import ChatFormat, ChatOptions, stream_chat
+from ..chat.prompt_size import check_prompt_chars, conversation_chars
 from ..chat.types import Conversation
 from ..engine import ContextOverflowError, Engine, FinalEvent, SamplingParams
 from .backend import AssistantTurn, ContextFull, OnDelta, TurnOptions
@@ -20,7 +22,13 @@ class EngineBackend:
         self._ids = itertools.count()
 
     async def turn(self, conversation: Conversation, options: TurnOptions, on_delta: OnDelta) -> AssistantTurn:
-        prepared = self.chat.prepare(conversation, ChatOptions(
+        # refused by its length first, then rendered and tokenized in a thread: the event loop may serve others
+        # (serve's /mcp, the HTTP API)
+        try:
+            check_prompt_chars(conversation_chars(conversation), self.engine.tokenizer, self.engine.n_ctx)
+        except ContextOverflowError as exc:
+            raise ContextFull(str(exc)) from None
+        prepared = await asyncio.to_thread(self.chat.prepare, conversation, ChatOptions(
             tool_choice=options.tool_choice, parallel_tool_calls=options.parallel_tool_calls,
             enable_thinking=options.enable_thinking))
         parser = prepared.parser()

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from litestar.response import Stream
 
 from ..chat.chat_format import ChatOptions, LoadedModel, PreparedChat
+from ..chat.prompt_size import PromptTooLong, check_prompt_chars, conversation_chars, json_chars, max_prompt_chars
 from ..chat.types import Conversation
 from ..engine import Engine, FinalEvent, ModelLoadError, SamplingDefaults, SamplingParams
 from .errors import APIError, context_overflow
@@ -177,7 +177,6 @@ class ServerState:
     admission: Admission = field(init=False)
     running: set[Generation] = field(default_factory=set)
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
-    max_piece_chars: int = 1  # the longest token's text: a prompt of n characters has >= n / this tokens
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.settings.max_queue, self.metrics)
@@ -196,9 +195,7 @@ class ServerState:
         return self.model
 
     def attach(self, engine: Engine) -> None:
-        tokenizer = engine.tokenizer
-        # Before the model is set: the first request (ready() lets it in) already needs it.
-        self.max_piece_chars = max(len(tokenizer.id_to_piece(i)) for i in range(tokenizer.vocab_size))
+        engine.tokenizer.longest_piece  # computed now (a 262K-piece scan), before the first request needs it
         self.admission.slots = engine.parallel
         self.model = LoadedModel.of(engine, self.settings.chat_template, self.settings.alias)
 
@@ -220,23 +217,19 @@ class ServerState:
             self.loop.call_soon_threadsafe(fail_all)
 
     def max_prompt_chars(self) -> int:
-        """The most characters a prompt that fits the context can have: no token spells more than
-        `max_piece_chars` of them. Also the most token ids /tokenize can return, so the most /detokenize takes."""
-        return self.ready().engine.n_ctx * self.max_piece_chars
+        """The most characters a prompt that fits the context can have (chat.prompt_size). Also the most token ids
+        /tokenize can return, so the most /detokenize takes."""
+        engine = self.ready().engine
+        return max_prompt_chars(engine.tokenizer, engine.n_ctx)
 
     def check_prompt_chars(self, n_chars: int) -> None:
-        """Refuse a prompt that cannot fit before tokenizing it (a 60 MB prompt took 90 s and 8 GB to
-        tokenize): no token spells more than `max_piece_chars` characters, so it has at least
-        n_chars / max_piece_chars tokens."""
-        n_ctx = self.ready().engine.n_ctx
-        limit = self.max_prompt_chars()
-        if n_chars > limit:
-            at_least = -(-n_chars // self.max_piece_chars)
-            raise APIError(
-                400, f"prompt is too long: at least {at_least} tokens > {n_ctx} maximum (its {n_chars} characters, "
-                f"at most {self.max_piece_chars} per token): shorten it or start the server with a larger --ctx-size",
-                code="context_length_exceeded",
-                extra={"n_prompt_chars": n_chars, "max_prompt_chars": limit, "n_ctx": n_ctx})
+        """Refuse a prompt that cannot fit before tokenizing it (chat.prompt_size)."""
+        engine = self.ready().engine
+        try:
+            check_prompt_chars(n_chars, engine.tokenizer, engine.n_ctx)
+        except PromptTooLong as exc:
+            raise APIError(400, str(exc), code="context_length_exceeded", extra={
+                "n_prompt_chars": n_chars, "max_prompt_chars": exc.max_chars, "n_ctx": exc.n_ctx}) from None
 
     async def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a prompt, tokenized in a thread (the tokenizer releases the GIL) once its length
@@ -248,30 +241,13 @@ class ServerState:
         """Render and tokenize a conversation in a thread (compiling a tool grammar the first time is slow
         too), after refusing one whose text alone is beyond the context."""
         model = self.ready()
-        self.check_prompt_chars(conversation_chars(conversation) + _json_chars(options.response_format))
+        self.check_prompt_chars(conversation_chars(conversation) + json_chars(options.response_format))
         return await asyncio.to_thread(model.chat.prepare, conversation, options)
 
     def check_context(self, n_prompt: int) -> None:
         n_ctx = self.ready().engine.n_ctx
         if n_prompt >= n_ctx:
             raise context_overflow(n_prompt, n_ctx)
-
-
-def conversation_chars(conversation: Conversation) -> int:
-    """The characters of a conversation that reach the template and the tokenizer: the messages' text, reasoning
-    and tool calls, and the tools' names, descriptions and schemas (as compact JSON, which no template renders
-    shorter). A 10 MB tool description once passed a count of the messages alone and took 8-24 s to refuse."""
-    total = 0
-    for message in conversation.messages:
-        total += len(message.text) + len(message.reasoning or "")
-        total += sum(len(call.name) + _json_chars(call.arguments) for call in message.tool_calls)
-    for tool in conversation.tools:
-        total += len(tool.name) + len(tool.description) + _json_chars(tool.parameters)
-    return total
-
-
-def _json_chars(value: Any) -> int:
-    return 0 if value is None else len(msgspec.json.encode(value).decode())
 
 
 # OpenAI's and Anthropic's default for what neither the request nor the checkpoint sets: temperature 1, no truncation.

@@ -18,6 +18,7 @@ from ..agent.backend import AssistantTurn, Backend, BackendError, OnDelta, TurnO
 from ..agent.engine_backend import EngineBackend
 from ..agent.remote import RemoteBackend
 from ..chat.chat_format import LoadedModel
+from ..chat.prompt_size import check_prompt_chars
 from ..chat.types import Conversation
 from ..engine import GenerateRequest, SamplingParams, Usage
 
@@ -125,8 +126,11 @@ class LocalModel:
     async def complete(self, prompt: str, max_tokens: int, temperature: float | None = None) -> Completion:
         engine = (await self.model()).engine
         sampling = engine.sampling_defaults.resolve(SamplingParams(), temperature)
-        request = GenerateRequest(engine.tokenizer.encode(prompt), sampling,
-                                  max_tokens=max_tokens, request_id=f"mcp-{id(self):x}-{next(self._ids)}")
+        # refused by its length first, then tokenized in a thread: the event loop serves every other client
+        check_prompt_chars(len(prompt), engine.tokenizer, engine.n_ctx)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
+        request = GenerateRequest(ids, sampling, max_tokens=max_tokens,
+                                  request_id=f"mcp-{id(self):x}-{next(self._ids)}")
         result = await engine.complete(request)  # the client's MCP cancel cancels the request with this task
         timings = asdict(result.final.timings)
         self.last.record(timings)

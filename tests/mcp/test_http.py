@@ -35,6 +35,24 @@ def openai_completion(url: str, max_tokens: int) -> str:
     return client.completions.create(model="any", prompt=PROMPT, max_tokens=max_tokens, temperature=0).choices[0].text
 
 
+def test_a_prompt_past_the_context_by_its_length_is_refused_before_it_is_tokenized(mcp_http_url):
+    """A few megabytes of prompt to `complete` or `chat` are a tool error from their length alone: tokenized on the
+    server's event loop first, they held every other client for seconds (3 s for 4 MB)."""
+    huge = "x " * 2_000_000
+
+    async def scenario():
+        async with http_client(mcp_http_url) as client:
+            complete = await client.call_tool("complete", {"prompt": huge, "max_tokens": 4})
+            chat = await client.call_tool("chat", {"messages": [{"role": "user", "content": huge}]})
+            after = await client.call_tool("complete", {"prompt": PROMPT, "max_tokens": 2})
+            return complete, chat, after
+
+    complete, chat, after = anyio.run(scenario)
+    for result in (complete, chat):
+        assert result.is_error and "prompt is too long: at least" in result.content[0].text
+    assert not after.is_error and after.structured_content["completion_tokens"] == 2
+
+
 def test_http_mcp_lists_tools_completes_and_runs_workspace_tools(mcp_http_url):
     async def scenario():
         async with http_client(mcp_http_url) as client:
