@@ -19,6 +19,16 @@ PREVIEW_CHARS = 160
 OUTCOME_STYLES = {"answered": "green", "interrupted": "yellow"}
 
 
+# Control characters but newline and tab, shown as \x.. escapes: a repository's files, a command's output or the
+# model's text would otherwise reach the terminal raw (ESC sequences clear the screen, move the cursor over what
+# was printed, or set the clipboard through OSC 52)
+_VISIBLE = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0)) if c not in (0x09, 0x0a)}
+
+
+def visible(text: str) -> str:
+    return text.translate(_VISIBLE)
+
+
 def describe_call(call: ToolCall) -> str:
     """One line that says what a call does."""
     args = call.arguments
@@ -57,7 +67,7 @@ class TerminalView:
             self._stop_spin()
             self.console.print(f"[dim]{self._turn_stats(event)}[/dim]")
         elif isinstance(event, ToolStart):
-            self.console.print(f"[bold cyan]▶[/] {escape(describe_call(event.call))}")
+            self.console.print(f"[bold cyan]▶[/] {escape(visible(describe_call(event.call)))}")
             self._spin(f"running {event.call.name}…")
         elif isinstance(event, ToolEnd):
             self._stop_spin()
@@ -77,7 +87,8 @@ class TerminalView:
             if self._streaming is not type(delta):
                 self._end_line()
             style = "dim italic" if isinstance(delta, ReasoningDelta) else None
-            self.console.print(delta.text, end="", style=style, markup=False, highlight=False, soft_wrap=True)
+            self.console.print(visible(delta.text), end="", style=style, markup=False, highlight=False,
+                               soft_wrap=True)
             self._streaming = type(delta)
         elif isinstance(delta, ToolCallStart):
             self._end_line()
@@ -97,7 +108,7 @@ class TerminalView:
         return " · ".join(parts)
 
     def _preview(self, event: ToolEnd) -> None:
-        lines = [_clip(line) for line in event.result.text.splitlines()] or [""]
+        lines = [_clip(visible(line)) for line in event.result.text.splitlines()] or [""]
         hidden = len(lines) - PREVIEW_HEAD - PREVIEW_TAIL
         shown = lines if hidden <= 1 else [*lines[:PREVIEW_HEAD], f"… {hidden:,} more lines",
                                            *lines[-PREVIEW_TAIL:]]

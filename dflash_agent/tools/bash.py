@@ -15,6 +15,7 @@ import re
 import selectors
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,12 @@ DEFAULT_TIMEOUT = 120
 MAX_TIMEOUT = 600
 MAX_OUTPUT_BYTES = 30_000  # kept of a command's output: half from its start, half from its end
 # Environment variables whose names hold one of these are not passed on.
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+# a variable whose name holds one of these is kept from commands (OPENAI_API_KEY, MYSQL_PASSWORD, SMTP_PASS...)
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASS", "CREDENTIAL", "COOKIE")
+# or one of these as a word between underscores (SSH_AUTH_SOCK, SENTRY_DSN, CI_JOB_JWT; not GIT_AUTHOR_NAME)
+SECRET_WORDS = frozenset({"AUTH", "DSN", "JWT"})
+# sockets to processes that run commands for whoever connects
+SESSION_SOCKETS = ("DBUS_SESSION_BUS_ADDRESS",)
 NON_INTERACTIVE = {
     "PAGER": "cat", "GIT_PAGER": "cat", "MANPAGER": "cat", "TERM": "dumb", "CI": "1", "NO_COLOR": "1",
     "GIT_TERMINAL_PROMPT": "0", "GIT_EDITOR": "true", "EDITOR": "true", "VISUAL": "true",
@@ -54,6 +60,7 @@ DEFAULT_DENY = (
     r":\(\)\s*\{\s*:\s*\|\s*:\s*&\s*\}\s*;\s*:",
 )
 _POLL_S = 0.05
+_MAX_CWD_BYTES = 4096  # PATH_MAX: the EXIT trap's `pwd -P` is never longer
 _STOP_S = 10.0  # how long the launcher may take to kill and reap everything below it
 _DRAIN_S = 2.0  # after that, how long the pipe may stay open (held by a process that escaped the launcher)
 
@@ -64,9 +71,14 @@ class BashArgs(msgspec.Struct, forbid_unknown_fields=True):
         DEFAULT_TIMEOUT)
 
 
+def _secret(name: str) -> bool:
+    upper = name.upper()
+    return any(marker in upper for marker in SECRET_MARKERS) or not SECRET_WORDS.isdisjoint(upper.split("_"))
+
+
 def sandbox_env(base: Mapping[str, str]) -> dict[str, str]:
     """`base` without secrets, made non-interactive."""
-    env = {k: v for k, v in base.items() if not any(marker in k.upper() for marker in SECRET_MARKERS)}
+    env = {k: v for k, v in base.items() if not _secret(k) and k not in SESSION_SOCKETS}
     env.update(NON_INTERACTIVE)
     return env
 
@@ -320,12 +332,24 @@ class Shell:
 
 
 def _read_and_remove(path: str) -> str:
+    """The directory the command's EXIT trap wrote, or "" where the file is anything else. The command can write
+    where it lies (the sandbox's /tmp) and may have swapped it for a symlink to a host file (the server would read
+    and echo what the sandbox hides), a FIFO (the read would hang the event loop) or /dev/zero: only a regular file
+    is read, never through a link, and no more than a path's length."""
     try:
-        with open(path) as f:
-            return f.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        fd = None
+    try:
+        if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        text = os.read(fd, _MAX_CWD_BYTES + 1).decode("utf-8", errors="replace").strip()
+        return "" if len(text) > _MAX_CWD_BYTES or "\0" in text else text
     except OSError:
         return ""
     finally:
+        if fd is not None:
+            os.close(fd)
         try:
             os.unlink(path)
         except OSError:

@@ -6,8 +6,9 @@ server's processes, nor read their environment or command line (API keys). It is
 second process, below bwrap's own init; when the command exits, or when the server kills that init
 (a timeout, a cancel), the kernel kills everything left in the namespace, whatever the command did
 to its parent (`kill -STOP $PPID` and `kill -9 $PPID` reach an init that ignores them). The whole
-filesystem is read-only but the workspace and a private /tmp; capabilities are dropped (root
-included); the network is kept or cut by option.
+filesystem is read-only but the workspace (its .git metadata excepted) and a private /tmp; the
+usual session, system-bus and Docker sockets are hidden; capabilities are dropped (root included);
+the network is kept or cut by option.
 
 Where bwrap is missing or cannot start (not Linux, no user namespaces in a nested container), the
 `auto` mode says so in one warning and the tools run commands as before (launcher.py): timeouts still
@@ -38,6 +39,8 @@ SANDBOX_MODES = ("auto", "bwrap", "off")
 _PROBE_TIMEOUT_S = 10.0
 _STOP_S = 10.0  # how long bwrap may take to start, or to reap its init once that is killed
 _POLL_S = 0.05
+# Where the sockets of the user's session (D-Bus, ssh and gpg agents, Wayland), the system bus and Docker live
+_HOST_SOCKETS = ("/run/user", "/run/dbus", "/run/docker.sock", "/var/run/docker.sock")
 
 
 class SandboxError(UserError):
@@ -108,6 +111,19 @@ class Sandbox:
                 args += ["--ro-bind", str(path), str(path)]
         for path in writable:  # after /tmp: a workspace under /tmp is bound over the private one
             args += ["--bind", str(path), str(path)]
+            # Its repository's own metadata stays read-only (as Codex keeps it): git runs .git/config's commands
+            # (core.fsmonitor, core.pager, filters) and its hooks on the host, unsandboxed, at the user's next
+            # `git status`. Bound as a mount point, it cannot be renamed away and replaced either.
+            git = Path(path) / ".git"
+            if git.exists() or git.is_symlink():
+                args += ["--ro-bind", str(git), str(git)]
+        # Sockets that lead out of the sandbox to something that runs commands (the user's session bus:
+        # systemd-run --user; Docker's; agents holding keys) are hidden where they usually live
+        for path in _HOST_SOCKETS:
+            if Path(path).is_dir() and not Path(path).is_symlink():
+                args += ["--tmpfs", path]
+            elif Path(path).exists():
+                args += ["--ro-bind", "/dev/null", path]
         args += ["--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
         if not (self.network if network is None else network):
             args.append("--unshare-net")

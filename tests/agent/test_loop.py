@@ -220,3 +220,19 @@ def test_terminal_view_shows_steps_calls_and_outcome(repo):
     assert "▶ read_file calc.py" in text
     assert any(line.startswith("  │") and line.endswith("def add(a, b):") for line in text.splitlines())
     assert "answered after 2 steps" in text
+
+
+def test_terminal_view_shows_control_characters_as_escapes(repo):
+    """A repository's text, a command's output and the model's reach the terminal without their escape sequences
+    (clearing the screen, writing the clipboard by OSC 52); newlines stay."""
+    (repo / "evil.txt").write_text("fine\tline\n\x1b[2J\x1b]52;c;ZWNobyBwd25lZA==\x07cleared\n")
+    out = io.StringIO()
+    view = TerminalView(Console(file=out, width=200, force_terminal=False))
+    workspace = Workspace(repo)
+    model = ScriptedModel([Say("Look\x1b[1A.", [("read_file", {"path": "evil.txt"})]), Say("Done.")])
+    agent = Agent(model, workspace_tools(workspace), system_prompt(workspace), on_event=view)
+    asyncio.run(agent.run("check"))
+    text = out.getvalue()
+    assert "\x1b" not in text and "\x07" not in text
+    assert "\\x1b[2J\\x1b]52;c;ZWNobyBwd25lZA==\\x07cleared" in text and "Look\\x1b[1A." in text
+    assert "fine" in text and "line" in text

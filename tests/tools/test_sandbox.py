@@ -136,6 +136,68 @@ def test_writes_only_inside_the_workspace_and_a_private_tmp(root):
 
 
 @needs_bwrap
+def test_the_repository_s_git_metadata_stays_read_only(root):
+    """What git runs on the host (a `core.fsmonitor` command, hooks) cannot be planted from the sandbox or by the
+    file tools, nor .git swapped for another; the working tree stays writable."""
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    tools = workspace_tools(Workspace(root))
+    config = (root / ".git" / "config").read_text()
+    result = bash(tools, "git config core.fsmonitor 'touch /tmp/escaped'; echo x > .git/hooks/pre-commit; "
+                         "mv .git .git-old; echo edit > tracked.txt; cat tracked.txt")
+    assert result.text.count("Read-only file system") + result.text.count("Device or resource busy") >= 2, result.text
+    assert "edit" in result.text and (root / "tracked.txt").read_text() == "edit\n"
+    assert (root / ".git" / "config").read_text() == config and not (root / ".git" / "hooks" / "pre-commit").exists()
+    written = asyncio.run(tools.dispatch("write_file", {"path": ".git/hooks/post-checkout", "content": "x"}))
+    assert written.is_error and "repository's .git" in written.text
+    assert not (root / ".git" / "hooks" / "post-checkout").exists()
+
+
+@needs_bwrap
+@pytest.mark.parametrize("swap", ["symlink to a host file", "fifo", "symlink to /dev/zero"])
+def test_the_working_directory_file_cannot_make_the_server_read_for_the_command(root, swap, tmp_path):
+    """The command can replace the file its EXIT trap writes the working directory to (it lies in the sandbox's
+    /tmp): the server reads only a regular file, never through a link, and never blocks on it."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET")
+    make = {"symlink to a host file": f"ln -s {secret} \"$__dflash_cwd\"", "fifo": 'mkfifo "$__dflash_cwd"',
+            "symlink to /dev/zero": 'ln -s /dev/zero "$__dflash_cwd"'}[swap]
+    tools = workspace_tools(Workspace(root))
+
+    async def call():
+        return await asyncio.wait_for(tools.dispatch("bash", {"command": f'trap - EXIT; rm -f "$__dflash_cwd"; {make}'}),
+                                      30)
+
+    result = asyncio.run(call())
+    assert "TOPSECRET" not in result.text and result.text.endswith("[exit code 0]"), result.text
+    assert bash(tools, "pwd").text.splitlines()[0] == str(root)  # the shell stays where it was
+
+
+@needs_bwrap
+def test_session_sockets_are_hidden_and_not_passed(root, monkeypatch):
+    """Where the session's, the system bus's and Docker's sockets live is emptied (a folder) or blanked (a socket's
+    path), and the variables naming the session's are not passed; GIT_AUTHOR_NAME (AUTH inside a word) is."""
+    from dflash_agent.tools import sandbox
+
+    host = tempfile.mkdtemp(prefix="dflash-sandbox-test-", dir="/var/tmp")  # not under the private /tmp
+    try:
+        os.makedirs(f"{host}/user/0")
+        for path in (f"{host}/user/0/bus", f"{host}/docker.sock"):
+            with open(path, "w") as f:
+                f.write("a socket")
+        monkeypatch.setattr(sandbox, "_HOST_SOCKETS", (f"{host}/user", f"{host}/docker.sock"))
+        monkeypatch.setenv("SSH_AUTH_SOCK", f"{host}/user/0/ssh-agent.sock")
+        monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", f"unix:path={host}/user/0/bus")
+        monkeypatch.setenv("GIT_AUTHOR_NAME", "Ada")
+        tools = workspace_tools(Workspace(root))
+        out = bash(tools, f"env | sort; find {host}/user -mindepth 1 | wc -l; "
+                          f"cat {host}/docker.sock 2>/dev/null | wc -c").text
+    finally:
+        shutil.rmtree(host)
+    assert "SSH_AUTH_SOCK" not in out and "DBUS_SESSION_BUS_ADDRESS" not in out and "GIT_AUTHOR_NAME=Ada" in out
+    assert out.splitlines()[-3:-1] == ["0", "0"], out  # the folder empty; the socket's path /dev/null (nodev)
+
+
+@needs_bwrap
 def test_the_tools_a_command_needs_under_tmp_stay_visible_and_the_rest_of_tmp_hidden(root, monkeypatch):
     """A venv (or any PATH folder) made under /tmp, as a CI checkout there makes one, is bound read-only into the
     sandbox's private /tmp; the machine's other /tmp files stay out of sight."""
