@@ -7,9 +7,12 @@ every other route."""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import click
 from litestar import asgi
 from litestar.config.app import AppConfig
@@ -22,6 +25,8 @@ from ..chat.chat_format import LoadedModel
 from ..tools.sandbox import Sandbox
 from .model import LocalModel
 from .server import workspace_server
+
+log = logging.getLogger(__name__)
 
 MCP_PATH = "/mcp"
 _LOCALHOST = ("127.0.0.1", "localhost", "::1")
@@ -65,11 +70,84 @@ class MCPPlugin(InitPluginProtocol):
 
         @asgi(MCP_PATH, is_mount=True, copy_scope=True)
         async def mcp_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-            await manager.asgi_app(scope, receive, send)
+            await _cancelling_on_disconnect(manager, scope, receive, send)
 
         app_config.route_handlers.append(mcp_endpoint)
         app_config.lifespan.append(manager.run())
         return app_config
+
+
+async def _cancelling_on_disconnect(manager: StreamableHTTPSessionManager, scope: Scope, receive: Receive,
+                                    send: Send) -> None:
+    """The session manager's app, and for a POST whose client leaves before its response is complete, the
+    cancellation of the requests it carried, as the client's own `notifications/cancelled` would. This server keeps
+    no event store, so a result whose stream is gone cannot be resumed: left running, a `complete` would hold a
+    slot to its last token, and a `run_task` agent would go on running commands for no one."""
+    if scope["method"] != "POST":
+        await manager.asgi_app(scope, receive, send)
+        return
+    body = bytearray()
+    left = complete = False
+
+    async def watched_receive():
+        nonlocal left
+        message = await receive()
+        if message["type"] == "http.request":
+            body.extend(message.get("body", b""))
+        elif message["type"] == "http.disconnect":
+            left = True
+        return message
+
+    async def watched_send(message) -> None:
+        nonlocal complete
+        complete = complete or (message["type"] == "http.response.body" and not message.get("more_body", False))
+        await send(message)
+
+    try:
+        await manager.asgi_app(scope, watched_receive, watched_send)
+    finally:
+        if left and not complete:
+            await _cancel(manager, scope, _request_ids(bytes(body)))
+
+
+def _request_ids(body: bytes) -> list[str | int]:
+    """The JSON-RPC request ids in a POST's body (notifications and responses have none to cancel)."""
+    try:
+        messages = json.loads(body)
+    except ValueError:
+        return []
+    messages = messages if isinstance(messages, list) else [messages]
+    return [m["id"] for m in messages if isinstance(m, dict) and "method" in m and isinstance(m.get("id"), str | int)]
+
+
+async def _cancel(manager: StreamableHTTPSessionManager, scope: Scope, ids: list[str | int]) -> None:
+    """Send the session `notifications/cancelled` for `ids`, through the manager as the client would post it."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"content-type", b"accept")]
+    for request_id in ids:
+        body = json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                           "params": {"requestId": request_id, "reason": "the client disconnected"}}).encode()
+        posted = {**scope, "headers": [*headers, (b"content-type", b"application/json"),
+                                       (b"accept", b"application/json, text/event-stream"),
+                                       (b"content-length", str(len(body)).encode())]}
+        sent = False
+
+        async def once():
+            nonlocal sent
+            if sent:
+                await anyio.sleep_forever()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def discard(message) -> None:
+            pass
+
+        try:
+            with anyio.fail_after(5):
+                await manager.asgi_app(posted, once, discard)
+        except Exception:  # noqa: BLE001 - the session may be gone too; nothing is left to cancel then
+            log.debug("could not cancel request %r of a disconnected MCP client", request_id, exc_info=True)
+        else:
+            log.info("MCP request %r cancelled: its client disconnected", request_id)
 
 
 def _security(host: str) -> TransportSecuritySettings | None:

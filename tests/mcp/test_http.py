@@ -5,6 +5,7 @@ cancelled while the engine generates."""
 from __future__ import annotations
 
 import json
+import time
 from contextlib import aclosing
 
 import anyio
@@ -51,6 +52,35 @@ def test_a_prompt_past_the_context_by_its_length_is_refused_before_it_is_tokeniz
     for result in (complete, chat):
         assert result.is_error and "prompt is too long: at least" in result.content[0].text
     assert not after.is_error and after.structured_content["completion_tokens"] == 2
+
+
+def test_a_client_that_disconnects_mid_call_cancels_it(mcp_http_url):
+    """A client killed (or its connection dropped) during a `complete` leaves no generation behind: with no event
+    store the result cannot be resumed, so the server cancels the call as the client's cancel would, and the slot is
+    free at once rather than after the last of its tokens."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Accept": "application/json, text/event-stream"}
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    with httpx.Client(base_url=mcp_http_url, headers=headers, timeout=60) as http:
+        session = http.post("/mcp", json=init).headers["mcp-session-id"]
+        headers = {"mcp-session-id": session, "mcp-protocol-version": "2025-06-18"}
+        http.post("/mcp", headers=headers, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+        call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                "params": {"name": "complete", "arguments": {"prompt": PROMPT, "max_tokens": 900, "temperature": 0}}}
+        with http.stream("POST", "/mcp", headers=headers, json=call):
+            deadline = time.monotonic() + 60
+            while not any(s["state"] == "decoding" for s in http.get("/slots").json()):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        # the response closed unread: the connection is gone
+        left = time.monotonic()
+        while any(s["state"] != "idle" for s in http.get("/slots").json()):
+            assert time.monotonic() - left < 5, "the generation went on without its client"
+            time.sleep(0.05)
+        after = http.post("/mcp", headers=headers, json={
+            "jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": "complete", "arguments": {"prompt": PROMPT, "max_tokens": 2}}})
+    assert after.status_code == 200 and '"completion_tokens":2' in after.text.replace(" ", "")
 
 
 def test_http_mcp_lists_tools_completes_and_runs_workspace_tools(mcp_http_url):
