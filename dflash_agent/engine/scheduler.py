@@ -463,7 +463,8 @@ class Scheduler:
         if slot.prefix is None or not request.cache_prompt:
             return None, 0
         prompt = request.prompt_ids
-        best: tuple[Task | None, int] = (None, slot.prefix.reusable(prompt, self.lent(slot)))
+        held = slot.prefix.reusable(prompt, self.lent(slot))
+        best: tuple[Task | None, int] = (None, held)
         for task in self._tasks():
             if (task.waiting or task.prefill is None or not task.running or not task.job.request.cache_prompt
                     or task.slot.prefix is None):
@@ -472,7 +473,9 @@ class Scheduler:
             # common part and short of this prompt's last token, whose logits this request computes itself
             shared = min(common_prefix(task.job.request.prompt_ids, prompt), len(prompt) - 1)
             until = shared // speculative.PREFILL_CHUNK * speculative.PREFILL_CHUNK
-            if until > max(best[1], task.prefilled):
+            # worth it while what it has left to get there is at most twice what this request saves: all of it
+            # when it holds nothing, not a long wait for a few tokens more than it holds
+            if until > max(best[1], task.prefilled) and until - task.prefilled <= 2 * (until - held):
                 best = (task, until)
         return best if best[0] is not None else (None, 0)
 
