@@ -1,6 +1,7 @@
-"""Several streams at once: aggregate and per-stream tok/s at 1, 2, 4, 8 concurrent requests, and the time to first
+"""Several streams at once: aggregate and per-stream tok/s at 1, 2, 4, 8 concurrent requests, the time to first
 token of a short request that arrives while a long prompt prefills and three streams decode (with the longest those
-three go without a token meanwhile), for `dflash-agent serve --parallel N` and, where a build is found,
+three go without a token meanwhile), and two requests sent together with one long system prompt (two sub-agents),
+answered with and without the prompt cache, for `dflash-agent serve --parallel N` and, where a build is found,
 `llama-server -np N` on the same GGUF.
 
 Both servers run as processes of their own, side by side, and are driven alike through their OpenAI-compatible
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SHORT_NEW = 16  # the short request of the arrival test
 LONG_PROMPT = 4096  # the prompt that prefills while it arrives
+SHARED_PROMPT = 2048  # the system prompt two requests sent together share
 
 
 @dataclass
@@ -58,6 +60,21 @@ class ArrivalResult:
 
 
 @dataclass
+class SharedStartResult:
+    """Two requests sent together whose prompts share a SHARED_PROMPT-token start, SHORT_NEW tokens each: medians."""
+
+    server: str
+    wall_s: float  # both answered, with the prompt cache
+    later_ttft_s: float  # the later of their first tokens
+    wall_uncached_s: float  # the same with cache_prompt false (each prefills all of its prompt)
+    later_ttft_uncached_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.wall_uncached_s / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass
 class ConcurrentBenchResult:
     model: str
     threads: int
@@ -65,13 +82,14 @@ class ConcurrentBenchResult:
     repeats: int
     rows: list[ConcurrencyRow] = field(default_factory=list)
     arrivals: list[ArrivalResult] = field(default_factory=list)
+    shared: list[SharedStartResult] = field(default_factory=list)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-                  stamps: list[float] | None = None) -> tuple[float, float, int]:
+                  stamps: list[float] | None = None, cache: bool = False) -> tuple[float, float, int]:
     """(seconds to the first token, decode tok/s after it, completion tokens) of one streamed completion; stamps:
-    where to note when each piece of text arrived."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": False,
+    where to note when each piece of text arrived; cache: whether the server may reuse a prompt's KV."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": cache,
             "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = 0.0
@@ -135,6 +153,15 @@ async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens:
     return ttft, longest_pause(stamps, still, long_sent, long_sent + long_ttft)
 
 
+async def _shared_start(url: str, system: str, cache: bool) -> tuple[float, float]:
+    """(seconds until both answered, the later first token) of two requests sent together after one system prompt."""
+    async with httpx.AsyncClient(timeout=None) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(_stream(client, url, f"{system}\nTask {k}: list the files to read first.",
+                                                 SHORT_NEW, cache=cache) for k in (1, 2)))
+        return time.perf_counter() - started, max(ttft for ttft, _, _ in results)
+
+
 def longest_pause(stamps: list[list[float]], still: list[bool], start: float, end: float) -> float:
     """The longest any stream went without a token from start to end (a stream that ended before `end`, as `still`
     says, up to its last token)."""
@@ -183,6 +210,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         idle: dict[str, list[float]] = {}
         busy: dict[str, list[float]] = {}
         stalls: dict[str, list[float]] = {}
+        shared: dict[tuple[str, bool], list[tuple[float, float]]] = {}
         for repeat in range(repeats):
             for n in streams:
                 for name, url in urls:
@@ -196,6 +224,12 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                 stalls.setdefault(name, []).append(stall)
                 log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy; the streams' longest pause "
                          "%.2f s", repeat + 1, repeats, name, idle[name][-1], ttft, stall)
+            for name, url in urls:
+                for cache in (False, True):  # a system prompt of its own each time: nothing cached from before
+                    system = f"Session {repeat}, {'cached' if cache else 'uncached'}.\n{_long_prompt(SHARED_PROMPT)}"
+                    shared.setdefault((name, cache), []).append(asyncio.run(_shared_start(url, system, cache)))
+                log.info("repeat %d/%d, shared start, %s: both answered in %.2f s cached, %.2f s uncached",
+                         repeat + 1, repeats, name, shared[(name, True)][-1][0], shared[(name, False)][-1][0])
     for (name, n), runs in rates.items():
         result.rows.append(ConcurrencyRow(name, n, statistics.median(r[0] for r in runs),
                                           statistics.median(x for r in runs for x in r[1]),
@@ -205,6 +239,11 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         result.arrivals.append(ArrivalResult(name, statistics.median(idle[name]), statistics.median(ordered),
                                              ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
                                              statistics.median(stalls[name])))
+        on, off = shared[(name, True)], shared[(name, False)]
+        result.shared.append(SharedStartResult(name, statistics.median(r[0] for r in on),
+                                               statistics.median(r[1] for r in on),
+                                               statistics.median(r[0] for r in off),
+                                               statistics.median(r[1] for r in off)))
     return result
 
 
@@ -226,6 +265,10 @@ def report(result: ConcurrentBenchResult, out: Path) -> None:
         print(f"  {a.server}: a {SHORT_NEW}-token request arriving during a {LONG_PROMPT}-token prefill and 3 "
               f"streams: TTFT p50 {a.busy_ttft_p50_s:.2f} s, p95 {a.busy_ttft_p95_s:.2f} s; idle {a.idle_ttft_s:.2f} s "
               f"({a.ratio:.1f}x); the 3 streams' longest pause while it prefilled: {a.stall_p50_s:.2f} s (p50)")
+    for r in result.shared:
+        print(f"  {r.server}: two requests sent together with one {SHARED_PROMPT}-token system prompt: both "
+              f"answered in {r.wall_s:.2f} s with the prompt cache, {r.wall_uncached_s:.2f} s without "
+              f"({r.speedup:.2f}x); the later first token {r.later_ttft_s:.2f} s, {r.later_ttft_uncached_s:.2f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(asdict(result), indent=2))
     print(f"written to {out}")

@@ -15,7 +15,9 @@ from dflash_agent.bench.concurrent import (
     ArrivalResult,
     ConcurrencyRow,
     ConcurrentBenchResult,
+    SharedStartResult,
     _batch,
+    _shared_start,
     longest_pause,
     report,
 )
@@ -27,18 +29,21 @@ def test_a_batch_of_streams_counts_every_token():
     with live_server(lambda: Engine.load(progress=False, ctx_size=256, parallel=2,
                                          spec=SpecConfig(enabled=False))) as url:
         aggregate, rates, ttfts = asyncio.run(_batch(url, 3, 12))  # three streams on two slots: one waits
+        wall, later = asyncio.run(_shared_start(url, "Rules: keep diffs small. " * 20, cache=True))
     assert aggregate > 0 and len(rates) == len(ttfts) == 3
     assert all(r > 0 for r in rates) and max(ttfts) > min(ttfts)
+    assert wall >= later > 0
 
 
 def test_report_prints_ratios_against_llama_server(tmp_path, capsys):
     result = ConcurrentBenchResult("m", 2, 128, 3, [
         ConcurrencyRow("dflash-agent", 1, 40.0, 42.0, 0.2), ConcurrencyRow("llama-server", 1, 40.0, 41.0, 0.2),
         ConcurrencyRow("dflash-agent", 4, 80.0, 20.0, 0.6), ConcurrencyRow("llama-server", 4, 64.0, 16.0, 0.8)],
-        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7, 0.4)])
+        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7, 0.4)], [SharedStartResult("dflash-agent", 3.0, 2.2, 5.4, 4.6)])
     report(result, tmp_path / "c.json")
     out = capsys.readouterr().out
     assert "2.00x" in out and "1.25x" in out and "(2.5x)" in out and "longest pause while it prefilled: 0.40 s" in out
+    assert "both answered in 3.00 s with the prompt cache, 5.40 s without (1.80x)" in out
     assert json.loads((tmp_path / "c.json").read_text())["rows"][2]["aggregate_tok_s"] == 80.0
 
 
