@@ -208,14 +208,18 @@ def test_read_only_agent_gets_only_reading_tools(repo):
     assert not (repo / "x").exists()
 
 
-def test_terminal_view_shows_steps_calls_and_outcome(repo):
+def _viewed_run(repo, script: list[Say], width: int = 100) -> str:
+    """What the terminal view prints for an agent run of the scripted model."""
     out = io.StringIO()
-    view = TerminalView(Console(file=out, width=100, force_terminal=False))
+    view = TerminalView(Console(file=out, width=width, force_terminal=False))
     workspace = Workspace(repo)
-    model = ScriptedModel([Say("Reading.", [("read_file", {"path": "calc.py"})]), Say("All good.")])
-    agent = Agent(model, workspace_tools(workspace), system_prompt(workspace), on_event=view)
+    agent = Agent(ScriptedModel(script), workspace_tools(workspace), system_prompt(workspace), on_event=view)
     asyncio.run(agent.run("check"))
-    text = out.getvalue()
+    return out.getvalue()
+
+
+def test_terminal_view_shows_steps_calls_and_outcome(repo):
+    text = _viewed_run(repo, [Say("Reading.", [("read_file", {"path": "calc.py"})]), Say("All good.")])
     assert "step 1" in text and "step 2" in text and "Reading." in text
     assert "▶ read_file calc.py" in text
     assert any(line.startswith("  │") and line.endswith("def add(a, b):") for line in text.splitlines())
@@ -226,13 +230,7 @@ def test_terminal_view_shows_control_characters_as_escapes(repo):
     """A repository's text, a command's output and the model's reach the terminal without their escape sequences
     (clearing the screen, writing the clipboard by OSC 52); newlines stay."""
     (repo / "evil.txt").write_text("fine\tline\n\x1b[2J\x1b]52;c;ZWNobyBwd25lZA==\x07cleared\n")
-    out = io.StringIO()
-    view = TerminalView(Console(file=out, width=200, force_terminal=False))
-    workspace = Workspace(repo)
-    model = ScriptedModel([Say("Look\x1b[1A.", [("read_file", {"path": "evil.txt"})]), Say("Done.")])
-    agent = Agent(model, workspace_tools(workspace), system_prompt(workspace), on_event=view)
-    asyncio.run(agent.run("check"))
-    text = out.getvalue()
+    text = _viewed_run(repo, [Say("Look\x1b[1A.", [("read_file", {"path": "evil.txt"})]), Say("Done.")], width=200)
     assert "\x1b" not in text and "\x07" not in text
     assert "\\x1b[2J\\x1b]52;c;ZWNobyBwd25lZA==\\x07cleared" in text and "Look\\x1b[1A." in text
     assert "fine" in text and "line" in text
