@@ -141,17 +141,22 @@ class DrafterCache:
     def reset(self) -> None:
         self.length = 0
 
+    def state(self) -> list[torch.Tensor]:
+        """Every layer's context K and V tensors themselves (all positions): what `restore` writes, or reads from
+        another drafter cache."""
+        return [*self.k, *self.v]
+
     def snapshot(self, length: int, device: torch.device | str) -> list[torch.Tensor]:
         """Copies of every layer's context K/V for positions [:length] (the prefix cache keeps them, since
         the target features they came from cannot be recomputed without running the target again)."""
-        return [t[:length].to(device, copy=True) for t in (*self.k, *self.v)]
+        return [t[:length].to(device, copy=True) for t in self.state()]
 
     def restore(self, length: int, state: list[torch.Tensor] | None) -> None:
         """Set the cache to `length` tokens, from `state` or (None) from what it holds already."""
         if state is None:
             self.rollback(length)
             return
-        for dst, src in zip((*self.k, *self.v), state, strict=True):
+        for dst, src in zip(self.state(), state, strict=True):
             dst[:length].copy_(src[:length])
         self.length = length
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -224,11 +225,11 @@ class PrefixCache:
         """This slot's working caches as a source another slot may restore from while this slot's request runs:
         `ids` the tokens they hold for sure (its prompt's chunks done). Read in place, between steps: the full
         layers up to len(ids), the rings at any position they still hold, and the checkpoints taken so far."""
-        drafter = [*self.drafter_cache.k, *self.drafter_cache.v] if self.drafter_cache is not None else None
+        drafter = self.drafter_cache.state() if self.drafter_cache is not None else None
         return Conversation(list(ids), [c for c in self.own_checkpoints() if c.position <= len(ids)],
-                      self.cache.full_state(), drafter, lender=self.cache)
+                            self.cache.full_state(), drafter, lender=self.cache)
 
-    def reusable(self, prompt: list[int], lent: list[Conversation] = ()) -> int:
+    def reusable(self, prompt: list[int], lent: Sequence[Conversation] = ()) -> int:
         """How many of prompt's tokens `acquire` would reuse now."""
         return self._best(prompt, self._live, lent)[0]
 
@@ -239,7 +240,7 @@ class PrefixCache:
 
     # --- per request ------------------------------------------------------------------------------
 
-    def acquire(self, prompt: list[int], enabled: bool = True, lent: list[Conversation] = ()) -> Reuse:
+    def acquire(self, prompt: list[int], enabled: bool = True, lent: Sequence[Conversation] = ()) -> Reuse:
         """Set the working caches to the longest reusable prefix of `prompt`: of this slot's conversation, a stored
         one, or `lent` (other slots' requests in flight: `lend`). Not `enabled`: the request neither reuses nor
         stores, and starts from empty caches."""
@@ -304,14 +305,14 @@ class PrefixCache:
         if self.cache.length != len(ids) or (self.drafter_cache is not None and self.drafter_cache.length != len(ids)):
             raise RuntimeError(f"the caches hold {self.cache.length} tokens, not the {len(ids)} recorded")
         self._live = Conversation(list(ids), [c for c in self._pending if c.position <= len(ids)],
-                            last_used=next(self.store.clock))
+                                  last_used=next(self.store.clock))
         self._pending, self._caching = [], False
         self.store.fit()
 
     # --- choosing and loading a prefix ------------------------------------------------------------
 
     def _best(self, prompt: list[int], live: Conversation | None,
-              lent: list[Conversation] = ()) -> tuple[int, Conversation | None, Checkpoint | None]:
+              lent: Sequence[Conversation] = ()) -> tuple[int, Conversation | None, Checkpoint | None]:
         """(position, source, checkpoint): the most tokens any state can serve. The last prompt token is
         run again for its logits unless a prompt-end checkpoint kept them. Ties go to the live state, then to
         stored ones. A checkpoint of None: the source's rings as they are (rolled back within their reach)."""
@@ -322,7 +323,8 @@ class PrefixCache:
                 continue
             if entry is live or entry.lender is not None:
                 limit = min(common, len(prompt) - 1)
-                if limit > best[0] and (entry.lender or self.cache).rings_hold(limit):
+                rings = self.cache if entry is live else entry.lender
+                if limit > best[0] and rings.rings_hold(limit):
                     best = (limit, entry, None)
             for checkpoint in reversed(entry.checkpoints):
                 usable = checkpoint.position < len(prompt) or checkpoint.logits is not None
@@ -377,9 +379,9 @@ class PrefixCache:
         if stored is not None:
             stored.last_used = max(stored.last_used, live.last_used)
             return
-        per_token = sum(t[0].nbytes for layer in self.cache.owned if not layer.sliding for t in layer.storage())
+        per_token = sum(t[0].nbytes for t in self.cache.full_state())
         if self.drafter_cache is not None:
-            per_token += sum(t[0].nbytes for t in (*self.drafter_cache.k, *self.drafter_cache.v))
+            per_token += sum(t[0].nbytes for t in self.drafter_cache.state())
         on_device = n * per_token <= self.config.device_bytes - self.store.usage()[1]
         where = self.cache.device if on_device else self._host
         checkpoints = list(live.checkpoints)

@@ -110,9 +110,7 @@ class Task:
     def start(self) -> None:
         """Take the slot's caches at the longest prefix of the prompt held anywhere (this slot's conversation, a
         stored one, another slot's request in flight), and set out to prefill the rest."""
-        if self.lender is not None:
-            self.lender.followers.remove(self)
-            self.lender = None
+        self.stop_waiting()
         req, prefix = self.job.request, self.slot.prefix
         self.taken = True
         lent = self.scheduler.lent(self.slot) if req.cache_prompt else []
@@ -124,6 +122,12 @@ class Task:
         self.prefill_position = float(self.reuse.tokens)
         self.prefill = self.decoder.prefill_chunks(req.prompt_ids, self.reuse.tokens, self.reuse.logits,
                                                    on_chunk=self._on_chunk)
+
+    def stop_waiting(self) -> None:
+        """No longer wait for the lender's chunks (taking the caches, or ending)."""
+        if self.lender is not None:
+            self.lender.followers.remove(self)
+            self.lender = None
 
     @property
     def waiting(self) -> bool:
@@ -215,9 +219,7 @@ class Task:
         """The slot's caches handed back, the held-back text emitted, and the final event to emit once the slot is
         free (a caller that reads the slots after its final event finds it idle)."""
         req = self.job.request
-        if self.lender is not None:  # cancelled while it waited: the slot's caches were never taken
-            self.lender.followers.remove(self)
-            self.lender = None
+        self.stop_waiting()  # cancelled while it waited: the slot's caches were never taken
         if self.prefill is not None or not self.taken:  # cancelled before the prompt was in
             if self.prefill is not None:
                 self.prefill.close()
@@ -556,9 +558,8 @@ class Scheduler:
 
     def _fail(self, job: Job, slot: Slot, exc: Exception, task: Task | None = None) -> None:
         log.exception("request %s failed", job.request.request_id, exc_info=exc)
-        if task is not None and task.lender is not None:
-            task.lender.followers.remove(task)
-            task.lender = None
+        if task is not None:
+            task.stop_waiting()
         if task is not None and task.taken:
             try:  # the slot's caches back to a state the prefix cache knows
                 ids = task.decoder.finish(task.consumed)
