@@ -5,7 +5,8 @@ once used up the process's file descriptors and asyncio then logged every failed
 `protocol_class(limits)` is uvicorn's h11 protocol with a deadline for a request's headers, an idle timeout
 inside its body, and a cap on open connections where a new connection closes the one that has waited longest for
 its client (a half-sent request, or an idle kept-alive connection), so a real client always gets in while stalled
-ones hold the slots; it is refused with a 503 only when every slot carries a request being answered.
+ones hold the slots; it is refused with a 503 only when every slot carries a request being answered. Idle
+kept-alive connections last longer than clients keep them (`ConnectionLimits.keep_alive_s`).
 `AcceptErrorLimiter` lets one accept-failure line through per period."""
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class ConnectionLimits:
     max_connections: int = 256  # open at once, idle keep-alive and long streams included
     header_timeout_s: float = 30.0  # from a request's first byte (or the connection's start) to its last header
     body_timeout_s: float = 30.0  # the longest pause between two pieces of a request's body
+    # Clients keep an idle connection about 5 s (httpx, Node's agent) and the server must be the one that waits
+    # longer: at uvicorn's own 5 s both close at once, and a request written into the connection the server is
+    # closing fails (the openai SDK without retries saw it). Idle ones are still closed first at the limit.
+    keep_alive_s: float = 75.0
 
 
 def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:
@@ -41,6 +46,10 @@ def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:
 
 class _GuardedH11Protocol(H11Protocol):
     limits: ClassVar[ConnectionLimits]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout_keep_alive = self.limits.keep_alive_s
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._timer: asyncio.TimerHandle | None = None

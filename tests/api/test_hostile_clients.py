@@ -317,6 +317,37 @@ def test_at_the_connection_limit_a_new_client_gets_a_503_only_when_all_are_answe
                 sock.close()
 
 
+def _get_on(sock: socket.socket, path: str) -> bytes:
+    """One kept-alive GET on an open connection: the response's status line (b"" when the server closed it)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return b""
+        head += chunk
+    headers, body = head.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in headers.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return headers.split(b"\r\n")[0]
+
+
+def test_idle_connections_outlast_the_clients_pools():
+    """httpx and Node keep an idle connection about 5 s: the server must keep it longer, or a request sent as both
+    time out goes into a closing connection. A shorter setting still closes idle ones."""
+    for limits, idle_s, kept in ((ConnectionLimits(), 5.5, True), (ConnectionLimits(keep_alive_s=0.5), 1.5, False)):
+        with _guarded_server(limits) as (_, port), socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.settimeout(10)
+            assert _get_on(sock, "/health").startswith(b"HTTP/1.1 503")  # the model never loads
+            time.sleep(idle_s)
+            try:
+                status = _get_on(sock, "/health")
+            except ConnectionResetError:
+                status = b""
+            assert status.startswith(b"HTTP/1.1 503") if kept else status == b"", (limits, status)
+
+
 def test_accept_failures_are_logged_once_per_period():
     """Out of file descriptors, asyncio reports every failed accept (335 MB of log in 144 s): one gets through per
     period, then one saying how many were left out."""
