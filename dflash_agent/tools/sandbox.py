@@ -8,7 +8,8 @@ second process, below bwrap's own init; when the command exits, or when the serv
 to its parent (`kill -STOP $PPID` and `kill -9 $PPID` reach an init that ignores them). The whole
 filesystem is read-only but the workspace (its .git metadata excepted) and a private /tmp; the
 usual session, system-bus and Docker sockets are hidden; capabilities are dropped (root included);
-the network is kept or cut by option.
+the network is kept or cut by option. Inside, Landlock refuses the Unix sockets made outside the
+sandbox (abstract ones from Linux 6.12, those at a path from Landlock ABI 9: confine.py).
 
 Where bwrap is missing or cannot start (not Linux, no user namespaces in a nested container), the
 `auto` mode says so in one warning and the tools run commands as before (launcher.py): timeouts still
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from .confine import RESOLVE_UNIX_ABI, SCOPES_ABI, landlock_abi
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ _STOP_S = 10.0  # how long bwrap may take to start, or to reap its init once tha
 _POLL_S = 0.05
 # Where the sockets of the user's session (D-Bus, ssh and gpg agents, Wayland), the system bus and Docker live
 _HOST_SOCKETS = ("/run/user", "/run/dbus", "/run/docker.sock", "/var/run/docker.sock")
+# The first program in the sandbox: Landlock keeps the command off Unix sockets made outside (confine.py)
+_CONFINE_SOURCE = Path(__file__).with_name("confine.py").read_text()
 
 
 class SandboxError(UserError):
@@ -93,7 +97,10 @@ class Sandbox:
         """One phrase for a startup line: what confines the tools' commands."""
         if not self.enabled():
             return "off" if self.mode == "off" else "off (bwrap cannot start)"
-        return f"bwrap, network {'on' if self.network else 'off'}"
+        abi = landlock_abi()
+        sockets = ("; Unix sockets from outside refused" if abi >= RESOLVE_UNIX_ABI else
+                   "; abstract Unix sockets from outside refused" if abi >= SCOPES_ABI else "")
+        return f"bwrap, network {'on' if self.network else 'off'}{sockets}"
 
     def command(self, argv: Sequence[str], cwd: Path, writable: Sequence[Path] = (), tmp: Path | None = None,
                 private_tmp: bool = True, network: bool | None = None, info_fd: int | None = None,
@@ -129,7 +136,7 @@ class Sandbox:
             args.append("--unshare-net")
         if info_fd is not None:
             args += ["--info-fd", str(info_fd)]
-        return [*args, "--chdir", str(cwd), "--", *argv]
+        return [*args, "--chdir", str(cwd), "--", sys.executable, "-I", "-S", "-c", _CONFINE_SOURCE, *argv]
 
     def start(self, argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] = (), tmp: Path | None = None,
               private_tmp: bool = True, network: bool | None = None, env: Mapping[str, str],

@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from dflash_agent.tools.bash import BashArgs, Shell
+from dflash_agent.tools.confine import RESOLVE_UNIX_ABI, SCOPES_ABI, landlock_abi
 from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.sandbox import Sandbox
 from dflash_agent.tools.search import SearchTools
@@ -195,6 +196,55 @@ def test_session_sockets_are_hidden_and_not_passed(root, monkeypatch):
         shutil.rmtree(host)
     assert "SSH_AUTH_SOCK" not in out and "DBUS_SESSION_BUS_ADDRESS" not in out and "GIT_AUTHOR_NAME=Ada" in out
     assert out.splitlines()[-3:-1] == ["0", "0"], out  # the folder empty; the socket's path /dev/null (nodev)
+
+
+_CONNECT = """import socket, sys
+own = sys.argv[1] == "own"
+if own:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind("\\0" + sys.argv[2])
+    server.listen()
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(("\\0" + sys.argv[2]) if sys.argv[1] != "path" else sys.argv[2])
+    print("connected")
+except OSError as e:
+    print("refused", e.errno)
+"""
+
+
+def _connect(root, how: str, name: str):
+    (root / "connect.py").write_text(_CONNECT)
+    return bash(workspace_tools(Workspace(root), sandbox=Sandbox(network=True)),
+                f"{sys.executable} connect.py {how} {name}", timeout=30).text
+
+
+@needs_bwrap
+@pytest.mark.skipif(landlock_abi() < SCOPES_ABI, reason="Landlock's scopes need Linux 6.12 (ABI 6)")
+def test_abstract_unix_sockets_from_outside_are_refused_with_the_network_on(root):
+    """With the network on the sandbox shares the host's abstract sockets (an X11 display's): Landlock refuses
+    those made outside, and a socket the command makes itself still works."""
+    name = f"dflash-test-{uuid.uuid4().hex}"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("\0" + name)
+        server.listen()
+        outside = _connect(root, "abstract", name)
+    assert outside.startswith("refused"), outside
+    assert _connect(root, "own", name).startswith("connected")
+
+
+@needs_bwrap
+@pytest.mark.skipif(landlock_abi() < RESOLVE_UNIX_ABI, reason="Landlock's LANDLOCK_ACCESS_FS_RESOLVE_UNIX (ABI 9)")
+def test_unix_sockets_at_a_path_from_outside_are_refused(root):
+    host = tempfile.mkdtemp(prefix="dflash-sandbox-test-", dir="/var/tmp")  # not under the private /tmp
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(f"{host}/agent.sock")
+            server.listen()
+            result = _connect(root, "path", f"{host}/agent.sock")
+    finally:
+        shutil.rmtree(host)
+    assert result.startswith("refused"), result
 
 
 @needs_bwrap
