@@ -37,11 +37,13 @@ from .workspace import Workspace
 DEFAULT_TIMEOUT = 120
 MAX_TIMEOUT = 600
 MAX_OUTPUT_BYTES = 30_000  # kept of a command's output: half from its start, half from its end
-# Environment variables whose names hold one of these are not passed on.
-# a variable whose name holds one of these is kept from commands (OPENAI_API_KEY, MYSQL_PASSWORD, SMTP_PASS...)
+# A variable whose name holds one of these is kept from commands (OPENAI_API_KEY, MYSQL_PASSWORD, SMTP_PASS...)
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASS", "CREDENTIAL", "COOKIE")
 # or one of these as a word between underscores (SSH_AUTH_SOCK, SENTRY_DSN, CI_JOB_JWT; not GIT_AUTHOR_NAME)
 SECRET_WORDS = frozenset({"AUTH", "DSN", "JWT"})
+# or whose value is a URL holding a password, whatever its name (DATABASE_URL=postgres://app:pw@db/app); but for
+# proxies, which the network the sandbox is allowed goes through
+CREDENTIAL_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@", re.IGNORECASE)
 # sockets to processes that run commands for whoever connects
 SESSION_SOCKETS = ("DBUS_SESSION_BUS_ADDRESS",)
 NON_INTERACTIVE = {
@@ -71,14 +73,15 @@ class BashArgs(msgspec.Struct, forbid_unknown_fields=True):
         DEFAULT_TIMEOUT)
 
 
-def _secret(name: str) -> bool:
+def _secret(name: str, value: str) -> bool:
     upper = name.upper()
-    return any(marker in upper for marker in SECRET_MARKERS) or not SECRET_WORDS.isdisjoint(upper.split("_"))
+    return (any(marker in upper for marker in SECRET_MARKERS) or not SECRET_WORDS.isdisjoint(upper.split("_"))
+            or (not upper.endswith("_PROXY") and CREDENTIAL_URL.search(value) is not None))
 
 
 def sandbox_env(base: Mapping[str, str]) -> dict[str, str]:
     """`base` without secrets, made non-interactive."""
-    env = {k: v for k, v in base.items() if not _secret(k) and k not in SESSION_SOCKETS}
+    env = {k: v for k, v in base.items() if not _secret(k, v) and k not in SESSION_SOCKETS}
     env.update(NON_INTERACTIVE)
     return env
 

@@ -80,9 +80,15 @@ def test_secrets_are_not_in_the_environment(tools, monkeypatch):
     for name in ("OPENAI_API_KEY", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "my_api_key"):
         monkeypatch.setenv(name, "hunter2")
     monkeypatch.setenv("HARMLESS_SETTING", "visible")
+    # a password in a URL, whatever the name; but a proxy's, which the command's network needs
+    monkeypatch.setenv("DATABASE_URL", "postgres://app:hunter2@db.internal:5432/app")
+    monkeypatch.setenv("GIT_REMOTE", "https://ci:hunter2@git.example.com/repo.git")
+    monkeypatch.setenv("HTTPS_PROXY", "http://me:proxy-pw@proxy:3128")
+    monkeypatch.setenv("DOCS_URL", "https://example.com/a:b@c")  # ':' and '@' only after the host
     text = bash(tools, "env").text
     assert "hunter2" not in text
-    assert "HARMLESS_SETTING=visible" in text
+    assert "HARMLESS_SETTING=visible" in text and "HTTPS_PROXY=http://me:proxy-pw@proxy:3128" in text
+    assert "DOCS_URL=https://example.com/a:b@c" in text
     for pair in ("PAGER=cat", "GIT_PAGER=cat", "TERM=dumb", "CI=1"):
         assert pair in text.splitlines()
 
