@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import stat
@@ -62,10 +63,22 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
+def uses_crlf(text: str) -> bool:
+    """Whether most of the file's line ends are CRLF (a Windows checkout)."""
+    crlf = text.count("\r\n")
+    return crlf > 0 and 2 * crlf > text.count("\n")
+
+
+def with_crlf(text: str) -> str:
+    """`text`'s line ends made CRLF, as a model writes a CRLF file's lines with LF (read_file shows no CR)."""
+    return text.replace("\r\n", "\n").replace("\n", "\r\n")
+
+
 def number_lines(lines: list[str], first: int) -> list[str]:
-    """`cat -n` style: right-aligned number, tab, text (over-long lines cut)."""
+    """`cat -n` style: right-aligned number, tab, text (over-long lines cut, a CRLF's CR left out)."""
     out = []
     for n, line in enumerate(lines, first):
+        line = line.removesuffix("\r")  # a CRLF file reads as any other; edit_file matches its lines either way
         if len(line) > MAX_LINE_CHARS:
             line = f"{line[:MAX_LINE_CHARS]}... [line cut: {len(line):,} characters]"
         out.append(f"{n:6}\t{line}")
@@ -186,17 +199,51 @@ class FileTools:
         return "\n".join(shown)
 
     def _write_file(self, args: WriteFileArgs) -> str:
-        data = _utf8(args.content, "content")
+        content = args.content
+        _utf8(content, "content")
         real, parent = self._open_parent(args.path, make_dirs=True)
+        kept = ""
         try:
-            existing = self._existing(args.path, parent, real.name, os.O_WRONLY)
-            if existing is not None:
-                os.close(existing[0])
-            replace_file(parent, real.name, data, None if existing is None else existing[1])
+            existing = self._locked(args.path, parent, real.name, os.O_RDWR)
+            try:
+                if existing is not None and "\r" not in content:
+                    fd, info = existing
+                    with open(fd, "rb", closefd=False) as f:
+                        old = f.read(MAX_READ_BYTES + 1)
+                    if len(old) <= MAX_READ_BYTES and uses_crlf(old.decode("utf-8", "replace")):
+                        content, kept = with_crlf(content), ", CRLF line ends kept"
+                replace_file(parent, real.name, content.encode("utf-8"), existing)
+            finally:
+                if existing is not None:
+                    os.close(existing[0])
         finally:
             os.close(parent)
         verb = "overwrote" if existing is not None else "created"
-        return f"{verb} {self.ws.display(real)} ({len(split_lines(args.content))} lines, {len(data):,} bytes)"
+        size = len(content.encode("utf-8"))
+        return f"{verb} {self.ws.display(real)} ({len(split_lines(content))} lines, {size:,} bytes{kept})"
+
+    def _locked(self, path: str, parent: int, name: str, flags: int) -> tuple[int, os.stat_result] | None:
+        """`_existing`, holding the file's lock (flock) until its descriptor is closed: edits and writes of one
+        file from several calls (MCP clients, agents on one repository) take turns, across processes too, so
+        none works on a text that another is replacing. The lock is the replaced file's: whoever waited for it
+        opens the new one."""
+        while True:
+            existing = self._existing(path, parent, name, flags)
+            if existing is None:
+                return None
+            fd, info = existing
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                now = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile: as if it had not been there
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino):
+                return fd, os.fstat(fd)
+            os.close(fd)  # replaced while we waited
 
     def _edit_file(self, args: EditFileArgs) -> str:
         if not args.old_string:
@@ -206,36 +253,26 @@ class FileTools:
         _utf8(args.new_string, "new_string")
         real, parent = self._open_parent(args.path, make_dirs=False)
         try:
-            existing = self._existing(args.path, parent, real.name, os.O_RDWR)
+            existing = self._locked(args.path, parent, real.name, os.O_RDWR)
             if existing is None:
                 raise ToolError(f"{args.path} does not exist")
-            fd, info = existing
-            with open(fd, "rb") as f:
-                # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
-                text = self._decode(args.path, f, info, errors="surrogateescape")
-            starts = _occurrences(text, args.old_string)
-            if not starts:
-                raw = (" The file holds bytes that are not UTF-8 (read_file shows them as \ufffd); change those lines "
-                       "with bash." if "\ufffd" in args.old_string and "\ufffd" not in text else "")
-                raise ToolError(f"old_string was not found in {args.path} (0 matches). It must match the file "
-                                f"exactly, whitespace and indentation included.{_near_misses(text, args.old_string)} "
-                                f"Read the file to see its current text.{raw}")
-            lines_at = _line_numbers(text, starts)
-            if len(starts) > 1 and not args.replace_all:
-                raise ToolError(f"old_string occurs {len(starts)} times in {args.path} (at lines "
-                                f"{_join_numbers(lines_at)}); include more surrounding text to make it unique, "
-                                "or set replace_all to replace every occurrence")
-            count = len(starts) if args.replace_all else 1
-            updated = text.replace(args.old_string, args.new_string, count)
-            replace_file(parent, real.name, updated.encode("utf-8", "surrogateescape"), info)
+            try:
+                fd, info = existing
+                with open(fd, "rb", closefd=False) as f:
+                    # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
+                    text = self._decode(args.path, f, info, errors="surrogateescape")
+                updated, starts, count = _replaced(text, args)
+                replace_file(parent, real.name, updated.encode("utf-8", "surrogateescape"), existing)
+            finally:
+                os.close(existing[0])
         finally:
             os.close(parent)
         # The first replacement's neighbourhood, as it reads now.
-        first = lines_at[0]
+        first = _line_numbers(text, starts)[0]
         new_lines = split_lines(updated)
         lo = max(1, first - SNIPPET_CONTEXT)
         hi = min(len(new_lines), first + args.new_string.count("\n") + SNIPPET_CONTEXT)
-        where = f"line {first}" if count == 1 else f"lines {_join_numbers(lines_at)}"
+        where = f"line {first}" if count == 1 else f"lines {_join_numbers(_line_numbers(text, starts))}"
         noun = "occurrence" if count == 1 else "occurrences"
         snippet = printable("\n".join(number_lines(new_lines[lo - 1:hi], lo)))
         return f"replaced {count} {noun} in {self.ws.display(real)} ({where}); it now reads:\n{snippet}"
@@ -272,21 +309,63 @@ class FileTools:
         return "\n".join(entries)
 
 
-def replace_file(parent: int, name: str, data: bytes, like: os.stat_result | None) -> None:
-    """Give `name` in the directory `parent` the content `data`, all or nothing: a temporary file next
-    to it is written, synced and renamed over it, so a full disk or a file-size limit leaves the old
-    file whole (and no new one). `like`: the file replaced, whose mode (and owner, where allowed) the
-    new one keeps. Its other hard links, if any, keep the old content."""
+def _replaced(text: str, args: EditFileArgs) -> tuple[str, list[int], int]:
+    """`text` with the edit made, where old_string occurred, and how many times it was replaced; ToolError when
+    old_string is not there, or is there more than once without replace_all. In a CRLF file the strings' LF line
+    ends stand for CRLF (a model writes them as read_file shows them), unless they hold CRs of their own."""
+    old, new = args.old_string, args.new_string
+    starts = []
+    if uses_crlf(text) and "\r" not in old:
+        starts = _occurrences(text, with_crlf(old))
+        if starts:
+            old, new = with_crlf(old), with_crlf(new)
+    if not starts:
+        starts = _occurrences(text, old)
+    if not starts:
+        raw = (" The file holds bytes that are not UTF-8 (read_file shows them as \ufffd); change those lines "
+               "with bash." if "\ufffd" in old and "\ufffd" not in text else "")
+        raise ToolError(f"old_string was not found in {args.path} (0 matches). It must match the file "
+                        f"exactly, whitespace and indentation included.{_near_misses(text, old)} "
+                        f"Read the file to see its current text.{raw}")
+    if len(starts) > 1 and not args.replace_all:
+        raise ToolError(f"old_string occurs {len(starts)} times in {args.path} (at lines "
+                        f"{_join_numbers(_line_numbers(text, starts))}); include more surrounding text to make it "
+                        "unique, or set replace_all to replace every occurrence")
+    count = len(starts) if args.replace_all else 1
+    return text.replace(old, new, count), starts, count
+
+
+def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.stat_result] | None) -> None:
+    """Give `name` in the directory `parent` the content `data`. All or nothing where it can: a temporary file next
+    to it is written, synced and renamed over it, so a full disk or a file-size limit leaves the old file whole (and
+    no new one); it keeps the mode and owner of `existing` (the file replaced: a descriptor open for writing, and
+    its stat), whose other hard links, if any, keep the old content. Where the new file could not keep the owner
+    (another user's file that we may write) or the directory takes no new file, the old one is written in place,
+    as an editor writes it."""
+    like = None if existing is None else existing[1]
     # A part of the name, cut in bytes: the whole name may already be the 255 bytes a name can have.
     tmp = f".{os.fsencode(name)[:64].decode('utf-8', 'ignore')}.{secrets.token_hex(6)}.dflash-tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=parent)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=parent)
+    except PermissionError:
+        if existing is None:
+            raise
+        _write_in_place(existing[0], data)
+        return
     try:
         with open(fd, "wb", closefd=False) as f:
             f.write(data)
         if like is not None:
             if (like.st_uid, like.st_gid) != (os.geteuid(), os.getegid()):
-                with contextlib.suppress(PermissionError):
+                try:
                     os.fchown(fd, like.st_uid, like.st_gid)
+                except PermissionError:
+                    assert existing is not None
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(tmp, dir_fd=parent)
+                    _write_in_place(existing[0], data)
+                    return
             os.fchmod(fd, stat.S_IMODE(like.st_mode))  # after fchown, which clears set-user-ID
         os.fsync(fd)
         os.close(fd)
@@ -298,6 +377,15 @@ def replace_file(parent: int, name: str, data: bytes, like: os.stat_result | Non
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=parent)
         raise
+
+
+def _write_in_place(fd: int, data: bytes) -> None:
+    """`data` over the open file's content, then cut to its length: the inode, owner and links stay."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:done + 2**24], done)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
 
 
 def _utf8(text: str, what: str) -> bytes:

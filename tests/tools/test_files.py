@@ -383,3 +383,93 @@ def test_device_nodes_are_never_opened(tools, root):
                             ("glob", {"pattern": "*", "path": "dev"}), ("grep", {"pattern": "x", "path": "dev"})]:
         result = call(tools, name, **arguments)
         assert result.is_error and result.text.endswith("'dev' is a device; the tools never open one"), result.text
+
+
+def test_a_crlf_file_reads_and_edits_with_lf_strings_and_stays_crlf(tools, root):
+    """Windows checkouts: read_file shows no CRs, and old_string / new_string written with LF (as models write
+    them) match and insert CRLF lines; the file keeps its line ends, and so does a whole rewrite."""
+    win = root / "win.py"
+    win.write_bytes(b"import os\r\nimport sys\r\n\r\ndef f():\r\n    return 1\r\n")
+    assert call(tools, "read_file", path="win.py").text.splitlines()[:2] == ["     1\timport os", "     2\timport sys"]
+    assert not call(tools, "edit_file", path="win.py", old_string="import sys\n", new_string="").is_error
+    result = call(tools, "edit_file", path="win.py", old_string="def f():\n    return 1",
+                  new_string="def f():\n    x = 2\n    return x")
+    assert not result.is_error and "\r" not in result.text, result.text
+    assert win.read_bytes() == b"import os\r\n\r\ndef f():\r\n    x = 2\r\n    return x\r\n"
+    assert "CRLF line ends kept" in call(tools, "write_file", path="win.py", content="a\nb\n").text
+    assert win.read_bytes() == b"a\r\nb\r\n"
+    (root / "unix.py").write_bytes(b"a\nb\n")  # an LF file stays LF
+    assert not call(tools, "edit_file", path="unix.py", old_string="a\nb", new_string="a\nc").is_error
+    assert (root / "unix.py").read_bytes() == b"a\nc\n"
+
+
+CONCURRENT_EDITOR = """
+import asyncio, sys
+from pathlib import Path
+from dflash_agent.tools.registry import workspace_tools
+from dflash_agent.tools.workspace import Workspace
+tools = workspace_tools(Workspace(Path(sys.argv[1])))
+async def main():
+    results = await asyncio.gather(*(tools.dispatch("edit_file", {
+        "path": "counts.txt", "old_string": f"{sys.argv[2]}{i}\\n", "new_string": f"{sys.argv[2]}{i} done\\n"})
+        for i in range(int(sys.argv[3]))))
+    print(sum(r.is_error for r in results))
+asyncio.run(main())
+"""
+
+
+def test_edits_of_one_file_at_once_are_all_kept(root):
+    """Several MCP clients, or agents on one repository, editing one file at once: each edit reads the text the
+    previous one wrote (a lock on the file, across processes), none is lost while every call says it succeeded."""
+    import subprocess
+    import sys
+
+    n = 40
+    (root / "counts.txt").write_text("".join(f"{who}{i}\n" for who in "ab" for i in range(n)))
+    editors = [subprocess.Popen([sys.executable, "-c", CONCURRENT_EDITOR, str(root), who, str(n)],
+                                stdout=subprocess.PIPE, text=True) for who in "ab"]
+    errors = [int(p.communicate(timeout=120)[0]) for p in editors]
+    assert errors == [0, 0]
+    assert (root / "counts.txt").read_text() == "".join(f"{who}{i} done\n" for who in "ab" for i in range(n))
+    assert sorted(p.name for p in root.iterdir()) == ["counts.txt", "src"]  # no temporary file left
+
+
+def test_a_file_that_cannot_be_replaced_is_written_in_place():
+    """A writable file in a directory we may not write, or another user's file we may write: a new file could not
+    be renamed there or could not keep the owner, so the file is written in place (inode and owner kept)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() == 0 and not setpriv:
+        pytest.skip("root writes anywhere: it needs setpriv to act as another user")
+    root = Path(tempfile.mkdtemp())  # not under pytest's folders, which are private to their user
+    try:
+        root.chmod(0o777)
+        (root / "closed").mkdir()
+        for path in (root / "closed" / "f.txt", root / "shared.txt"):
+            path.write_text("hello\n")
+            path.chmod(0o666)
+        (root / "closed").chmod(0o555)
+        before = {p: (root / p).stat() for p in ("closed/f.txt", "shared.txt")}
+        script = ("import asyncio, sys; from dflash_agent.tools.registry import workspace_tools; "
+                  "from dflash_agent.tools.workspace import Workspace; t = workspace_tools(Workspace(sys.argv[1])); "
+                  "print([asyncio.run(t.dispatch('edit_file', {'path': p, 'old_string': 'hello', 'new_string': "
+                  "'bye'})).is_error for p in sys.argv[2:]])")
+        # as another user, root's shared.txt is another user's file; a user's own is not
+        paths = ["closed/f.txt", "shared.txt"] if os.geteuid() == 0 else ["closed/f.txt"]
+        as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        out = subprocess.run([*as_nobody, sys.executable, "-c", script, str(root), *paths], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert out.stdout.strip() == str([False] * len(paths)), out.stderr
+        for path in paths:
+            info = (root / path).stat()
+            assert (root / path).read_text() == "bye\n", path
+            assert (info.st_ino, info.st_uid, info.st_gid) == (
+                before[path].st_ino, before[path].st_uid, before[path].st_gid), path
+    finally:
+        (root / "closed").chmod(0o755)
+        shutil.rmtree(root)
