@@ -39,8 +39,9 @@ MAX_TIMEOUT = 600
 MAX_OUTPUT_BYTES = 30_000  # kept of a command's output: half from its start, half from its end
 # A variable whose name holds one of these is kept from commands (OPENAI_API_KEY, MYSQL_PASSWORD, SMTP_PASS...)
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASS", "CREDENTIAL", "COOKIE")
-# or one of these as a word between underscores (SSH_AUTH_SOCK, SENTRY_DSN, CI_JOB_JWT; not GIT_AUTHOR_NAME)
-SECRET_WORDS = frozenset({"AUTH", "DSN", "JWT"})
+# or one of these as a word between underscores (SSH_AUTH_SOCK, SENTRY_DSN, CI_JOB_JWT, MYSQL_PWD, GH_PAT; not
+# GIT_AUTHOR_NAME or PATH; PWD itself goes too, which bash sets anew)
+SECRET_WORDS = frozenset({"AUTH", "DSN", "JWT", "PWD", "PAT"})
 # or whose value is a URL holding a password, whatever its name (DATABASE_URL=postgres://app:pw@db/app); but for
 # proxies, which the network the sandbox is allowed goes through
 CREDENTIAL_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s:]*:[^/?#@\s]+@", re.IGNORECASE)
@@ -281,9 +282,10 @@ class Shell:
         tmp = self._private_tmp() if sandboxed else None
         fd, cwd_file = tempfile.mkstemp(prefix="dflash-agent-cwd-", dir=tmp)
         os.close(fd)
-        # The EXIT trap records where the command left the shell, even when it calls `exit`.
-        script = (f"__dflash_cwd={shlex.quote(cwd_file if tmp is None else '/tmp/' + Path(cwd_file).name)}\n"
-                  f"trap 'pwd -P > \"$__dflash_cwd\"' EXIT\n{args.command}")
+        # The EXIT trap records where the command left the shell, even when it calls `exit`. On the command's first
+        # line, so that bash's errors name the command's own line numbers.
+        script = (f"__dflash_cwd={shlex.quote(cwd_file if tmp is None else '/tmp/' + Path(cwd_file).name)}; "
+                  f"trap 'pwd -P > \"$__dflash_cwd\"' EXIT; {args.command}")
         argv = [self.bash_path, "-c", script]
         cancel = threading.Event()
         if tmp is not None:
@@ -364,6 +366,8 @@ def bash_tool(shell: Shell) -> ToolSpec:
         "bash",
         "Run a bash command in the workspace; returns its output (stdout and stderr) and exit code. The working "
         "directory carries over between calls, nothing else does. No stdin and no terminal: use non-interactive "
-        "flags. Long output is cut in the middle; processes still running when the command ends are killed.",
+        "flags. Long output is cut in the middle; processes still running when the command ends are killed. "
+        "In the sandbox the repository's .git is read-only: git status, diff, log and show work, but not commit, add, "
+        "stash, checkout or restore; to undo a change to a file, `git show HEAD:path > path`.",
         BashArgs, shell.bash, destructive=True,
     )

@@ -77,7 +77,8 @@ def test_ten_megabytes_of_output_are_cut_in_the_middle(tools):
 
 
 def test_secrets_are_not_in_the_environment(tools, monkeypatch):
-    for name in ("OPENAI_API_KEY", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "my_api_key"):
+    for name in ("OPENAI_API_KEY", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "my_api_key",
+                 "MYSQL_PWD", "GH_PAT"):
         monkeypatch.setenv(name, "hunter2")
     monkeypatch.setenv("HARMLESS_SETTING", "visible")
     # a password in a URL, whatever the name; but a proxy's, which the command's network needs
@@ -91,6 +92,11 @@ def test_secrets_are_not_in_the_environment(tools, monkeypatch):
     assert "DOCS_URL=https://example.com/a:b@c" in text
     for pair in ("PAGER=cat", "GIT_PAGER=cat", "TERM=dumb", "CI=1"):
         assert pair in text.splitlines()
+
+
+def test_errors_name_the_command_s_own_line_numbers(tools):
+    result = bash(tools, "echo one\nif then")
+    assert "line 2: syntax error" in result.text, result.text
 
 
 def test_stdin_is_closed(tools):
