@@ -120,8 +120,10 @@ class Glob:
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
         self._paths: list[tuple[object, ...]] = []
+        self._named: set[str] = set()
         for alt in _expand(pattern):
             segments = alt.split("/")
+            self._named.update(segments)
             if segments[-1] == "**":  # `src/**`: what is below src, not src itself
                 segments.append("*")
             self._paths.append(tuple(_STAR if s == "**" else _tokens(s) for s in segments))
@@ -129,6 +131,11 @@ class Glob:
     def match(self, path: str) -> bool:
         names = path.split("/")
         return any(_wildcard(segments, names, _name) for segments in self._paths)
+
+    def names(self, name: str) -> bool:
+        """Whether the pattern spells `name` out as one of its path's parts (`node_modules/react/*.json`): a
+        search that skips such folders enters those the pattern names."""
+        return name in self._named
 
     def may_contain(self, path: str) -> bool:
         names = path.split("/") if path else []

@@ -67,8 +67,9 @@ class _Matches:
 
 
 def search(job: GrepJob) -> GrepReport:
-    """What ripgrep would print (hidden, binary and SKIP_DIRS files skipped; .gitignore is not read).
-    rg's --glob: without a '/' it matches a file's name at any depth, with one its path from the root."""
+    """What ripgrep would print (hidden, binary and SKIP_DIRS files skipped, but for folders the glob names;
+    .gitignore is not read). rg's --glob: without a '/' it matches a file's name at any depth, with one its path
+    from the search path or from the workspace root."""
     ws = Workspace(Path(job.root))
     regex = re.compile(job.pattern, re.IGNORECASE if job.ignore_case else 0)
     only = Glob(job.glob) if job.glob else None
@@ -92,7 +93,8 @@ def _grep_tree(top: int, prefix: str, regex: re.Pattern[str], only: Glob | None,
                deadline: float) -> bool:
     """Search every file below `top`; whether the deadline stopped it."""
     def descend(entry: TreeEntry) -> bool:
-        return not (entry.name in SKIP_DIRS or entry.name.startswith("."))
+        skipped = entry.name in SKIP_DIRS or entry.name.startswith(".")
+        return not skipped or (only is not None and only.names(entry.name))
 
     with contextlib.closing(walk_tree(top, descend)) as walk:
         for entry in walk:
@@ -102,7 +104,8 @@ def _grep_tree(top: int, prefix: str, regex: re.Pattern[str], only: Glob | None,
                 return True
             if entry.kind != "file" or entry.name.startswith("."):
                 continue
-            if only is not None and not only.match(prefix + entry.path if "/" in only.pattern else entry.name):
+            if only is not None and not (only.match(entry.path) or only.match(prefix + entry.path)
+                                         if "/" in only.pattern else only.match(entry.name)):
                 continue
             try:  # O_NOFOLLOW: a file swapped for a link since the listing is not followed
                 fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

@@ -83,8 +83,11 @@ class SearchTools:
         prefix = "" if real == self.ws.root else self.ws.display(real) + "/"
         hits, more, stopped = [], 0, False
 
+        def skipped(entry: TreeEntry) -> bool:
+            return entry.kind == "dir" and entry.name in SKIP_DIRS and not matcher.names(entry.name)
+
         def descend(entry: TreeEntry) -> bool:
-            return entry.name not in SKIP_DIRS and matcher.may_contain(entry.path)
+            return not skipped(entry) and matcher.may_contain(entry.path)
 
         try:
             with contextlib.closing(walk_tree(fd, descend)) as walk:
@@ -92,7 +95,7 @@ class SearchTools:
                     if stop.is_set() or time.monotonic() > deadline:
                         stopped = True
                         break
-                    if (entry.kind == "dir" and entry.name in SKIP_DIRS) or not matcher.match(entry.path):
+                    if skipped(entry) or not matcher.match(entry.path):
                         continue
                     if len(hits) < MAX_GLOB_RESULTS:
                         hits.append(prefix + printable(entry.path) + ("/" if entry.kind == "dir" else ""))

@@ -71,6 +71,9 @@ def test_glob_sorted_recursive_and_skips_vcs_and_vendored(search):
     assert run(search.glob(GlobArgs("*.py", path="src"))).splitlines() == ["src/a.py", "src/b.py"]
     assert run(search.glob(GlobArgs("*", path="src"))).splitlines() == ["src/a.py", "src/b.py", "src/pkg/"]
     assert "no paths match" in run(search.glob(GlobArgs("*.rs")))
+    # a skipped folder the pattern names is entered, as with path="node_modules"
+    assert run(search.glob(GlobArgs("node_modules/m/*.js"))).splitlines() == ["node_modules/m/index.js"]
+    assert run(search.glob(GlobArgs("**/node_modules"))).splitlines() == ["node_modules/"]
 
 
 def test_glob_caps_results(search, root):
@@ -91,6 +94,14 @@ def test_grep_order_and_filters(search):
     assert run(search.grep(GrepArgs("todo", ignore_case=True, path="src", glob="a.py"))).splitlines() == [
         "src/a.py:2:    pass  # todo lower", "src/a.py:3:# TODO first"]
     assert run(search.grep(GrepArgs("TODO", glob="src/pkg/*.py"))).splitlines() == ["src/pkg/c.py:1:TODO = 3"]
+    # a glob with a '/' is a path from the search path (as glob's pattern is) or from the root
+    assert run(search.grep(GrepArgs("TODO", path="src", glob="pkg/*.py"))).splitlines() == ["src/pkg/c.py:1:TODO = 3"]
+    assert run(search.grep(GrepArgs("TODO", path="src", glob="src/pkg/*.py"))).splitlines() == [
+        "src/pkg/c.py:1:TODO = 3"]
+    # skipped and hidden folders that the glob names are searched
+    assert run(search.grep(GrepArgs("TODO", glob="node_modules/**/*.js"))).splitlines() == [
+        "node_modules/m/index.js:1:TODO vendored"]
+    assert run(search.grep(GrepArgs("TODO", glob=".hidden/*.py"))).splitlines() == [".hidden/x.py:1:TODO hidden"]
     assert run(search.grep(GrepArgs("TODO", path="src/b.py"))).splitlines() == ["src/b.py:2:# TODO second"]
     assert "no matches" in run(search.grep(GrepArgs("nothing-like-this")))
 
