@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import errno
 import fcntl
@@ -51,8 +52,24 @@ class ListDirArgs(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def is_binary(head: bytes) -> bool:
-    """git's test: a NUL byte in the first few KB."""
+    """git's test: a NUL byte in the first few KB (a UTF-16 text has them, and is told by its BOM first)."""
     return b"\0" in head[:BINARY_SNIFF_BYTES]
+
+
+def text_encoding(head: bytes) -> str:
+    """How a text file is encoded: UTF-16 where it starts with that BOM (what PowerShell's `>` and Windows tools
+    write), else UTF-8 (a UTF-8 BOM is kept as a character)."""
+    if head.startswith(codecs.BOM_UTF16_LE):
+        return "utf-16-le"
+    if head.startswith(codecs.BOM_UTF16_BE):
+        return "utf-16-be"
+    return "utf-8"
+
+
+def encode_text(text: str, encoding: str, errors: str = "strict") -> bytes:
+    """`text` as a file of `encoding` holds it: a UTF-16 file starts with its BOM again."""
+    bom = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE}.get(encoding, b"")
+    return bom + text.encode(encoding, errors)
 
 
 def split_lines(text: str) -> list[str]:
@@ -151,17 +168,25 @@ class FileTools:
         """A text file's content; ToolError for anything that is not one."""
         fd, info = self._open(path, os.O_RDONLY)
         with open(fd, "rb") as f:
-            return self._decode(path, f, info)
+            return self._decode(path, f, info)[0]
 
-    def _decode(self, path: str, f, info: os.stat_result, errors: str = "replace") -> str:
+    def _decode(self, path: str, f, info: os.stat_result, errors: str = "replace") -> tuple[str, str]:
+        """The text of the file `f` and its encoding (text_encoding)."""
         size = info.st_size
         if size > MAX_READ_BYTES:
             raise ToolError(f"{path} is {size / 2**20:.1f} MB, over the {MAX_READ_BYTES // 2**20} MB read limit; "
                             "use grep, or bash with head / sed -n, to look at parts of it")
         data = f.read(MAX_READ_BYTES + 1)
-        if is_binary(data):
-            raise ToolError(f"{path} is a binary file ({size:,} bytes); it cannot be shown as text")
-        return data.decode("utf-8", errors=errors)
+        encoding = text_encoding(data)
+        if encoding == "utf-8":
+            if is_binary(data):
+                raise ToolError(f"{path} is a binary file ({size:,} bytes); it cannot be shown as text")
+            return data.decode("utf-8", errors=errors), encoding
+        try:
+            return data[2:].decode(encoding), encoding
+        except UnicodeDecodeError:
+            raise ToolError(f"{path} starts as UTF-16 text but is not ({size:,} bytes); it cannot be shown as "
+                            "text") from None
 
     # Each tool's work runs in a thread: a 10 MB edit costs seconds of CPU and fsync waits on the disk,
     # and either would stall every other call (an MCP server's, an HTTP server's) on the event loop.
@@ -206,21 +231,25 @@ class FileTools:
         try:
             existing = self._locked(args.path, parent, real.name, os.O_RDWR)
             try:
-                if existing is not None and "\r" not in content:
-                    fd, info = existing
-                    with open(fd, "rb", closefd=False) as f:
+                encoding = "utf-8"
+                if existing is not None:  # a rewrite keeps the file's line ends and encoding
+                    with open(existing[0], "rb", closefd=False) as f:
                         old = f.read(MAX_READ_BYTES + 1)
-                    if len(old) <= MAX_READ_BYTES and uses_crlf(old.decode("utf-8", "replace")):
+                    encoding = text_encoding(old)
+                    if len(old) <= MAX_READ_BYTES and "\r" not in content and uses_crlf(
+                            old.decode(encoding, "replace")):
                         content, kept = with_crlf(content), ", CRLF line ends kept"
-                replace_file(parent, real.name, content.encode("utf-8"), existing)
+                    if encoding != "utf-8":
+                        kept += f", {encoding.upper()[:6]} kept"
+                data = encode_text(content, encoding)
+                replace_file(parent, real.name, data, existing)
             finally:
                 if existing is not None:
                     os.close(existing[0])
         finally:
             os.close(parent)
         verb = "overwrote" if existing is not None else "created"
-        size = len(content.encode("utf-8"))
-        return f"{verb} {self.ws.display(real)} ({len(split_lines(content))} lines, {size:,} bytes{kept})"
+        return f"{verb} {self.ws.display(real)} ({len(split_lines(content))} lines, {len(data):,} bytes{kept})"
 
     def _locked(self, path: str, parent: int, name: str, flags: int) -> tuple[int, os.stat_result] | None:
         """`_existing`, holding the file's lock (flock) until its descriptor is closed: edits and writes of one
@@ -260,9 +289,9 @@ class FileTools:
                 fd, info = existing
                 with open(fd, "rb", closefd=False) as f:
                     # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
-                    text = self._decode(args.path, f, info, errors="surrogateescape")
+                    text, encoding = self._decode(args.path, f, info, errors="surrogateescape")
                 updated, starts, count = _replaced(text, args)
-                replace_file(parent, real.name, updated.encode("utf-8", "surrogateescape"), existing)
+                replace_file(parent, real.name, encode_text(updated, encoding, "surrogateescape"), existing)
             finally:
                 os.close(existing[0])
         finally:

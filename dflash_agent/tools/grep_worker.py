@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from .files import BINARY_SNIFF_BYTES, is_binary
+from .files import BINARY_SNIFF_BYTES, MAX_READ_BYTES, is_binary, text_encoding
 from .glob_match import Glob
 from .tool import ToolError
 from .workspace import SKIP_DIRS, TreeEntry, Workspace, printable, walk_tree
@@ -126,10 +126,15 @@ def _grep_tree(top: int, prefix: str, regex: re.Pattern[str], only: Glob | None,
 def _grep_file(fd: int, name: str, regex: re.Pattern[str], found: _Matches, deadline: float) -> bool:
     """Add the file's matching lines; False if the deadline passed first."""
     head = os.read(fd, BINARY_SNIFF_BYTES)
-    if is_binary(head):
+    encoding = text_encoding(head)
+    if encoding != "utf-8":
+        lines = _utf16_lines(fd, head, encoding)
+    elif is_binary(head):
         return True
-    for number, line in enumerate(_lines(fd, head), 1):
-        text = line.decode("utf-8", errors="replace")
+    else:
+        lines = (line.decode("utf-8", errors="replace") for line in _lines(fd, head))
+    for number, line in enumerate(lines, 1):
+        text = line.removesuffix("\r")
         if regex.search(text):
             found.add(name, number, text)
             if found.full:
@@ -137,6 +142,19 @@ def _grep_file(fd: int, name: str, regex: re.Pattern[str], found: _Matches, dead
         if number % 4096 == 0 and time.monotonic() > deadline:
             return False
     return True
+
+
+def _utf16_lines(fd: int, head: bytes, encoding: str) -> list[str]:
+    """A UTF-16 text's lines (what read_file reads: up to its size limit, whole; none where it is not UTF-16)."""
+    data = head + os.read(fd, MAX_READ_BYTES + 1 - len(head))
+    if len(data) > MAX_READ_BYTES:
+        return []
+    try:
+        text = data[2:].decode(encoding)
+    except UnicodeDecodeError:
+        return []
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def _lines(fd: int, head: bytes) -> Iterator[bytes]:

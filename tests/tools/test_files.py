@@ -473,3 +473,15 @@ def test_a_file_that_cannot_be_replaced_is_written_in_place():
     finally:
         (root / "closed").chmod(0o755)
         shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("bom, encoding", [(b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be")])
+def test_a_utf16_file_reads_and_edits_as_text_and_stays_utf16(tools, root, bom, encoding):
+    """What PowerShell's `>` writes (UTF-16 with a BOM, CRLF): text to the tools, not binary, and kept so."""
+    path = root / "out.txt"
+    path.write_bytes(bom + "name: café\r\nsize: 1\r\n".encode(encoding))
+    assert call(tools, "read_file", path="out.txt").text == "     1\tname: café\n     2\tsize: 1"
+    assert not call(tools, "edit_file", path="out.txt", old_string="size: 1\n", new_string="size: 2\n").is_error
+    assert path.read_bytes() == bom + "name: café\r\nsize: 2\r\n".encode(encoding)
+    assert "UTF-16 kept" in call(tools, "write_file", path="out.txt", content="new\n").text
+    assert path.read_bytes() == bom + "new\r\n".encode(encoding)

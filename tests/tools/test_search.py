@@ -102,6 +102,15 @@ def test_grep_order_and_filters(search):
     assert run(search.grep(GrepArgs("TODO", glob="node_modules/**/*.js"))).splitlines() == [
         "node_modules/m/index.js:1:TODO vendored"]
     assert run(search.grep(GrepArgs("TODO", glob=".hidden/*.py"))).splitlines() == [".hidden/x.py:1:TODO hidden"]
+
+
+def test_grep_reads_utf16_and_crlf_files_as_text(search, root):
+    """As ripgrep does: a UTF-16 file (told by its BOM) is searched as text, not skipped as binary, and a CRLF
+    line is shown without its CR."""
+    (root / "ps.txt").write_bytes(b"\xff\xfe" + "one\r\nTODO in utf-16\r\n".encode("utf-16-le"))
+    (root / "win.txt").write_bytes(b"TODO crlf\r\n")
+    assert run(search.grep(GrepArgs("TODO", glob="*.txt"))).splitlines() == [
+        "ps.txt:2:TODO in utf-16", "win.txt:1:TODO crlf"]
     assert run(search.grep(GrepArgs("TODO", path="src/b.py"))).splitlines() == ["src/b.py:2:# TODO second"]
     assert "no matches" in run(search.grep(GrepArgs("nothing-like-this")))
 
