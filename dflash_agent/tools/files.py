@@ -224,6 +224,8 @@ class FileTools:
         return "\n".join(shown)
 
     def _write_file(self, args: WriteFileArgs) -> str:
+        if args.path.endswith("/"):
+            raise ToolError(f"{args.path} names a directory; give the path of the file to write")
         content = args.content
         _utf8(content, "content")
         real, parent = self._open_parent(args.path, make_dirs=True)

@@ -148,6 +148,8 @@ def test_edit_file_two_matches_says_where(tools, root):
 
 
 def test_edit_file_other_mistakes(tools, root):
+    written = call(tools, "write_file", path="newdir/", content="x")
+    assert written.is_error and "names a directory" in written.text and not (root / "newdir").exists()
     assert "use write_file" in call(tools, "edit_file", path="new.py", old_string="", new_string="x").text
     assert "same" in call(tools, "edit_file", path="src/app.py", old_string="a", new_string="a").text
     assert "does not exist" in call(tools, "edit_file", path="new.py", old_string="a", new_string="b").text
