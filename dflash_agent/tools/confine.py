@@ -22,20 +22,22 @@ import struct
 import sys
 
 # The same numbers on every architecture (syscalls added after 5.x share one table)
-_CREATE_RULESET, _RESTRICT_SELF = 444, 446
+_CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1
-_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
-_ACCESS_FS_RESOLVE_UNIX = 1 << 16  # ABI 9
+_RULE_PATH_BENEATH = 1
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+ACCESS_FS_REFER = 1 << 13  # ABI 2
+ACCESS_FS_RESOLVE_UNIX = 1 << 16  # ABI 9
 _PR_SET_NO_NEW_PRIVS = 38
 
 SCOPES_ABI = 6
 RESOLVE_UNIX_ABI = 9
 
 
-def landlock_abi(libc: ctypes.CDLL | None = None) -> int:
+def landlock_abi() -> int:
     """The kernel's Landlock ABI version; 0 without Landlock (not built in, not enabled, not Linux)."""
     try:
-        libc = libc or ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         abi = libc.syscall(ctypes.c_long(_CREATE_RULESET), ctypes.c_void_p(None), ctypes.c_size_t(0),
                            ctypes.c_uint32(_CREATE_RULESET_VERSION))
     except (OSError, AttributeError):
@@ -46,22 +48,40 @@ def landlock_abi(libc: ctypes.CDLL | None = None) -> int:
 def restrict_unix_sockets() -> int:
     """Restrict this process (and what it starts) to the Unix sockets of its own Landlock domain, as far as the
     kernel can; returns the ABI it used (0: none)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    abi = landlock_abi(libc)
+    abi = landlock_abi()
     if abi < SCOPES_ABI:
         return 0
-    handled_fs = _ACCESS_FS_RESOLVE_UNIX if abi >= RESOLVE_UNIX_ABI else 0
-    attr = struct.pack("=QQQ", handled_fs, 0, _SCOPE_ABSTRACT_UNIX_SOCKET)  # handled fs, handled net, scoped
+    handled_fs = ACCESS_FS_RESOLVE_UNIX if abi >= RESOLVE_UNIX_ABI else 0
+    return abi if restrict(handled_fs, SCOPE_ABSTRACT_UNIX_SOCKET) else 0
+
+
+def restrict(handled_fs: int, scoped: int) -> bool:
+    """Landlock's ruleset of `handled_fs` rights, none of them granted, and `scoped` scopes, on this process;
+    whether the kernel took it. A ruleset that handles any filesystem right also refuses moving or linking a file
+    to another directory unless a rule grants that (LANDLOCK_ACCESS_FS_REFER), so one rule grants it everywhere:
+    pip, cargo and git rename across directories."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if handled_fs:
+        handled_fs |= ACCESS_FS_REFER
+    attr = struct.pack("=QQQ", handled_fs, 0, scoped)  # handled fs, handled net, scoped
     fd = libc.syscall(ctypes.c_long(_CREATE_RULESET), attr, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
     if fd < 0:
-        return 0
+        return False
     try:
+        if handled_fs:
+            root = os.open("/", os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = struct.pack("=Qi", ACCESS_FS_REFER, root)  # landlock_path_beneath_attr, packed
+                if libc.syscall(ctypes.c_long(_ADD_RULE), ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH), rule,
+                                ctypes.c_uint32(0)) != 0:
+                    return False
+            finally:
+                os.close(root)
         # Landlock needs no_new_privs unless the caller has CAP_SYS_ADMIN; bwrap sets it already
         libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-        done = libc.syscall(ctypes.c_long(_RESTRICT_SELF), ctypes.c_int(fd), ctypes.c_uint32(0))
+        return libc.syscall(ctypes.c_long(_RESTRICT_SELF), ctypes.c_int(fd), ctypes.c_uint32(0)) == 0
     finally:
         os.close(fd)
-    return abi if done == 0 else 0
 
 
 def main(argv: list[str]) -> None:

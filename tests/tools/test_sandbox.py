@@ -247,6 +247,22 @@ def test_unix_sockets_at_a_path_from_outside_are_refused(root):
     assert result.startswith("refused"), result
 
 
+@pytest.mark.skipif(landlock_abi() < 5, reason="the stand-in right, LANDLOCK_ACCESS_FS_IOCTL_DEV, is ABI 5")
+def test_a_ruleset_that_handles_a_filesystem_right_still_moves_files_across_directories(tmp_path):
+    """Handling RESOLVE_UNIX (ABI 9, not on this kernel) makes Landlock refuse cross-directory renames and links
+    unless a rule grants them back (pip, cargo and git make them): checked with another filesystem right handled
+    in its place."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "f").write_text("x")
+    (tmp_path / "a" / "g").write_text("y")
+    script = ("import os, sys; from dflash_agent.tools.confine import restrict, SCOPE_ABSTRACT_UNIX_SOCKET; "
+              "assert restrict(1 << 15, SCOPE_ABSTRACT_UNIX_SOCKET); os.chdir(sys.argv[1]); "
+              "os.rename('a/f', 'b/f'); os.link('a/g', 'b/g'); print('moved and linked')")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "moved and linked\n", out.stderr
+
+
 @needs_bwrap
 def test_the_tools_a_command_needs_under_tmp_stay_visible_and_the_rest_of_tmp_hidden(root, monkeypatch):
     """A venv (or any PATH folder) made under /tmp, as a CI checkout there makes one, is bound read-only into the
