@@ -8,8 +8,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import stat
+import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +28,8 @@ MAX_LINE_CHARS = 2000
 MAX_DIR_ENTRIES = 1000
 SNIPPET_CONTEXT = 3  # lines shown around an edit
 BINARY_SNIFF_BYTES = 8192
+LOCK_WAIT_S = 30.0  # how long an edit waits for a file that another process is changing
+_LOCK_POLL_S = 0.02
 
 FilePath = Annotated[str, msgspec.Meta(description="File path, relative to the workspace root.")]
 
@@ -59,6 +64,8 @@ def is_binary(head: bytes) -> bool:
 def text_encoding(head: bytes) -> str:
     """How a text file is encoded: UTF-16 where it starts with that BOM (what PowerShell's `>` and Windows tools
     write), else UTF-8 (a UTF-8 BOM is kept as a character)."""
+    if head.startswith(codecs.BOM_UTF32_LE):  # FF FE 00 00: not UTF-16 (a binary file to the tools)
+        return "utf-8"
     if head.startswith(codecs.BOM_UTF16_LE):
         return "utf-16-le"
     if head.startswith(codecs.BOM_UTF16_BE):
@@ -194,10 +201,10 @@ class FileTools:
         return await asyncio.to_thread(self._read_file, args)
 
     async def write_file(self, args: WriteFileArgs) -> str:
-        return await asyncio.to_thread(self._write_file, args)
+        return await _cancellable(self._write_file, args)
 
     async def edit_file(self, args: EditFileArgs) -> str:
-        return await asyncio.to_thread(self._edit_file, args)
+        return await _cancellable(self._edit_file, args)
 
     async def list_dir(self, args: ListDirArgs) -> str:
         return await asyncio.to_thread(self._list_dir, args.path)
@@ -223,87 +230,100 @@ class FileTools:
             shown.append(f"[lines {args.offset}-{last} of {len(lines)}; read on with offset={last + 1}]")
         return "\n".join(shown)
 
-    def _write_file(self, args: WriteFileArgs) -> str:
+    def _write_file(self, args: WriteFileArgs, cancel: threading.Event) -> str:
         if args.path.endswith("/"):
             raise ToolError(f"{args.path} names a directory; give the path of the file to write")
         content = args.content
         _utf8(content, "content")
-        real, parent = self._open_parent(args.path, make_dirs=True)
+        real, parent, existing = self._locked(args.path, True)
         kept = ""
         try:
-            existing = self._locked(args.path, parent, real.name, os.O_RDWR)
-            try:
-                encoding = "utf-8"
-                if existing is not None:  # a rewrite keeps the file's line ends and encoding
-                    with open(existing[0], "rb", closefd=False) as f:
-                        old = f.read(MAX_READ_BYTES + 1)
-                    encoding = text_encoding(old)
-                    if len(old) <= MAX_READ_BYTES and "\r" not in content and uses_crlf(
-                            old.decode(encoding, "replace")):
-                        content, kept = with_crlf(content), ", CRLF line ends kept"
-                    if encoding != "utf-8":
-                        kept += f", {encoding.upper()[:6]} kept"
-                data = encode_text(content, encoding)
-                replace_file(parent, real.name, data, existing)
-            finally:
-                if existing is not None:
-                    os.close(existing[0])
+            encoding = "utf-8"
+            if existing is not None:  # a rewrite keeps the file's line ends and encoding
+                old = _read_some(existing[0], MAX_READ_BYTES + 1)
+                encoding = text_encoding(old)
+                if encoding != "utf-8":
+                    content, kept = content.removeprefix("\ufeff"), f", {encoding.upper()[:6]} kept"
+                if len(old) <= MAX_READ_BYTES and "\r" not in content and uses_crlf(old.decode(encoding, "replace")):
+                    content, kept = with_crlf(content), ", CRLF line ends kept" + kept
+            data = encode_text(content, encoding)
+            _stop_if(cancel)
+            replace_file(parent, real.name, data, existing)
         finally:
-            os.close(parent)
+            _close(parent, existing)
         verb = "overwrote" if existing is not None else "created"
         return f"{verb} {self.ws.display(real)} ({len(split_lines(content))} lines, {len(data):,} bytes{kept})"
 
-    def _locked(self, path: str, parent: int, name: str, flags: int) -> tuple[int, os.stat_result] | None:
-        """`_existing`, holding the file's lock (flock) until its descriptor is closed: edits and writes of one
-        file from several calls (MCP clients, agents on one repository) take turns, across processes too, so
+    def _locked(self, path: str, make_dirs: bool) -> tuple[Path, int, tuple[int, os.stat_result] | None]:
+        """For a write: the real path, its directory (`_open_parent`) and the file there if any (`_existing`,
+        open for writing), holding the file's lock (flock) until its descriptor is closed. Edits and writes of
+        one file from several calls (MCP clients, agents on one repository) take turns, across processes too, so
         none works on a text that another is replacing. The lock is the replaced file's: whoever waited for it
-        opens the new one."""
+        opens the new one, and so it does where the path led elsewhere meanwhile (a directory renamed).
+        _LockBusy while another holds it (see _cancellable)."""
         while True:
-            existing = self._existing(path, parent, name, flags)
-            if existing is None:
-                return None
-            fd, info = existing
+            real, parent = self._open_parent(path, make_dirs)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                now = os.stat(name, dir_fd=parent, follow_symlinks=False)
-            except FileNotFoundError:  # removed meanwhile: as if it had not been there
-                os.close(fd)
-                continue
+                try:
+                    existing = self._existing(path, parent, real.name, os.O_RDWR)
+                except PermissionError:  # a file we may write but not read
+                    existing = self._existing(path, parent, real.name, os.O_WRONLY)
             except BaseException:
-                os.close(fd)
+                os.close(parent)
                 raise
-            if (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino):
-                return fd, os.fstat(fd)
-            os.close(fd)  # replaced while we waited
+            if existing is None:
+                return real, parent, None
+            try:
+                try:
+                    fcntl.flock(existing[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise _LockBusy() from None
+                if self._still_at(path, real, parent, existing[1]):
+                    return real, parent, (existing[0], os.fstat(existing[0]))
+            except BaseException:
+                _close(parent, existing)
+                raise
+            _close(parent, existing)  # replaced or moved while we waited: the path's file now
 
-    def _edit_file(self, args: EditFileArgs) -> str:
+    def _still_at(self, path: str, real: Path, parent: int, info: os.stat_result) -> bool:
+        """Whether `path` still names the file `info` in the directory `parent`."""
+        try:
+            now_real, now_parent = self.ws.open_parent(path)
+        except (OSError, ToolError):
+            return False
+        try:
+            now = os.stat(real.name, dir_fd=now_parent, follow_symlinks=False)
+            return now_real == real and _same(os.fstat(now_parent), os.fstat(parent)) and _same(now, info)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(now_parent)
+
+    def _edit_file(self, args: EditFileArgs, cancel: threading.Event) -> str:
         if not args.old_string:
             raise ToolError("old_string is empty; use write_file to create a file or replace all of it")
         if args.old_string == args.new_string:
             raise ToolError("old_string and new_string are the same; there is nothing to change")
         _utf8(args.new_string, "new_string")
-        real, parent = self._open_parent(args.path, make_dirs=False)
+        real, parent, existing = self._locked(args.path, False)
         try:
-            existing = self._locked(args.path, parent, real.name, os.O_RDWR)
             if existing is None:
                 raise ToolError(f"{args.path} does not exist")
-            try:
-                fd, info = existing
-                with open(fd, "rb", closefd=False) as f:
-                    # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
-                    text, encoding = self._decode(args.path, f, info, errors="surrogateescape")
-                updated, starts, count = _replaced(text, args)
-                replace_file(parent, real.name, encode_text(updated, encoding, "surrogateescape"), existing)
-            finally:
-                os.close(existing[0])
+            fd, info = existing
+            with open(fd, "rb", closefd=False) as f:
+                # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
+                text, encoding = self._decode(args.path, f, info, errors="surrogateescape")
+            updated, starts, count = _replaced(text, args)
+            _stop_if(cancel)
+            replace_file(parent, real.name, encode_text(updated, encoding, "surrogateescape"), existing)
         finally:
-            os.close(parent)
+            _close(parent, existing)
         # The first replacement's neighbourhood, as it reads now.
-        first = _line_numbers(text, starts)[0]
+        lines_at = _line_numbers(text, starts)
         new_lines = split_lines(updated)
-        lo = max(1, first - SNIPPET_CONTEXT)
-        hi = min(len(new_lines), first + args.new_string.count("\n") + SNIPPET_CONTEXT)
-        where = f"line {first}" if count == 1 else f"lines {_join_numbers(_line_numbers(text, starts))}"
+        lo = max(1, lines_at[0] - SNIPPET_CONTEXT)
+        hi = min(len(new_lines), lines_at[0] + args.new_string.count("\n") + SNIPPET_CONTEXT)
+        where = f"line {lines_at[0]}" if count == 1 else f"lines {_join_numbers(lines_at)}"
         noun = "occurrence" if count == 1 else "occurrences"
         snippet = printable("\n".join(number_lines(new_lines[lo - 1:hi], lo)))
         return f"replaced {count} {noun} in {self.ws.display(real)} ({where}); it now reads:\n{snippet}"
@@ -340,30 +360,90 @@ class FileTools:
         return "\n".join(entries)
 
 
+class _LockBusy(Exception):
+    """Another process holds the file's lock: the call waits on the event loop and tries again (a thread waiting
+    in flock would hold one of the few the tools share)."""
+
+
+async def _cancellable(work, args):
+    """`work(args, cancel)` in a thread, again while the file it writes is locked by another (up to LOCK_WAIT_S).
+    `cancel` is set when the call is cancelled, which a thread cannot be: the write does not happen if it has not
+    yet."""
+    cancel = threading.Event()
+    deadline = time.monotonic() + LOCK_WAIT_S
+    try:
+        while True:
+            try:
+                return await asyncio.to_thread(work, args, cancel)
+            except _LockBusy:
+                if time.monotonic() > deadline:
+                    raise ToolError(f"{args.path} is being changed by another process, which has held its lock for "
+                                    f"{LOCK_WAIT_S:g} s; try again later") from None
+                await asyncio.sleep(_LOCK_POLL_S)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+
+
+def _stop_if(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise ToolError("cancelled")
+
+
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _close(parent: int, existing: tuple[int, os.stat_result] | None) -> None:
+    os.close(parent)
+    if existing is not None:
+        os.close(existing[0])
+
+
+def _read_some(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from the start of an open file; none where it may only be written."""
+    try:
+        return os.pread(fd, limit, 0)
+    except OSError as exc:
+        if exc.errno != errno.EBADF:
+            raise
+        return b""
+
+
 def _replaced(text: str, args: EditFileArgs) -> tuple[str, list[int], int]:
     """`text` with the edit made, where old_string occurred, and how many times it was replaced; ToolError when
-    old_string is not there, or is there more than once without replace_all. In a CRLF file the strings' LF line
-    ends stand for CRLF (a model writes them as read_file shows them), unless they hold CRs of their own."""
+    old_string is not there, or is there more than once without replace_all. read_file shows no CRs, so where the
+    file has CRLF line ends an LF in old_string matches either (a file may mix them), and new_string's line ends
+    become those of the text it replaces (the file's most common where that has none). Strings that hold CRs of
+    their own match as they are."""
     old, new = args.old_string, args.new_string
-    starts = []
-    if uses_crlf(text) and "\r" not in old:
-        starts = _occurrences(text, with_crlf(old))
-        if starts:
-            old, new = with_crlf(old), with_crlf(new)
-    if not starts:
+    if "\r" in old or "\r\n" not in text:
         starts = _occurrences(text, old)
-    if not starts:
+        found = [(start, start + len(old)) for start in starts]
+    else:
+        pattern = re.compile("\r?\n".join(re.escape(part) for part in old.split("\n")))
+        found = [m.span() for m in pattern.finditer(text)]
+        starts = [start for start, _ in found]
+    if not found:
         raw = (" The file holds bytes that are not UTF-8 (read_file shows them as \ufffd); change those lines "
                "with bash." if "\ufffd" in old and "\ufffd" not in text else "")
         raise ToolError(f"old_string was not found in {args.path} (0 matches). It must match the file "
                         f"exactly, whitespace and indentation included.{_near_misses(text, old)} "
                         f"Read the file to see its current text.{raw}")
-    if len(starts) > 1 and not args.replace_all:
-        raise ToolError(f"old_string occurs {len(starts)} times in {args.path} (at lines "
+    if len(found) > 1 and not args.replace_all:
+        raise ToolError(f"old_string occurs {len(found)} times in {args.path} (at lines "
                         f"{_join_numbers(_line_numbers(text, starts))}); include more surrounding text to make it "
                         "unique, or set replace_all to replace every occurrence")
-    count = len(starts) if args.replace_all else 1
-    return text.replace(old, new, count), starts, count
+    found = found if args.replace_all else found[:1]
+    crlf_file = uses_crlf(text)
+    pieces, at = [], 0
+    for start, end in found:
+        replaced = text[start:end]
+        crlf = "\r\n" in replaced if "\n" in replaced else crlf_file
+        pieces += [text[at:start], with_crlf(new) if crlf else new]
+        at = end
+    pieces.append(text[at:])
+    return "".join(pieces), starts[:len(found)], len(found)
 
 
 def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.stat_result] | None) -> None:
@@ -411,7 +491,24 @@ def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.st
 
 
 def _write_in_place(fd: int, data: bytes) -> None:
-    """`data` over the open file's content, then cut to its length: the inode, owner and links stay."""
+    """`data` over the open file's content, then cut to its length: the inode, owner and links stay. Where that
+    fails part way (a full disk), the old content is put back, as it can be: into the blocks it had."""
+    size = os.fstat(fd).st_size
+    old = _read_some(fd, size)
+    try:
+        _pwrite_all(fd, data)
+    except OSError as exc:
+        try:
+            if len(old) != size:  # a file we may only write: nothing to put back
+                raise OSError(exc.errno, exc.strerror)
+            _pwrite_all(fd, old)
+        except OSError:
+            raise ToolError(f"the file could only be written in place, and that failed part way ({exc.strerror}): "
+                            "it is left partly written") from None
+        raise
+
+
+def _pwrite_all(fd: int, data: bytes) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:done + 2**24], done)

@@ -1,6 +1,7 @@
 """Workspace confinement and the file tools, through the registry as the agent calls them."""
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -405,6 +406,20 @@ def test_a_crlf_file_reads_and_edits_with_lf_strings_and_stays_crlf(tools, root)
     assert (root / "unix.py").read_bytes() == b"a\nc\n"
 
 
+def test_a_file_of_mixed_line_ends_edits_as_read_file_shows_it(tools, root):
+    """Each replaced text keeps its own line ends; an LF in old_string matches either, so a string across both
+    kinds is found, and occurrences on either kind count alike (ambiguity, replace_all)."""
+    mixed = root / "mixed.txt"
+    mixed.write_bytes(b"x = 1\r\ny = 2\nx = 1\n")
+    assert not call(tools, "edit_file", path="mixed.txt", old_string="x = 1\ny = 2", new_string="z = 3").is_error
+    assert mixed.read_bytes() == b"z = 3\nx = 1\n"
+    mixed.write_bytes(b"x = 1\r\nx = 1\n")
+    assert "occurs 2 times" in call(tools, "edit_file", path="mixed.txt", old_string="x = 1\n", new_string="").text
+    result = call(tools, "edit_file", path="mixed.txt", old_string="x = 1\n", new_string="a\nb\n", replace_all=True)
+    assert "replaced 2 occurrences" in result.text, result.text
+    assert mixed.read_bytes() == b"a\r\nb\r\na\nb\n"
+
+
 CONCURRENT_EDITOR = """
 import asyncio, sys
 from pathlib import Path
@@ -418,6 +433,36 @@ async def main():
     print(sum(r.is_error for r in results))
 asyncio.run(main())
 """
+
+
+def test_an_edit_waits_for_another_process_s_lock_then_gives_up_or_stops_when_cancelled(tools, root, monkeypatch):
+    import fcntl
+
+    from dflash_agent.tools import files
+
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 0.5)
+    app = root / "src" / "app.py"
+    before = app.read_text()
+    with open(app) as held:  # as `flock` in bash, or another server's edit in progress
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = call(tools, "edit_file", path="src/app.py", old_string="return 1", new_string="return 2")
+        assert result.is_error and "held its lock" in result.text, result.text
+
+        async def cancelled_edits():
+            edits = [asyncio.ensure_future(tools.dispatch(
+                "edit_file", {"path": "src/app.py", "old_string": "return 1", "new_string": f"return {i}"}))
+                for i in range(3, 15)]  # more than the threads the tools share: they wait off them
+            await asyncio.sleep(0.2)
+            other = await asyncio.wait_for(tools.dispatch("read_file", {"path": "src/app.py"}), 2.0)
+            assert "return 1" in other.text
+            for edit in edits:
+                edit.cancel()
+            for edit in edits:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await edit
+        monkeypatch.setattr(files, "LOCK_WAIT_S", 5.0)
+        asyncio.run(cancelled_edits())
+    assert app.read_text() == before
 
 
 def test_edits_of_one_file_at_once_are_all_kept(root):
@@ -452,21 +497,26 @@ def test_a_file_that_cannot_be_replaced_is_written_in_place():
     try:
         root.chmod(0o777)
         (root / "closed").mkdir()
-        for path in (root / "closed" / "f.txt", root / "shared.txt"):
+        for path in (root / "closed" / "f.txt", root / "closed" / "g.txt", root / "shared.txt"):
             path.write_text("hello\n")
             path.chmod(0o666)
         (root / "closed").chmod(0o555)
         before = {p: (root / p).stat() for p in ("closed/f.txt", "shared.txt")}
-        script = ("import asyncio, sys; from dflash_agent.tools.registry import workspace_tools; "
+        # and one that fails part way (a file-size limit, as a full disk): the old content is put back
+        script = ("import asyncio, resource, signal, sys; from dflash_agent.tools.registry import workspace_tools; "
                   "from dflash_agent.tools.workspace import Workspace; t = workspace_tools(Workspace(sys.argv[1])); "
-                  "print([asyncio.run(t.dispatch('edit_file', {'path': p, 'old_string': 'hello', 'new_string': "
-                  "'bye'})).is_error for p in sys.argv[2:]])")
+                  "edit = lambda p, new: asyncio.run(t.dispatch('edit_file', {'path': p, 'old_string': 'hello', "
+                  "'new_string': new})); signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                  "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
+                  "failed = edit('closed/g.txt', 'x' * 200_000); assert failed.is_error, failed.text; "
+                  "print([edit(p, 'bye').is_error for p in sys.argv[2:]])")
         # as another user, root's shared.txt is another user's file; a user's own is not
         paths = ["closed/f.txt", "shared.txt"] if os.geteuid() == 0 else ["closed/f.txt"]
         as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
         out = subprocess.run([*as_nobody, sys.executable, "-c", script, str(root), *paths], capture_output=True,
                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert out.stdout.strip() == str([False] * len(paths)), out.stderr
+        assert (root / "closed" / "g.txt").read_text() == "hello\n"
         for path in paths:
             info = (root / path).stat()
             assert (root / path).read_text() == "bye\n", path
@@ -485,5 +535,7 @@ def test_a_utf16_file_reads_and_edits_as_text_and_stays_utf16(tools, root, bom, 
     assert call(tools, "read_file", path="out.txt").text == "     1\tname: café\n     2\tsize: 1"
     assert not call(tools, "edit_file", path="out.txt", old_string="size: 1\n", new_string="size: 2\n").is_error
     assert path.read_bytes() == bom + "name: café\r\nsize: 2\r\n".encode(encoding)
-    assert "UTF-16 kept" in call(tools, "write_file", path="out.txt", content="new\n").text
+    assert "UTF-16 kept" in call(tools, "write_file", path="out.txt", content="\ufeffnew\n").text  # one BOM
     assert path.read_bytes() == bom + "new\r\n".encode(encoding)
+    (root / "utf32.txt").write_bytes(b"\xff\xfe\x00\x00" + "x".encode("utf-32-le"))  # FF FE, but not UTF-16
+    assert "binary file" in call(tools, "read_file", path="utf32.txt").text
