@@ -61,11 +61,11 @@ def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None
 
 
 def _stop_reason(final: FinalEvent, tool_calls: bool, stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
-    if tool_calls:
-        return "tool_use", None
-    if final.finish_reason == "length":
+    if final.finish_reason == "length":  # first: a tool call cut by the limit is not one to run (as OpenAI's length)
         # Anthropic's reason when the window, not max_tokens, ended the answer (Claude Code tells them apart).
         return ("model_context_window_exceeded" if final.context_full else "max_tokens"), None
+    if tool_calls:
+        return "tool_use", None
     if isinstance(final.stop, str) and final.stop in stop_sequences:
         return "stop_sequence", final.stop
     return "end_turn", None

@@ -86,6 +86,18 @@ def test_forced_tool_use_streamed_and_not(client, tool_choice):
     assert final.stop_reason == "tool_use"
 
 
+def test_a_tool_call_cut_by_max_tokens_says_max_tokens(client):
+    """As Anthropic's API and the other two routes (finish_reason length, incomplete) say: not tool_use, whose
+    input would be cut."""
+    whole = client.messages.create(model="m", max_tokens=48, extra_body=GREEDY, system=SYSTEM, messages=MESSAGES,
+                                   tools=TOOLS, tool_choice={"type": "tool", "name": "goto_line"})
+    limit = whole.usage.output_tokens - 2  # the call's input is whole, its end is not
+    cut = client.messages.create(model="m", max_tokens=limit, extra_body=GREEDY, system=SYSTEM, messages=MESSAGES,
+                                 tools=TOOLS, tool_choice={"type": "tool", "name": "goto_line"})
+    assert [b.type for b in cut.content] == ["tool_use"]
+    assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", limit)
+
+
 def test_multi_turn_with_tool_result(client):
     first = client.messages.create(model="m", max_tokens=48, extra_body=GREEDY, system=SYSTEM, messages=MESSAGES,
                                    tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True})
