@@ -9,6 +9,7 @@ confines the agent's habits, not a hostile program."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -282,11 +283,16 @@ class Shell:
         tmp = self._private_tmp() if sandboxed else None
         fd, cwd_file = tempfile.mkstemp(prefix="dflash-agent-cwd-", dir=tmp)
         os.close(fd)
-        # The EXIT trap records where the command left the shell, even when it calls `exit`. On the command's first
-        # line, so that bash's errors name the command's own line numbers.
-        script = (f"__dflash_cwd={shlex.quote(cwd_file if tmp is None else '/tmp/' + Path(cwd_file).name)}; "
-                  f"trap 'pwd -P > \"$__dflash_cwd\"' EXIT; {args.command}")
-        argv = [self.bash_path, "-c", script]
+        seen = (lambda path: path) if tmp is None else (lambda path: "/tmp/" + Path(path).name)  # in the sandbox
+        # The EXIT trap records where the command left the shell, even when it calls `exit`. Set from BASH_ENV,
+        # which bash runs before the command (and then forgets, so the command's own bash scripts do not), so
+        # that the command is the script itself: its errors quote it alone, with its own line numbers.
+        fd, setup_file = tempfile.mkstemp(prefix="dflash-agent-setup-", dir=tmp)
+        with open(fd, "w") as f:
+            f.write(f"__dflash_cwd={shlex.quote(seen(cwd_file))}\ntrap 'pwd -P > \"$__dflash_cwd\"' EXIT\n"
+                    "unset BASH_ENV\n")
+        env["BASH_ENV"] = seen(setup_file)
+        argv = [self.bash_path, "-c", args.command]
         cancel = threading.Event()
         if tmp is not None:
             # The real ones are read-only in there: pip, uv, go and the like put their caches in
@@ -305,6 +311,8 @@ class Shell:
             raise
         finally:
             moved_to = _read_and_remove(cwd_file)
+            with contextlib.suppress(OSError):
+                os.unlink(setup_file)
         notes += self._follow_cwd(moved_to)
         text = outcome.capture.text().rstrip("\n") or "(no output)"
         if outcome.timed_out:

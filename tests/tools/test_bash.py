@@ -94,9 +94,14 @@ def test_secrets_are_not_in_the_environment(tools, monkeypatch):
         assert pair in text.splitlines()
 
 
-def test_errors_name_the_command_s_own_line_numbers(tools):
+def test_errors_name_the_command_s_own_line_numbers(tools, root):
+    """The working directory's trap is set before the command, not in its text: errors quote the command alone with
+    its own line numbers, and bash scripts the command runs do not set the trap again."""
     result = bash(tools, "echo one\nif then")
     assert "line 2: syntax error" in result.text, result.text
+    first = bash(tools, "echo (")
+    assert "line 1: syntax error" in first.text and "__dflash" not in first.text, first.text
+    assert "[working directory is now sub]" in bash(tools, "cd sub && bash -c 'cd /'").text
 
 
 def test_stdin_is_closed(tools):
