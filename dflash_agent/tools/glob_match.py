@@ -137,6 +137,11 @@ class Glob:
         search that skips such folders enters those the pattern names."""
         return name in self._named
 
+    @property
+    def dotted(self) -> bool:
+        """Whether one of the pattern's parts starts with '.' (`.env*`, `**/.github/*`): it asks for hidden names."""
+        return any(part.startswith(".") for part in self._named)
+
     def may_contain(self, path: str) -> bool:
         names = path.split("/") if path else []
         return any(_prefix(segments, names) for segments in self._paths)

@@ -102,7 +102,7 @@ def _grep_tree(top: int, prefix: str, regex: re.Pattern[str], only: Glob | None,
                 return False
             if time.monotonic() > deadline:
                 return True
-            if entry.kind != "file" or entry.name.startswith("."):
+            if entry.kind != "file" or (entry.name.startswith(".") and not (only is not None and only.dotted)):
                 continue
             if only is not None and not (only.match(entry.path) or only.match(prefix + entry.path)
                                          if "/" in only.pattern else only.match(entry.name)):
@@ -134,8 +134,8 @@ def _grep_file(fd: int, name: str, regex: re.Pattern[str], found: _Matches, dead
     else:
         lines = (line.decode("utf-8", errors="replace") for line in _lines(fd, head))
     for number, line in enumerate(lines, 1):
-        text = line.removesuffix("\r")
-        if regex.search(text):
+        if regex.search(line):  # with a CRLF line's CR, as ripgrep matches
+            text = line.removesuffix("\r")
             found.add(name, number, text)
             if found.full:
                 return True

@@ -84,7 +84,7 @@ def test_glob_caps_results(search, root):
     assert len(lines) == MAX_GLOB_RESULTS + 1 and lines[-1].startswith("[5 more paths")
 
 
-def test_grep_order_and_filters(search):
+def test_grep_order_and_filters(search, root):
     text = run(search.grep(GrepArgs("TODO")))
     # Sorted by path then line; hidden, VCS, vendored and binary files skipped, as ripgrep does.
     assert text.splitlines() == [
@@ -102,6 +102,9 @@ def test_grep_order_and_filters(search):
     assert run(search.grep(GrepArgs("TODO", glob="node_modules/**/*.js"))).splitlines() == [
         "node_modules/m/index.js:1:TODO vendored"]
     assert run(search.grep(GrepArgs("TODO", glob=".hidden/*.py"))).splitlines() == [".hidden/x.py:1:TODO hidden"]
+    (root / ".env").write_text("TODO=1\n")  # and hidden files that it asks for
+    assert run(search.grep(GrepArgs("TODO", glob=".env*"))).splitlines() == [".env:1:TODO=1"]
+    assert ".env" not in run(search.grep(GrepArgs("TODO")))
 
 
 def test_grep_reads_utf16_and_crlf_files_as_text(search, root):
@@ -111,6 +114,7 @@ def test_grep_reads_utf16_and_crlf_files_as_text(search, root):
     (root / "win.txt").write_bytes(b"TODO crlf\r\n")
     assert run(search.grep(GrepArgs("TODO", glob="*.txt"))).splitlines() == [
         "ps.txt:2:TODO in utf-16", "win.txt:1:TODO crlf"]
+    assert run(search.grep(GrepArgs("crlf\\r$", glob="*.txt"))).splitlines() == ["win.txt:1:TODO crlf"]  # CRs found
     assert run(search.grep(GrepArgs("TODO", path="src/b.py"))).splitlines() == ["src/b.py:2:# TODO second"]
     assert "no matches" in run(search.grep(GrepArgs("nothing-like-this")))
 
