@@ -11,13 +11,16 @@ import sys
 import click
 import uvicorn
 
+from .agent.backend import BackendError
 from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
 from .api.connections import ConnectionLimits, protocol_class
+from .api.errors import APIError
 from .api.lifecycle import access_log, request_log
 from .api.service import API_SAMPLING, DEFAULT_MAX_TOKENS, ServerSettings, ServerState
 from .chat.chat_format import LoadedModel
 from .engine.progress import progress_log
 from .mcp.http import MCPPlugin, mcp_serve_options
+from .mcp.model import Admit
 from .options import (
     check_spec_options,
     kv_cache_option,
@@ -43,6 +46,17 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.state.shut_down()
         super().handle_exit(sig, frame)
+
+
+def mcp_admission(state: ServerState) -> Admit:
+    """/mcp's calls to the model admitted as the HTTP API's requests are: one queue (--max-queue), one count of
+    requests processing and queued in /metrics; a full queue is the call's error."""
+    def admit():
+        try:
+            return state.admission.admit()
+        except APIError as exc:
+            raise BackendError(exc.message) from None
+    return admit
 
 
 @click.command()
@@ -117,7 +131,7 @@ def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_b
 
     def mcp(state: ServerState) -> list[MCPPlugin]:
         return [MCPPlugin(state.loaded, alias or "the served model", mcp_repo, mcp_expose_tools, mcp_read_only,
-                          host=host, sandbox=tool_sandbox)]
+                          host=host, sandbox=tool_sandbox, admit=mcp_admission(state))]
 
     listener = _listen(host, port)  # before the model loads: a busy port is told at once, not after the load
     port = listener.getsockname()[1]  # --port 0 picks a free one

@@ -23,7 +23,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from ..chat.chat_format import LoadedModel
 from ..tools.sandbox import Sandbox
-from .model import LocalModel
+from .model import Admit, LocalModel
 from .server import workspace_server
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class MCPPlugin(InitPluginProtocol):
 
     def __init__(self, served: Callable[[], LoadedModel | None], name: str, repo: Path | None = None,
                  expose_tools: bool = False, read_only: bool = False, host: str = "127.0.0.1",
-                 sandbox: Sandbox | None = None) -> None:
+                 sandbox: Sandbox | None = None, admit: Admit | None = None) -> None:
         if expose_tools and repo is None:
             raise click.UsageError("--mcp-expose-tools needs --mcp-repo")
         self.served = served
@@ -61,9 +61,10 @@ class MCPPlugin(InitPluginProtocol):
         self.read_only = read_only
         self.host = host
         self.sandbox = sandbox
+        self.admit = admit
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
-        model = LocalModel(self.served, self.name)
+        model = LocalModel(self.served, self.name, self.admit)
         manager = StreamableHTTPSessionManager(
             workspace_server(model, self.repo, self.expose_tools, self.read_only, sandbox=self.sandbox),
             security_settings=_security(self.host), max_request_body_size=app_config.request_max_body_size)

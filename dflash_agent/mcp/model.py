@@ -24,6 +24,10 @@ from ..engine import GenerateRequest, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
 
+# Admission of one request to a server's engine (api.service.Admission behind `serve`'s /mcp): returns the call that
+# releases it, or raises BackendError when the queue is full. MCP calls and HTTP requests then share one queue.
+Admit = Callable[[], Callable[[], None]]
+
 LOAD_POLL_S = 0.05  # how often a call waiting for the model checks whether it has loaded
 
 
@@ -89,17 +93,28 @@ class LastRequest:
         return out
 
 
+def _always() -> Callable[[], None]:
+    """Admission where there is no queue to share (the stdio server, a remote model)."""
+    return lambda: None
+
+
 class _Recording:
     """A backend whose turns are counted in the status resource."""
 
-    def __init__(self, inner: Backend, last: LastRequest) -> None:
+    def __init__(self, inner: Backend, last: LastRequest, admit: Admit = _always) -> None:
         self.inner = inner
         self.last = last
+        self.admit = admit
 
     async def turn(self, conversation: Conversation, options: TurnOptions, on_delta: OnDelta) -> AssistantTurn:
-        turn = await self.inner.turn(conversation, options, on_delta)
+        release = self.admit()
+        try:
+            turn = await self.inner.turn(conversation, options, on_delta)
+        finally:
+            release()
         self.last.record(turn.timings)
         return turn
+
 
 
 class LocalModel:
@@ -107,9 +122,10 @@ class LocalModel:
     loading, and raises what the load raised; so the server answers at once and calls that need the
     model wait for it."""
 
-    def __init__(self, poll: Callable[[], LoadedModel | None], name: str) -> None:
+    def __init__(self, poll: Callable[[], LoadedModel | None], name: str, admit: Admit | None = None) -> None:
         self._poll = poll
         self.name = name
+        self.admit = admit if admit is not None else _always
         self.last = LastRequest()
         self._ids = itertools.count()
 
@@ -121,7 +137,7 @@ class LocalModel:
     async def backend(self, temperature: float | None = None) -> Backend:
         model = await self.model()
         sampling = model.engine.sampling_defaults.resolve(SamplingParams(), temperature)
-        return _Recording(EngineBackend(model.engine, model.chat, sampling), self.last)
+        return _Recording(EngineBackend(model.engine, model.chat, sampling), self.last, self.admit)
 
     async def complete(self, prompt: str, max_tokens: int, temperature: float | None = None) -> Completion:
         engine = (await self.model()).engine
@@ -131,7 +147,11 @@ class LocalModel:
         ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
         request = GenerateRequest(ids, sampling, max_tokens=max_tokens,
                                   request_id=f"mcp-{id(self):x}-{next(self._ids)}")
-        result = await engine.complete(request)  # the client's MCP cancel cancels the request with this task
+        release = self.admit()
+        try:
+            result = await engine.complete(request)  # the client's MCP cancel cancels the request with this task
+        finally:
+            release()
         timings = asdict(result.final.timings)
         self.last.record(timings)
         return Completion(result.text, result.final.finish_reason, result.final.usage, timings)

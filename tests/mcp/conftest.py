@@ -8,6 +8,7 @@ from dflash_agent.api.background import live_server
 from dflash_agent.api.service import ServerSettings
 from dflash_agent.engine.engine import Engine
 from dflash_agent.mcp.http import MCPPlugin
+from dflash_agent.serve import mcp_admission
 
 API_KEY = "mcp-test-key"
 
@@ -32,7 +33,8 @@ def mcp_repo(tmp_path_factory):
 def mcp_http_url(mcp_engine, mcp_repo):
     """The server's base URL; /mcp needs the API key like every other route."""
     def mcp(server):
-        return [MCPPlugin(server.loaded, "the served model", mcp_repo, expose_tools=True)]
+        return [MCPPlugin(server.loaded, "the served model", mcp_repo, expose_tools=True,
+                          admit=mcp_admission(server))]
 
     with live_server(lambda: mcp_engine, ServerSettings(api_key=API_KEY), plugins=mcp) as url:
         yield url

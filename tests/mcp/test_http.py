@@ -72,6 +72,8 @@ def test_a_client_that_disconnects_mid_call_cancels_it(mcp_http_url):
             while not any(s["state"] == "decoding" for s in http.get("/slots").json()):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+            # admitted as the HTTP API's requests are (one queue, --max-queue)
+            assert "dflash_requests_processing 1.0" in http.get("/metrics").text
         # the response closed unread: the connection is gone
         left = time.monotonic()
         while any(s["state"] != "idle" for s in http.get("/slots").json()):
@@ -80,6 +82,7 @@ def test_a_client_that_disconnects_mid_call_cancels_it(mcp_http_url):
         after = http.post("/mcp", headers=headers, json={
             "jsonrpc": "2.0", "id": 3, "method": "tools/call",
             "params": {"name": "complete", "arguments": {"prompt": PROMPT, "max_tokens": 2}}})
+        assert "dflash_requests_processing 0.0" in http.get("/metrics").text
     assert after.status_code == 200 and '"completion_tokens":2' in after.text.replace(" ", "")
 
 
