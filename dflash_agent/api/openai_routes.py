@@ -112,7 +112,10 @@ async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) 
     created = int(time.time())
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return EventStream(_chat_chunks(generation, request_id, created, model.name, include_usage))
+        # an answer that must be a tool call has no content, as the non-streamed message's null says
+        forced = bool(data.tools) and options.tool_choice not in ("auto", "none")
+        return EventStream(_chat_chunks(generation, request_id, created, model.name, include_usage,
+                                        None if forced else ""))
     events = await generation.collect()
     final = events[-1]
     return _chat_completion(parser.result(), final, request_id, created, model.name)
@@ -130,13 +133,13 @@ def _chat_completion(out: ParsedOutput, final: FinalEvent, request_id: str, crea
 
 
 async def _chat_chunks(generation: Generation, request_id: str, created: int, model: str,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, content: str | None) -> AsyncIterator[bytes]:
     def chunk(delta: ChoiceDelta, finish: str | None = None, **extra) -> bytes:
         usage = None if include_usage else msgspec.UNSET
         return _sse(ChatCompletionChunk(request_id, created, model, [ChunkChoice(0, delta, finish)], usage=usage,
                                         **extra))
 
-    yield chunk(ChoiceDelta(role="assistant", content=""))
+    yield chunk(ChoiceDelta(role="assistant", content=content))
     called = False
     try:
         async for event in generation.events():

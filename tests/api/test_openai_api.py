@@ -93,6 +93,9 @@ def test_forced_tool_call_streamed_and_not(client, tool_choice):
     assert finish == "tool_calls" and list(calls) == [0]
     # Fragments concatenate to exactly the JSON the non-streamed call carries.
     assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
+    # and the SDK's streamed message has no content, as the whole one (not "")
+    with client.chat.completions.stream(**args) as stream:
+        assert stream.get_final_completion().choices[0].message.content is choice.message.content is None
 
 
 FREE_TOOLS = [  # free-form arguments, so a sampled call can run long
