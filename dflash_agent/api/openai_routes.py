@@ -133,7 +133,7 @@ def _chat_completion(out: ParsedOutput, final: FinalEvent, request_id: str, crea
 
 
 async def _chat_chunks(generation: Generation, request_id: str, created: int, model: str,
-                       include_usage: bool, content: str | None) -> AsyncIterator[bytes]:
+                       include_usage: bool, content: str | None = "") -> AsyncIterator[bytes]:
     def chunk(delta: ChoiceDelta, finish: str | None = None, **extra) -> bytes:
         usage = None if include_usage else msgspec.UNSET
         return _sse(ChatCompletionChunk(request_id, created, model, [ChunkChoice(0, delta, finish)], usage=usage,
