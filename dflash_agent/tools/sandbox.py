@@ -68,6 +68,8 @@ class Sandbox:
         self._probed = False
         self._reason: str | None = None  # why bwrap cannot start, once probed; None: it can
         self._warned = False
+        # the kernel's Landlock, for confine.py: without its scopes (Linux < 6.12) the command starts without it
+        self.landlock_abi = landlock_abi()
 
     def problem(self) -> str | None:
         """Why bwrap cannot start here, or None where it can; probed on the first call (a few ms)."""
@@ -97,7 +99,7 @@ class Sandbox:
         """One phrase for a startup line: what confines the tools' commands."""
         if not self.enabled():
             return "off" if self.mode == "off" else "off (bwrap cannot start)"
-        abi = landlock_abi()
+        abi = self.landlock_abi
         sockets = ("; Unix sockets from outside refused" if abi >= RESOLVE_UNIX_ABI else
                    "; abstract Unix sockets from outside refused" if abi >= SCOPES_ABI else "")
         return f"bwrap, network {'on' if self.network else 'off'}{sockets}"
@@ -136,7 +138,8 @@ class Sandbox:
             args.append("--unshare-net")
         if info_fd is not None:
             args += ["--info-fd", str(info_fd)]
-        return [*args, "--chdir", str(cwd), "--", sys.executable, "-I", "-S", "-c", _CONFINE_SOURCE, *argv]
+        confine = [sys.executable, "-I", "-S", "-c", _CONFINE_SOURCE] if self.landlock_abi >= SCOPES_ABI else []
+        return [*args, "--chdir", str(cwd), "--", *confine, *argv]
 
     def start(self, argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] = (), tmp: Path | None = None,
               private_tmp: bool = True, network: bool | None = None, env: Mapping[str, str],
