@@ -116,7 +116,6 @@ class _Recording:
         return turn
 
 
-
 class LocalModel:
     """The engine in this process. `poll` returns the model once it has loaded, None while it is
     loading, and raises what the load raised; so the server answers at once and calls that need the

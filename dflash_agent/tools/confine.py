@@ -45,14 +45,12 @@ def landlock_abi() -> int:
     return max(abi, 0)
 
 
-def restrict_unix_sockets() -> int:
+def restrict_unix_sockets() -> None:
     """Restrict this process (and what it starts) to the Unix sockets of its own Landlock domain, as far as the
-    kernel can; returns the ABI it used (0: none)."""
+    kernel can."""
     abi = landlock_abi()
-    if abi < SCOPES_ABI:
-        return 0
-    handled_fs = ACCESS_FS_RESOLVE_UNIX if abi >= RESOLVE_UNIX_ABI else 0
-    return abi if restrict(handled_fs, SCOPE_ABSTRACT_UNIX_SOCKET) else 0
+    if abi >= SCOPES_ABI:
+        restrict(ACCESS_FS_RESOLVE_UNIX if abi >= RESOLVE_UNIX_ABI else 0, SCOPE_ABSTRACT_UNIX_SOCKET)
 
 
 def restrict(handled_fs: int, scoped: int) -> bool:

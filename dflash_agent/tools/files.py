@@ -73,8 +73,13 @@ def text_encoding(head: bytes) -> str:
     return "utf-8"
 
 
+def decode_text(data: bytes, encoding: str, errors: str = "strict") -> str:
+    """A file's bytes of `encoding` (text_encoding) as text: a UTF-16 file's BOM left out."""
+    return (data if encoding == "utf-8" else data[2:]).decode(encoding, errors)
+
+
 def encode_text(text: str, encoding: str, errors: str = "strict") -> bytes:
-    """`text` as a file of `encoding` holds it: a UTF-16 file starts with its BOM again."""
+    """`text` as a file of `encoding` holds it (decode_text's inverse): a UTF-16 file starts with its BOM again."""
     bom = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE}.get(encoding, b"")
     return bom + text.encode(encoding, errors)
 
@@ -188,9 +193,9 @@ class FileTools:
         if encoding == "utf-8":
             if is_binary(data):
                 raise ToolError(f"{path} is a binary file ({size:,} bytes); it cannot be shown as text")
-            return data.decode("utf-8", errors=errors), encoding
+            return decode_text(data, encoding, errors), encoding
         try:
-            return data[2:].decode(encoding), encoding
+            return decode_text(data, encoding), encoding
         except UnicodeDecodeError:
             raise ToolError(f"{path} starts as UTF-16 text but is not ({size:,} bytes); it cannot be shown as "
                             "text") from None
@@ -244,7 +249,8 @@ class FileTools:
                 encoding = text_encoding(old)
                 if encoding != "utf-8":
                     content, kept = content.removeprefix("\ufeff"), f", {encoding.upper()[:6]} kept"
-                if len(old) <= MAX_READ_BYTES and "\r" not in content and uses_crlf(old.decode(encoding, "replace")):
+                crlf = len(old) <= MAX_READ_BYTES and uses_crlf(decode_text(old, encoding, "replace"))
+                if crlf and "\r" not in content:
                     content, kept = with_crlf(content), ", CRLF line ends kept" + kept
             data = encode_text(content, encoding)
             _stop_if(cancel)

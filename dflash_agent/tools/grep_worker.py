@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from .files import BINARY_SNIFF_BYTES, MAX_READ_BYTES, is_binary, text_encoding
+from .files import BINARY_SNIFF_BYTES, MAX_READ_BYTES, decode_text, is_binary, split_lines, text_encoding
 from .glob_match import Glob
 from .tool import ToolError
 from .workspace import SKIP_DIRS, TreeEntry, Workspace, printable, walk_tree
@@ -150,11 +150,9 @@ def _utf16_lines(fd: int, head: bytes, encoding: str) -> list[str]:
     if len(data) > MAX_READ_BYTES:
         return []
     try:
-        text = data[2:].decode(encoding)
+        return split_lines(decode_text(data, encoding))
     except UnicodeDecodeError:
         return []
-    lines = text.split("\n")
-    return lines[:-1] if lines[-1] == "" else lines
 
 
 def _lines(fd: int, head: bytes) -> Iterator[bytes]:
