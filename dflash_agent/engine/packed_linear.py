@@ -77,7 +77,7 @@ def cpu_dot() -> CpuDot | None:
 
 def prefill_dtype(choice: str) -> torch.dtype:
     """The dtype of CpuDotWeight's prefill GEMMs for Engine.load's `prefill` (engine.types.PREFILL). auto takes int8
-    where the kernels' AVX-512 VNNI build runs (98.8% top-1 agreement with exact on the embedded model), bfloat16
+    where the kernels' AVX-512 VNNI build runs (99.1% top-1 agreement with exact on the embedded model), bfloat16
     where the CPU multiplies it natively (AVX512_BF16 or AMX) and torch's bf16 GEMM is measured to beat float32's by
     BF16_GAIN (by INT8_GAIN where int8 runs), else float32, whose GEMMs are exact on the dequantized rows. The flags
     alone do not say it: oneDNN's bf16 GEMMs ran 2-3x float32's on a Zen 4 and 0.6x on an Emerald Rapids VM that hides

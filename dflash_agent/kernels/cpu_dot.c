@@ -1112,10 +1112,12 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
  *     acc += (float)(sum u q - offset sum q) * xs * d  (+ m * xs * sum q where the layout has offsets m),
  * the integer part exact (at most 32 * 255 * 127 per run), the offset subtracted in the integer sum, so an infinite
  * activation keeps the sign of its weight. Gemma's normed activations have a few channels far larger than the rest,
- * which would leave their blocks' other values a handful of levels: the GEMM_OUTLIERS channels with the largest |x|
- * over the call's rows are taken out of the int8 blocks and multiplied in float32 with the weights dequantized
- * exactly (LLM.int8()'s decomposition; top-1 agreement on the embedded model 96.4% without, 98.8% with). So a row's
- * result depends on the rows called with it. Not the exact path: `bench --fidelity` reports its agreement.
+ * which would leave their blocks' other values a handful of levels: each row's GEMM_OUTLIERS channels of largest |x|
+ * are taken out of its int8 blocks and multiplied in float32 with the weights dequantized exactly (LLM.int8()'s
+ * decomposition; top-1 agreement on the embedded model 96.4% without). Each row picks its own, so a row's result
+ * does not depend on the rows called with it: a prompt's keys are the same wherever its chunks start (a prefix-cache
+ * hit moves them). A panel dequantizes the union of the rows' channels once. Not the exact path: `bench --fidelity`
+ * reports its agreement.
  * Weights are unpacked a panel of GEMM_COLS rows at a time into bytes [K / 4, GEMM_COLS, 4] (four consecutive inputs
  * of each row in turn: one vector holds four inputs of 16 rows), with the panel's scales as floats, then every tile of
  * GEMM_TILE activation rows passes over the panel; the unpacking is paid once per panel for all M rows. Every build
@@ -1131,10 +1133,17 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 static float quantize_block_i8(const float *v, int8_t *q, int32_t sums[2]) {
     float amax = 0.0f;
     int any_nan = 0;
+#if defined(DFA_AVX512) /* vmaxps returns its second operand where either is NaN: zero, so a NaN counts for nothing */
+    const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16), zero = _mm512_setzero_ps();
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), zero),
+                                              _mm512_max_ps(_mm512_abs_ps(hi), zero)));
+    any_nan = (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) != 0;
+#else
     for (int i = 0; i < 32; i++) {
         any_nan |= isnan(v[i]);
         amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
     }
+#endif
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const int rare = any_nan || !(amax <= FLT_MAX && inv <= FLT_MAX);
     const double rare_inv = amax > 0.0f && !isinf(amax) ? 127.0 / (double)amax : 0.0;
@@ -1203,16 +1212,17 @@ static void run_scales(const dfa_matrix *w, int64_t n, float *d, float *m) {
 }
 
 /* Weight rows [n0, n0 + cols) as a panel: bytes wp [K / 4, GEMM_COLS, 4], the runs' scales sd and offsets mv
- * [runs K / 32, GEMM_COLS], and wf [n_out, GEMM_COLS] the weights of the outlier inputs out[] as the exact
- * dequantization gives them (d (u - offset), then + m); the columns past cols zero. scratch: 2 runs K / 32 floats. */
-static void pack_panel(const dfa_matrix *w, int offset, int64_t n0, int cols, const int64_t *out, int n_out,
+ * [runs K / 32, GEMM_COLS], and wf [n_channels, GEMM_COLS] the weights of the outlier inputs channels[] (the union
+ * of the rows' own) as the exact dequantization gives them (d (u - offset), then + m); the columns past cols zero.
+ * scratch: 2 runs K / 32 floats. */
+static void pack_panel(const dfa_matrix *w, int offset, int64_t n0, int cols, const int32_t *channels, int n_channels,
                        uint8_t *wp, float *sd, float *mv, float *wf, float *scratch) {
     const int64_t K = w->k, B = K / 32, runs = gemm_runs(w), R = B * runs;
     if (cols < GEMM_COLS) {
         memset(wp, 0, (size_t)(K * GEMM_COLS));
         memset(sd, 0, (size_t)(R * GEMM_COLS) * sizeof(float));
         memset(mv, 0, (size_t)(R * GEMM_COLS) * sizeof(float));
-        memset(wf, 0, (size_t)(n_out * GEMM_COLS) * sizeof(float));
+        memset(wf, 0, (size_t)(n_channels * GEMM_COLS) * sizeof(float));
     }
     for (int c = 0; c < cols; c++) {
         run_scales(w, n0 + c, scratch, scratch + R);
@@ -1229,22 +1239,32 @@ static void pack_panel(const dfa_matrix *w, int offset, int64_t n0, int cols, co
             group_u8(w, n0 + c, b, values);
             for (int j = 0; j < 8; j++) memcpy(wp + ((b * 8 + j) * GEMM_COLS + c) * 4, values + 4 * j, 4);
         }
-    for (int o = 0; o < n_out; o++)
+    for (int o = 0; o < n_channels; o++) {
+        const int64_t k = channels[o], run = runs == 2 ? k / 16 : k / 32; /* shifts, where k / (32 / runs) divides */
+#if defined(DFA_AVX512) /* the union of many rows' channels can be most of K: a vector a channel */
+        const __m512i quad = _mm512_loadu_si512((const void *)(wp + (k / 4) * GEMM_COLS * 4));
+        const __m512i u = _mm512_and_si512(_mm512_srli_epi32(quad, (unsigned)(8 * (k % 4))), _mm512_set1_epi32(0xff));
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sd + run * GEMM_COLS),
+                                       _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(offset))));
+        _mm512_storeu_ps(wf + o * GEMM_COLS, _mm512_add_ps(v, _mm512_loadu_ps(mv + run * GEMM_COLS)));
+#else
         for (int c = 0; c < cols; c++) {
-            const int64_t k = out[o], run = k / (32 / runs);
             const int u = wp[((k / 4) * GEMM_COLS + c) * 4 + k % 4];
             const float v = sd[run * GEMM_COLS + c] * (float)(u - offset);
             wf[o * GEMM_COLS + c] = v + mv[run * GEMM_COLS + c];
         }
+#endif
+    }
 }
 
 /* out [GEMM_TILE, GEMM_COLS]: GEMM_TILE activation rows (xq [., K], xs [., K / 32]; per run, xo the integer offset
- * term -offset sum q and xm the float xs sum q; xf [., n_out] the outlier inputs) against a panel (runs and has_m
- * constants where inlined). */
+ * term -offset sum q and xm the float xs sum q; xf [., n_out] the row's outlier inputs, ascending, and xu their
+ * rows of the panel's wf) against a panel (runs and has_m constants where inlined). */
 static inline __attribute__((always_inline)) void gemm_tile(int runs, int has_m, const uint8_t *wp, const float *sd,
                                                             const float *mv, const float *wf, int n_out,
-                                                            const int8_t *xq, const float *xs, const int32_t *xo,
-                                                            const float *xm, const float *xf, int64_t K, float *out) {
+                                                            const int32_t *xu, const int8_t *xq, const float *xs,
+                                                            const int32_t *xo, const float *xm, const float *xf,
+                                                            int64_t K, float *out) {
     const int64_t B = K / 32, R = B * runs;
 #if defined(DFA_AVX512)
     __m512 acc[GEMM_TILE];
@@ -1270,10 +1290,11 @@ static inline __attribute__((always_inline)) void gemm_tile(int runs, int has_m,
             if (has_m) acc[i] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(xm[i * R + run]), acc[i]);
         }
     }
-    for (int o = 0; o < n_out; o++) {
-        const __m512 wo = _mm512_loadu_ps(wf + o * GEMM_COLS);
-        for (int i = 0; i < GEMM_TILE; i++) acc[i] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xf[i * n_out + o]), acc[i]);
-    }
+    for (int o = 0; o < n_out; o++) /* the rows' chains of multiply-adds interleaved */
+        for (int i = 0; i < GEMM_TILE; i++) {
+            const __m512 wo = _mm512_loadu_ps(wf + (int64_t)xu[i * n_out + o] * GEMM_COLS);
+            acc[i] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xf[i * n_out + o]), acc[i]);
+        }
     for (int i = 0; i < GEMM_TILE; i++) _mm512_storeu_ps(out + i * GEMM_COLS, acc[i]);
 #else
     for (int i = 0; i < GEMM_TILE; i++)
@@ -1289,7 +1310,8 @@ static inline __attribute__((always_inline)) void gemm_tile(int runs, int has_m,
                     acc = fmaf(t, sd[run * GEMM_COLS + c], acc);
                     if (has_m) acc = fmaf(mv[run * GEMM_COLS + c], xm[i * R + run], acc);
                 }
-            for (int o = 0; o < n_out; o++) acc = fmaf(wf[o * GEMM_COLS + c], xf[i * n_out + o], acc);
+            for (int o = 0; o < n_out; o++)
+                acc = fmaf(wf[(int64_t)xu[i * n_out + o] * GEMM_COLS + c], xf[i * n_out + o], acc);
             out[i * GEMM_COLS + c] = acc;
         }
 #endif
@@ -1298,41 +1320,99 @@ static inline __attribute__((always_inline)) void gemm_tile(int runs, int has_m,
 /* Every tile of the activation rows against one panel, stored into y's rows below M (the arrays hold whole tiles). */
 static inline __attribute__((always_inline)) void gemm_panel(int runs, int has_m, const uint8_t *wp, const float *sd,
                                                              const float *mv, const float *wf, int n_out,
-                                                             const int8_t *xq, const float *xs, const int32_t *xo,
-                                                             const float *xm, const float *xf, int64_t M, int64_t K,
-                                                             int64_t N, int64_t n0, int cols, float *y) {
+                                                             const int32_t *xu, const int8_t *xq, const float *xs,
+                                                             const int32_t *xo, const float *xm, const float *xf,
+                                                             int64_t M, int64_t K, int64_t N, int64_t n0, int cols,
+                                                             float *y) {
     const int64_t B = K / 32, R = B * runs;
     float out[GEMM_TILE * GEMM_COLS];
     for (int64_t r0 = 0; r0 < M; r0 += GEMM_TILE) {
-        gemm_tile(runs, has_m, wp, sd, mv, wf, n_out, xq + r0 * K, xs + r0 * B, xo + r0 * R, xm + r0 * R,
-                  xf + r0 * n_out, K, out);
+        gemm_tile(runs, has_m, wp, sd, mv, wf, n_out, xu + r0 * n_out, xq + r0 * K, xs + r0 * B, xo + r0 * R,
+                  xm + r0 * R, xf + r0 * n_out, K, out);
         for (int i = 0; i < GEMM_TILE && r0 + i < M; i++)
             memcpy(y + (r0 + i) * N + n0, out + i * GEMM_COLS, (size_t)cols * sizeof(float));
     }
 }
 
-/* out[0..n) (ascending): the n channels of x [M, K] with the largest |x| over the rows, the first of equals; a NaN
- * counts for nothing (its block's scale is NaN: the row comes out NaN). */
-static void outlier_channels(const float *x, int64_t M, int64_t K, int n, int64_t *out, float *amax, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        const int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
-        for (int64_t k = k0; k < k1; k++) amax[k] = 0.0f;
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t k = k0; k < k1; k++) {
-                const float a = fabsf(x[r * K + k]);
-                amax[k] = a > amax[k] ? a : amax[k];
+#define OUTLIER_CANDIDATES 128
+
+#if defined(DFA_AVX512)
+/* |x| of 16 activations, a NaN's 0 */
+static inline __m512 magnitudes(const float *x) {
+    const __m512 v = _mm512_loadu_ps(x);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_abs_ps(v));
+}
+#endif
+
+/* out[0..n) (ascending): the n channels of the row x [K] with the largest |x|, the first of equals; a NaN counts as
+ * 0 (its block's scale is NaN: the row comes out NaN). */
+static void row_outliers(const float *x, int64_t K, int n, int32_t *out) {
+#if defined(DFA_AVX512)
+    /* Each lane's largest |x| is a different channel's, so the smallest of the 16 is at most the row's n-th largest:
+     * only the channels at or above it can be picked (a few dozen of K). Each of those is picked when fewer than n
+     * of the others come before it (larger, or as large and earlier), which leaves them in channel order. */
+    __m512 lane_max = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) lane_max = _mm512_max_ps(lane_max, magnitudes(x + k));
+    const __m512 least = _mm512_set1_ps(_mm512_reduce_min_ps(lane_max));
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float value[OUTLIER_CANDIDATES + 16];
+    int32_t channel[OUTLIER_CANDIDATES + 16];
+    int c = 0;
+    for (int64_t k = 0; k < K && c <= OUTLIER_CANDIDATES; k += 16) {
+        const __m512 a = magnitudes(x + k);
+        const __mmask16 pass = _mm512_cmp_ps_mask(a, least, _CMP_GE_OQ);
+        const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int32_t)k), lanes);
+        _mm512_storeu_ps(value + c, _mm512_maskz_compress_ps(pass, a)); /* compress to memory is slow on Zen 4 */
+        _mm512_storeu_si512((void *)(channel + c), _mm512_maskz_compress_epi32(pass, at));
+        c += __builtin_popcount(pass);
+    }
+    if (c <= OUTLIER_CANDIDATES) {
+        for (int j = c; j < (c + 15) / 16 * 16; j++) value[j] = -1.0f; /* below every |x|: never counted */
+        while (c > 32) { /* the same bound over the candidates (each lane holds two or more), in place */
+            lane_max = _mm512_loadu_ps(value);
+            for (int j0 = 16; j0 < c; j0 += 16) lane_max = _mm512_max_ps(lane_max, _mm512_loadu_ps(value + j0));
+            const __m512 tighter = _mm512_set1_ps(_mm512_reduce_min_ps(lane_max));
+            int kept = 0;
+            for (int j0 = 0; j0 < c; j0 += 16) {
+                const __m512 v = _mm512_loadu_ps(value + j0);
+                const __mmask16 pass = _mm512_cmp_ps_mask(v, tighter, _CMP_GE_OQ);
+                const __m512i at = _mm512_loadu_si512((const void *)(channel + j0));
+                _mm512_storeu_ps(value + kept, _mm512_maskz_compress_ps(pass, v));
+                _mm512_storeu_si512((void *)(channel + kept), _mm512_maskz_compress_epi32(pass, at));
+                kept += __builtin_popcount(pass);
             }
+            for (int j = kept; j < (kept + 15) / 16 * 16; j++) value[j] = -1.0f;
+            if (kept == c) break;
+            c = kept;
+        }
+        int picked = 0;
+        for (int i = 0; i < c; i++) {
+            const __m512 vi = _mm512_set1_ps(value[i]);
+            int before = 0;
+            for (int j0 = 0; j0 < c; j0 += 16) {
+                const __m512 vj = _mm512_loadu_ps(value + j0);
+                const __mmask16 earlier = i >= j0 + 16 ? 0xffff : i > j0 ? (__mmask16)((1u << (i - j0)) - 1) : 0;
+                before += __builtin_popcount(_mm512_cmp_ps_mask(vj, vi, _CMP_GT_OQ)) +
+                          __builtin_popcount(_mm512_mask_cmp_ps_mask(earlier, vj, vi, _CMP_EQ_OQ));
+            }
+            if (before < n) out[picked++] = channel[i];
+        }
+        return;
     }
-    for (int o = 0; o < n; o++) {
-        int64_t best = -1;
-        for (int64_t k = 0; k < K; k++)
-            if (amax[k] >= 0.0f && (best < 0 || amax[k] > amax[best])) best = k;
-        amax[best] = -1.0f; /* taken */
-        int at = o;
-        for (; at > 0 && out[at - 1] > best; at--) out[at] = out[at - 1];
-        out[at] = best;
+#endif
+    float top[GEMM_OUTLIERS]; /* the n largest so far, descending, an earlier channel first among equals */
+    for (int64_t k = 0; k < K; k++) {
+        const float a = isnan(x[k]) ? 0.0f : fabsf(x[k]);
+        if (k >= n && !(a > top[n - 1])) continue;
+        int at = k < n ? (int)k : n - 1;
+        for (; at > 0 && a > top[at - 1]; at--) top[at] = top[at - 1], out[at] = out[at - 1];
+        top[at] = a, out[at] = (int32_t)k;
     }
+    for (int o = 1; o < n; o++) /* ascending channels: the float terms are added in one order whatever was picked */
+        for (int at = o; at > 0 && out[at - 1] > out[at]; at--) {
+            const int32_t t = out[at];
+            out[at] = out[at - 1], out[at - 1] = t;
+        }
 }
 
 int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float *y, int threads) {
@@ -1347,58 +1427,70 @@ int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float
     float *xs = calloc((size_t)(padded * (B + R + n_out)), sizeof(float));
     float *xm = xs ? xs + padded * B : NULL, *xf = xs ? xm + padded * R : NULL;
     int32_t *xo = calloc((size_t)(padded * R), sizeof(int32_t));
-    float *amax = malloc((size_t)K * sizeof(float));
-    int64_t out[GEMM_OUTLIERS];
-    /* per thread: a panel's bytes, scales, offsets and outlier weights, and one row's run scales */
-    const size_t panel_bytes =
-        ((size_t)(K * GEMM_COLS) + (size_t)(2 * R * GEMM_COLS + n_out * GEMM_COLS + 2 * R) * sizeof(float) + 63) / 64 *
-        64;
-    uint8_t *panels = aligned_alloc(64, panel_bytes * (size_t)threads);
-    const int status = xq && xs && xo && amax && panels ? 0 : -1;
+    /* each row's outlier channels xk, their rows xu of the panels' outlier weights, the channels of those rows */
+    int32_t *xk = calloc((size_t)(padded * n_out), sizeof(int32_t)), *xu = calloc((size_t)(padded * n_out), 4);
+    int32_t *slot = malloc((size_t)K * sizeof(int32_t)), *channels = malloc((size_t)K * sizeof(int32_t));
+    uint8_t *panels = NULL;
+    int status = xq && xs && xo && xk && xu && slot && channels ? 0 : -1;
     if (status == 0) {
-        outlier_channels(x, M, K, n_out, out, amax, threads);
-        for (int64_t r = 0; r < M; r++)
-            for (int o = 0; o < n_out; o++) xf[r * n_out + o] = x[r * K + out[o]];
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * B > 64)
-        for (int64_t i = 0; i < M * B; i++) {
-            const int64_t r = i / B, b = i % B;
-            float block[32];
-            const float *v = x + i * 32;
-            for (int o = 0; o < n_out; o++) /* the block without its outliers, where it has any */
-                if (out[o] / 32 == b) {
-                    if (v != block) v = memcpy(block, x + i * 32, sizeof block);
-                    block[out[o] % 32] = 0.0f;
+        for (int64_t r = 0; r < M; r++) {
+            const float *xr = x + r * K;
+            int32_t *own = xk + r * n_out;
+            row_outliers(xr, K, n_out, own);
+            for (int o = 0; o < n_out; o++) xf[r * n_out + o] = xr[own[o]];
+            for (int64_t b = 0, o = 0; b < B; b++) {
+                float block[32];
+                const float *v = xr + b * 32;
+                for (; o < n_out && own[o] / 32 == b; o++) { /* the block without the row's outliers in it */
+                    if (v != block) v = memcpy(block, xr + b * 32, sizeof block);
+                    block[own[o] % 32] = 0.0f;
                 }
-            int32_t sums[2];
-            const float scale = quantize_block_i8(v, xq + i * 32, sums);
-            xs[i] = scale;
-            for (int h = 0; h < runs; h++) {
-                const int32_t sum = runs == 2 ? sums[h] : sums[0] + sums[1];
-                xo[r * R + b * runs + h] = -offset * sum;
-                xm[r * R + b * runs + h] = scale * (float)sum;
+                int32_t sums[2];
+                const float scale = quantize_block_i8(v, xq + r * K + b * 32, sums);
+                xs[r * B + b] = scale;
+                for (int h = 0; h < runs; h++) {
+                    const int32_t sum = runs == 2 ? sums[h] : sums[0] + sums[1];
+                    xo[r * R + b * runs + h] = -offset * sum;
+                    xm[r * R + b * runs + h] = scale * (float)sum;
+                }
             }
         }
+        for (int64_t k = 0; k < K; k++) slot[k] = -1;
+        for (int64_t i = 0; i < M * n_out; i++) slot[xk[i]] = 0;
+        int n_channels = 0;
+        for (int64_t k = 0; k < K; k++)
+            if (slot[k] == 0) slot[k] = n_channels, channels[n_channels++] = (int32_t)k;
+        for (int64_t i = 0; i < M * n_out; i++) xu[i] = slot[xk[i]];
+        /* per thread: a panel's bytes, scales, offsets and outlier weights, and one row's run scales */
+        const size_t panel_bytes =
+            ((size_t)(K * GEMM_COLS) + (size_t)(2 * R * GEMM_COLS + (int64_t)n_channels * GEMM_COLS + 2 * R) *
+                                           sizeof(float) + 63) / 64 * 64;
+        panels = aligned_alloc(64, panel_bytes * (size_t)threads);
+        status = panels ? 0 : -1;
         const int64_t n_panels = (N + GEMM_COLS - 1) / GEMM_COLS;
+        if (status == 0) {
 #pragma omp parallel num_threads(threads)
-        {
-            uint8_t *wp = panels + panel_bytes * (size_t)omp_get_thread_num();
-            float *sd = (float *)(wp + K * GEMM_COLS), *mv = sd + R * GEMM_COLS, *wf = mv + R * GEMM_COLS,
-                  *scratch = wf + n_out * GEMM_COLS;
+            {
+                uint8_t *wp = panels + panel_bytes * (size_t)omp_get_thread_num();
+                float *sd = (float *)(wp + K * GEMM_COLS), *mv = sd + R * GEMM_COLS, *wf = mv + R * GEMM_COLS,
+                      *scratch = wf + (int64_t)n_channels * GEMM_COLS;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < n_panels; p++) {
-                const int64_t n0 = p * GEMM_COLS;
-                const int cols = (int)(N - n0 < GEMM_COLS ? N - n0 : GEMM_COLS);
-                pack_panel(w, offset, n0, cols, out, n_out, wp, sd, mv, wf, scratch);
-                if (runs == 2)
-                    gemm_panel(2, 0, wp, sd, mv, wf, n_out, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
-                else if (has_m)
-                    gemm_panel(1, 1, wp, sd, mv, wf, n_out, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
-                else
-                    gemm_panel(1, 0, wp, sd, mv, wf, n_out, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+                for (int64_t p = 0; p < n_panels; p++) {
+                    const int64_t n0 = p * GEMM_COLS;
+                    const int cols = (int)(N - n0 < GEMM_COLS ? N - n0 : GEMM_COLS);
+                    pack_panel(w, offset, n0, cols, channels, n_channels, wp, sd, mv, wf, scratch);
+                    if (runs == 2)
+                        gemm_panel(2, 0, wp, sd, mv, wf, n_out, xu, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+                    else if (has_m)
+                        gemm_panel(1, 1, wp, sd, mv, wf, n_out, xu, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+                    else
+                        gemm_panel(1, 0, wp, sd, mv, wf, n_out, xu, xq, xs, xo, xm, xf, M, K, N, n0, cols, y);
+                }
             }
         }
     }
-    free(xq), free(xs), free(xo), free(amax), free(panels);
+    free(xq), free(xs), free(xo), free(xk), free(xu), free(slot), free(channels), free(panels);
     return status;
 }
 

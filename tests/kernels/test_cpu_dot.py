@@ -326,18 +326,18 @@ def test_shapes_dtypes_and_devices_are_checked_before_c_reads_them(lib):
 
 
 # The int8 prompt GEMM (CpuDot.gemm_int8, cpu_dot.c's dfa_gemm_i8): int8 activations per block of 32 against the
-# weights' own integers, the GEMM_OUTLIERS channels of largest |x| in float32 on the exactly dequantized weights.
+# weights' own integers, each row's GEMM_OUTLIERS channels of largest |x| in float32 on the exactly dequantized weights.
 
 def _int8_reference(x: torch.Tensor, w: torch.Tensor, outliers: int = 16) -> torch.Tensor:
-    """The int8 GEMM's arithmetic in float64: the outlier channels out of the blocks, each block at amax / 127
-    rounded to nearest even, the outliers' products exact."""
-    taken = x.abs().amax(0).topk(min(outliers, x.shape[1] // 32)).indices
-    rest = x.clone()
-    rest[:, taken] = 0
-    blocks = rest.double().view(x.shape[0], -1, 32)
+    """The int8 GEMM's arithmetic in float64: each row's outlier channels out of its blocks, each block at
+    amax / 127 rounded to nearest even, the outliers' products exact."""
+    order = torch.sort(-x.abs().nan_to_num(0.0), dim=1, stable=True).indices  # the first of equals first
+    taken = order[:, :min(outliers, x.shape[1] // 32)]
+    kept = torch.zeros_like(x, dtype=torch.bool).scatter_(1, taken, True)
+    blocks = torch.where(kept, 0.0, x).double().view(x.shape[0], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127)
-    return (q * scale).view_as(x) @ w.double().T + x[:, taken].double() @ w[:, taken].double().T
+    return (q * scale).view_as(x) @ w.double().T + torch.where(kept, x, 0.0).double() @ w.double().T
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -353,6 +353,42 @@ def test_int8_gemm_is_int8_arithmetic_with_the_outliers_in_float(each_build, lay
     assert 1e-5 < error < 1e-2  # int8's rounding, not the exact path's
 
 
+@pytest.mark.parametrize("layout", ["u4 Q4_K", "u6 Q6_K", "s8 Q8_0"])
+def test_an_int8_gemm_row_does_not_depend_on_the_rows_called_with_it(each_build, layout):
+    """Each row picks its own outlier channels: a prompt's rows come out the same whichever chunk holds them (a
+    prefix-cache hit moves the chunks' starts), bit for bit."""
+    matrix, _ = _layout(*LAYOUTS[layout])
+    x = torch.randn(45, matrix.k)
+    x[:20, 5] *= 40  # channels far larger in some rows than in others: a choice over the call's rows would differ
+    x[20:, 300] *= -60
+    x[30:, 77] *= 100
+    whole = each_build.gemm_int8(x, matrix)
+    for start, end in ((0, 1), (3, 20), (17, 45), (20, 33), (44, 45)):
+        assert torch.equal(each_build.gemm_int8(x[start:end], matrix), whole[start:end]), (start, end)
+    assert torch.equal(each_build.gemm_int8(x.flip(0), matrix), whole.flip(0))
+
+
+def _outlier_picks(k: int) -> torch.Tensor:
+    """Rows whose outlier channels are hard to pick: ties (the first of equals is taken), a row of equal values (every
+    channel a candidate), one of zeros, few large values among many, a wide spread."""
+    g = torch.Generator().manual_seed(5)
+    ties = torch.randn(k, generator=g).sign()
+    ties[[9, 100, k - 1]] = 4.0
+    spread = torch.randn(k, generator=g) * torch.logspace(-3, 3, k)
+    few = torch.randn(k, generator=g)
+    few[torch.randperm(k, generator=g)[:40]] *= 30
+    rounded = (torch.randn(k, generator=g) * 4).round()  # many equal magnitudes near the top
+    return torch.stack([ties, torch.ones(k), torch.zeros(k), few, spread, rounded, -rounded])
+
+
+@pytest.mark.parametrize("layout", ["u4 Q4_K", "s8 Q8_0"])
+def test_int8_gemm_picks_each_row_s_outliers_as_the_reference_does(each_build, layout):
+    matrix, w = _layout(*LAYOUTS[layout])
+    x = _outlier_picks(matrix.k)
+    y, exact = each_build.gemm_int8(x, matrix), x.double() @ w.double().T
+    torch.testing.assert_close(y.double(), _int8_reference(x, w), rtol=0, atol=1e-5 * float(exact.abs().max()))
+
+
 def test_every_build_gives_the_int8_gemm_the_same_bits():
     """The same integer sums and the same float operations per output, in the same order, on every ISA."""
     builds = [cpu_dot.open_library(path) for path in map(cpu_dot.prebuilt, cpu_dot.VARIANTS) if path is not None]
@@ -360,7 +396,7 @@ def test_every_build_gives_the_int8_gemm_the_same_bits():
         pytest.skip("fewer than two builds installed")
     for layout in LAYOUTS.values():
         matrix, _ = _layout(*layout)
-        x = torch.randn(13, matrix.k) * torch.logspace(-2, 1, matrix.k)
+        x = torch.cat([torch.randn(13, matrix.k) * torch.logspace(-2, 1, matrix.k), _outlier_picks(matrix.k)])
         first = builds[0].gemm_int8(x, matrix)
         for other in builds[1:]:
             assert torch.equal(other.gemm_int8(x, matrix), first), (layout, other.simd)
