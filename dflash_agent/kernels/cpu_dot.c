@@ -1133,7 +1133,7 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 static float quantize_block_i8(const float *v, int8_t *q, int32_t sums[2]) {
     float amax = 0.0f;
     int any_nan = 0;
-#if defined(DFA_AVX512) /* vmaxps returns its second operand where either is NaN: zero, so a NaN counts for nothing */
+#if defined(DFA_AVX512) /* NaN lanes give zero (vmaxps returns its second operand); a NaN block goes the rare way */
     const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16), zero = _mm512_setzero_ps();
     amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), zero),
                                               _mm512_max_ps(_mm512_abs_ps(hi), zero)));
@@ -1367,7 +1367,7 @@ static void row_outliers(const float *x, int64_t K, int n, int32_t *out) {
         c += __builtin_popcount(pass);
     }
     if (c <= OUTLIER_CANDIDATES) {
-        for (int j = c; j < (c + 15) / 16 * 16; j++) value[j] = -1.0f; /* below every |x|: never counted */
+        for (int j = c; j < (c + 15) / 16 * 16; j++) value[j] = -1.0f, channel[j] = 0; /* below every |x| */
         while (c > 32) { /* the same bound over the candidates (each lane holds two or more), in place */
             lane_max = _mm512_loadu_ps(value);
             for (int j0 = 16; j0 < c; j0 += 16) lane_max = _mm512_max_ps(lane_max, _mm512_loadu_ps(value + j0));
@@ -1381,7 +1381,7 @@ static void row_outliers(const float *x, int64_t K, int n, int32_t *out) {
                 _mm512_storeu_si512((void *)(channel + kept), _mm512_maskz_compress_epi32(pass, at));
                 kept += __builtin_popcount(pass);
             }
-            for (int j = kept; j < (kept + 15) / 16 * 16; j++) value[j] = -1.0f;
+            for (int j = kept; j < (kept + 15) / 16 * 16; j++) value[j] = -1.0f, channel[j] = 0;
             if (kept == c) break;
             c = kept;
         }
@@ -1428,7 +1428,8 @@ int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float
     float *xm = xs ? xs + padded * B : NULL, *xf = xs ? xm + padded * R : NULL;
     int32_t *xo = calloc((size_t)(padded * R), sizeof(int32_t));
     /* each row's outlier channels xk, their rows xu of the panels' outlier weights, the channels of those rows */
-    int32_t *xk = calloc((size_t)(padded * n_out), sizeof(int32_t)), *xu = calloc((size_t)(padded * n_out), 4);
+    int32_t *xk = calloc((size_t)(padded * n_out), sizeof(int32_t));
+    int32_t *xu = calloc((size_t)(padded * n_out), sizeof(int32_t));
     int32_t *slot = malloc((size_t)K * sizeof(int32_t)), *channels = malloc((size_t)K * sizeof(int32_t));
     uint8_t *panels = NULL;
     int status = xq && xs && xo && xk && xu && slot && channels ? 0 : -1;
