@@ -48,7 +48,7 @@ def model_options(f):
                           "exact (dequantized at load: bit-exact with gguf-py).")(f)
     f = click.option("--prefill", type=click.Choice(PREFILL), default="auto", show_default=True,
                      help="Prompt GEMMs on the CPU C kernels' path: float32 (exact on the dequantized weights), "
-                          "int8 (activations quantized per block of 32 against the weights' own integers, the "
+                          "int8 (activations quantized per block of 32 against the weights' own integers, each row's "
                           "largest channels in float32: about 2x float32's GEMMs with AVX-512 VNNI) or bfloat16 "
                           "(2-3x faster where the CPU has AVX512_BF16 or AMX); `bench --fidelity` reports their top-1 "
                           "agreement with exact; auto: bfloat16 where the CPU multiplies it natively and it measures "
