@@ -299,7 +299,8 @@ class FileTools:
             return False
         try:
             now = os.stat(real.name, dir_fd=now_parent, follow_symlinks=False)
-            return now_real == real and _same(os.fstat(now_parent), os.fstat(parent)) and _same(now, info)
+            same = os.path.samestat
+            return now_real == real and same(os.fstat(now_parent), os.fstat(parent)) and same(now, info)
         except FileNotFoundError:
             return False
         finally:
@@ -394,10 +395,6 @@ async def _cancellable(work, args):
 def _stop_if(cancel: threading.Event) -> None:
     if cancel.is_set():
         raise ToolError("cancelled")
-
-
-def _same(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _close(parent: int, existing: tuple[int, os.stat_result] | None) -> None:
