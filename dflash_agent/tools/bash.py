@@ -32,6 +32,7 @@ import msgspec
 
 from ..errors import UserError
 from .sandbox import Sandbox, SandboxError
+from .terminal import terminal_text
 from .tool import ToolError, ToolSpec, elision_note
 from .workspace import Workspace
 
@@ -99,7 +100,8 @@ def compile_deny(patterns: Sequence[str]) -> list[re.Pattern[str]]:
 
 
 class OutputCapture:
-    """The first and last `limit / 2` bytes of a stream, and how long it was, in bounded memory."""
+    """The first and last `limit / 2` bytes of a stream, and how long it was, in bounded memory; its text
+    as a terminal shows it."""
 
     def __init__(self, limit: int) -> None:
         self.head_limit = limit // 2
@@ -122,10 +124,11 @@ class OutputCapture:
     def text(self) -> str:
         tail = bytes(self.tail[-self.tail_limit:]) if self.tail_limit else b""
         elided = self.total - len(self.head) - len(tail)
-        head = self.head.decode("utf-8", errors="replace")
         if elided <= 0:
-            return (bytes(self.head) + tail).decode("utf-8", errors="replace")
-        return f"{head}\n{elision_note(elided, 'bytes of output')}\n{tail.decode('utf-8', errors='replace')}"
+            return terminal_text((bytes(self.head) + tail).decode("utf-8", errors="replace"))
+        head = terminal_text(self.head.decode("utf-8", errors="replace"))
+        return (f"{head}\n{elision_note(elided, 'bytes of output')}\n"
+                f"{terminal_text(tail.decode('utf-8', errors='replace'))}")
 
 
 @dataclass
@@ -374,7 +377,8 @@ def bash_tool(shell: Shell) -> ToolSpec:
         "bash",
         "Run a bash command in the workspace; returns its output (stdout and stderr) and exit code. The working "
         "directory carries over between calls, nothing else does. No stdin and no terminal: use non-interactive "
-        "flags. Long output is cut in the middle; processes still running when the command ends are killed. "
+        "flags. Output reads as a terminal shows it (no colours; progress bars in their last state). Long output "
+        "is cut in the middle; processes still running when the command ends are killed. "
         "In the sandbox the repository's .git is read-only: git status, diff, log and show work, but not commit, add, "
         "stash, checkout or restore; to undo a change to a file, `git show HEAD:path > path`.",
         BashArgs, shell.bash, destructive=True,

@@ -76,6 +76,12 @@ def test_ten_megabytes_of_output_are_cut_in_the_middle(tools):
     assert tail.endswith("THE-END\n[exit code 0]")
 
 
+def test_output_reads_as_a_terminal_shows_it(tools):
+    result = bash(tools, r"printf '\033[1;31merror\033[0m: x\n'; printf 'get  10%%\rget 100%%\n';"
+                         r"printf 'a\0b\n'; grep --color=always -o ok <<< 'is ok'")
+    assert result.text.splitlines() == ["error: x", "get 100%", "ab", "ok", "[exit code 0]"]
+
+
 def test_secrets_are_not_in_the_environment(tools, monkeypatch):
     for name in ("OPENAI_API_KEY", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "my_api_key",
                  "MYSQL_PWD", "GH_PAT"):
