@@ -1127,19 +1127,24 @@ void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, con
 #define GEMM_TILE 8
 #define GEMM_OUTLIERS 16
 
-/* One block of 32 activations -> int8 at scale amax / 127 (its return), the sums of the integers of its two runs of
- * 16 in sums. NaN, infinities and blocks too small for a float scale as quantize_rare_block: a NaN block gets a NaN
- * scale, infinities +-127 at an infinite scale. */
-static float quantize_block_i8(const float *v, int8_t *q, int32_t sums[2]) {
-    float amax = 0.0f;
+/* One block of 32 activations, those whose bit in `kept` is clear taken as 0 (the row's outliers), -> int8 at scale
+ * amax / 127 (its return), the sums of the integers of its two runs of 16 in sums. NaN, infinities and blocks too
+ * small for a float scale as quantize_rare_block: a NaN block gets a NaN scale, infinities +-127 at an infinite
+ * scale. The values are masked as they are loaded: a copy with a few lanes zeroed would be stored in pieces and
+ * loaded whole, which the CPU cannot forward from its store buffer (a stall on most blocks of a row). */
+static float quantize_block_i8(const float *x, uint32_t kept, int8_t *q, int32_t sums[2]) {
+    float amax = 0.0f, v[32];
     int any_nan = 0;
 #if defined(DFA_AVX512) /* NaN lanes give zero (vmaxps returns its second operand); a NaN block goes the rare way */
-    const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16), zero = _mm512_setzero_ps();
+    const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)kept, x),
+                 hi = _mm512_maskz_loadu_ps((__mmask16)(kept >> 16), x + 16);
+    const __m512 zero = _mm512_setzero_ps();
     amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), zero),
                                               _mm512_max_ps(_mm512_abs_ps(hi), zero)));
     any_nan = (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) != 0;
 #else
     for (int i = 0; i < 32; i++) {
+        v[i] = kept >> i & 1 ? x[i] : 0.0f;
         any_nan |= isnan(v[i]);
         amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
     }
@@ -1150,14 +1155,16 @@ static float quantize_block_i8(const float *v, int8_t *q, int32_t sums[2]) {
     int32_t s[2] = {0, 0};
 #if defined(DFA_AVX512)
     if (!rare) {
-        for (int h = 0; h < 2; h++) {
-            const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * h), _mm512_set1_ps(inv)));
-            _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtsepi32_epi8(i));
-            s[h] = _mm512_reduce_add_epi32(i);
-        }
-        sums[0] = s[0], sums[1] = s[1];
+        const __m512 scale = _mm512_set1_ps(inv);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)),
+                      i1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(i1));
+        sums[0] = _mm512_reduce_add_epi32(i0), sums[1] = _mm512_reduce_add_epi32(i1);
         return amax / 127.0f;
     }
+    _mm512_storeu_ps(v, lo);
+    _mm512_storeu_ps(v + 16, hi);
 #endif
     for (int i = 0; i < 32; i++) {
         const int qi = !rare ? (int)nearbyintf(v[i] * inv)
@@ -1441,14 +1448,10 @@ int dfa_gemm_i8(const float *x, int64_t M, int64_t K, const dfa_matrix *w, float
             row_outliers(xr, K, n_out, own);
             for (int o = 0; o < n_out; o++) xf[r * n_out + o] = xr[own[o]];
             for (int64_t b = 0, o = 0; b < B; b++) {
-                float block[32];
-                const float *v = xr + b * 32;
-                for (; o < n_out && own[o] / 32 == b; o++) { /* the block without the row's outliers in it */
-                    if (v != block) v = memcpy(block, xr + b * 32, sizeof block);
-                    block[own[o] % 32] = 0.0f;
-                }
+                uint32_t kept = 0xffffffffu; /* the block without the row's outliers in it */
+                for (; o < n_out && own[o] / 32 == b; o++) kept &= ~(1u << own[o] % 32);
                 int32_t sums[2];
-                const float scale = quantize_block_i8(v, xq + r * K + b * 32, sums);
+                const float scale = quantize_block_i8(xr + b * 32, kept, xq + r * K + b * 32, sums);
                 xs[r * B + b] = scale;
                 for (int h = 0; h < runs; h++) {
                     const int32_t sum = runs == 2 ? sums[h] : sums[0] + sums[1];
