@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from .engine import GenerateRequest, SamplingParams, StopCriteria, TokenEvent
-from .options import kv_cache_option, load_engine, model_options, user_errors
+from .options import FiniteRange, close_engine, kv_cache_option, load_engine, model_options, user_errors
 
 
 class LazyGroup(click.Group):
@@ -55,12 +55,12 @@ def main(verbose: bool) -> None:
 @click.argument("prompt")
 @model_options
 @click.option("--max-tokens", "-n", type=click.IntRange(min=0), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+@click.option("--temperature", type=FiniteRange(min=0), default=None,
               help="0 is greedy [default: the model's (--sampling-defaults), else 0].")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+@click.option("--top-p", type=FiniteRange(0, 1, min_open=True), default=None,
               help="[default: the model's, else 1]")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 disables [default: the model's, else 0].")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=None, help="[default: the model's, else 0]")
+@click.option("--min-p", type=FiniteRange(0, 1), default=None, help="[default: the model's, else 0]")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -80,9 +80,11 @@ def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_bl
         stop=StopCriteria(strings=tuple(stop)),
         max_tokens=max_tokens,
     )
-    result = asyncio.run(engine.complete(request, on_token=None if as_json else _write))
+    try:
+        result = asyncio.run(engine.complete(request, on_token=None if as_json else _write))
+    finally:
+        close_engine(engine)
     final = result.final
-    engine.close()
     if as_json:
         stats = {
             "model": engine.model_name,

@@ -5,6 +5,8 @@ Every command module imports these from here; nothing but `__main__` imports `cl
 from __future__ import annotations
 
 import logging
+import math
+import os
 import sys
 import traceback
 from functools import wraps
@@ -22,6 +24,18 @@ if TYPE_CHECKING:
 # Errors a user can cause and fix (every engine, chat, tools and training error is a UserError; a missing or
 # unreadable file an OSError); anything else is a bug and keeps its traceback.
 USER_ERRORS = (UserError, OSError)
+INTERRUPTED = 130  # the exit code of a command Ctrl-C ended: 128 + SIGINT, as shells report it
+
+
+class FiniteRange(click.FloatRange):
+    """click's FloatRange without nan and inf: nan passes its bounds (it compares false with both), inf a
+    bound on one side only."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def model_options(f):
@@ -98,9 +112,25 @@ def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, 
                        spec=spec, draft_quant=draft_quant, weights=weights, threads=threads, **engine_options)
 
 
+def close_engine(engine: Engine) -> None:
+    """Stop `engine`'s worker before the command ends (Engine.close: a process that ends under a running step
+    aborts). After Ctrl-C the step in flight (a prompt chunk: seconds on a slow CPU) is waited for, and the user
+    told so; Ctrl-C again ends the process at once."""
+    if engine.close(timeout=1.0):
+        return
+    click.echo("waiting for the model to finish its current step (Ctrl-C again quits at once)", err=True)
+    try:
+        engine.close()
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)  # not through the interpreter's exit: that finalizes torch under the step
+
+
 def user_errors(f):
     """A command's failures, told apart: a user's mistake is one line on stderr (its traceback only with
-    --verbose), a bug its traceback and a line asking to report it; both exit 1."""
+    --verbose), a bug its traceback and a line asking to report it; both exit 1. Ctrl-C outside what a command
+    handles itself (loading a model) exits 130."""
 
     @wraps(f)
     def wrapper(*args, **kwargs):
@@ -108,6 +138,9 @@ def user_errors(f):
             return f(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise  # click's own: usage errors and exits it prints itself
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(INTERRUPTED)
         except Exception as exc:
             report_error(exc)
             sys.exit(1)

@@ -22,6 +22,7 @@ from .engine.progress import progress_log
 from .mcp.http import MCPPlugin, mcp_serve_options
 from .mcp.model import Admit
 from .options import (
+    FiniteRange,
     check_spec_options,
     kv_cache_option,
     load_engine,
@@ -81,12 +82,12 @@ def mcp_admission(state: ServerState) -> Admit:
                    "stop would write to the end of the context); it then ends with finish_reason length. A request's "
                    "own limit wins, above this too (Anthropic's max_tokens is required). /v1/completions keeps "
                    "OpenAI's 16 unless this is lower. 0 or -1: no limit but the context.")
-@click.option("--max-body-mb", type=click.FloatRange(min=0.001), default=DEFAULT_MAX_BODY_BYTES / 2**20,
+@click.option("--max-body-mb", type=FiniteRange(min=0.001), default=DEFAULT_MAX_BODY_BYTES / 2**20,
               show_default=True, help="Largest request body accepted (413 above).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=ConnectionLimits.max_connections,
               show_default=True, help="Open connections at most; a new one closes the longest-idle one (a "
                                       "half-sent request), or gets a 503 when every connection is being answered.")
-@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=ConnectionLimits.header_timeout_s,
+@click.option("--request-timeout", type=FiniteRange(min=0.1), default=ConnectionLimits.header_timeout_s,
               show_default=True, help="Seconds a client may take to send a request's headers, and pause inside its "
                                       "body, before it is disconnected.")
 @click.option("--chat-template", default=None,

@@ -10,7 +10,7 @@ import dflash_agent.cli as cli
 from dflash_agent import engine
 from dflash_agent.chat.types import ChatError
 from dflash_agent.errors import UserError
-from dflash_agent.options import report_error
+from dflash_agent.options import INTERRUPTED, close_engine, report_error
 from dflash_agent.train.data import DataError
 from dflash_agent.train.trainer import TrainError
 
@@ -59,6 +59,45 @@ def test_a_bug_prints_its_traceback_and_asks_for_a_report(monkeypatch, exc):
     assert last.startswith("error: this is a bug in dflash-agent") and "report it" in last
 
 
+def test_ctrl_c_while_loading_exits_130(monkeypatch):
+    result = generate_failing_with(monkeypatch, KeyboardInterrupt())
+    assert result.exit_code == INTERRUPTED and result.stderr == "interrupted\n"
+
+
+class StepInFlight:
+    """An engine whose worker is inside a long step: Engine.close(timeout) says False until the step has ended,
+    at the `done_at`-th wait; Ctrl-C comes during the `ctrl_c_at`-th."""
+
+    def __init__(self, done_at: int, ctrl_c_at: int | None = None) -> None:
+        self.done_at, self.ctrl_c_at = done_at, ctrl_c_at
+        self.waits: list[float | None] = []
+
+    def close(self, timeout=None):
+        self.waits.append(timeout)
+        if len(self.waits) == self.ctrl_c_at:
+            raise KeyboardInterrupt
+        return len(self.waits) >= self.done_at
+
+
+def test_closing_an_engine_waits_for_its_step_and_says_so(capsys):
+    close_engine(slow := StepInFlight(done_at=2))
+    assert slow.waits == [1.0, None]
+    assert "waiting for the model to finish its current step" in capsys.readouterr().err
+    close_engine(quick := StepInFlight(done_at=1))
+    assert quick.waits == [1.0] and capsys.readouterr().err == ""
+
+
+def test_ctrl_c_again_while_the_step_runs_ends_the_process_at_once(monkeypatch):
+    # os._exit: the interpreter's own exit would finalize torch under the running step (SIGABRT)
+    def exit_now(code):
+        raise SystemExit(("os._exit", code))
+
+    monkeypatch.setattr("os._exit", exit_now)
+    with pytest.raises(SystemExit) as ended:
+        close_engine(StepInFlight(done_at=3, ctrl_c_at=2))
+    assert ended.value.code == ("os._exit", INTERRUPTED)
+
+
 @pytest.mark.parametrize("command", [["generate", "hello"], ["serve", "--port", "0"], ["mcp", "--local", "--repo", "."]])
 def test_click_usage_errors_stay_clicks(command):
     # serve and mcp load the model in the background: the mistake is still told at once, as a usage error.
@@ -99,5 +138,6 @@ def test_every_domain_error_is_a_user_error():
 
 
 def test_bad_sampling_and_requests_are_user_errors():
-    with pytest.raises(UserError, match="temperature must be >= 0"):
-        engine.SamplingParams(temperature=-1)
+    for temperature in (-1, float("nan"), float("inf")):
+        with pytest.raises(UserError, match="temperature must be a finite number >= 0"):
+            engine.SamplingParams(temperature=temperature)

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from ..engine import SamplingParams
-from ..options import load_engine, model_options, sandbox_options, user_errors
+from ..options import FiniteRange, close_engine, load_engine, model_options, sandbox_options, user_errors
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import workspace_tools
 from ..tools.sandbox import Sandbox
-from ..tools.workspace import Workspace
+from ..tools.workspace import Workspace, printable
 from .backend import Backend
 from .loop import EXIT_CODES, Agent, AgentConfig
 from .prompt import system_prompt
@@ -32,7 +33,8 @@ ENGINE_ONLY = ("device", "dtype", "ctx_size", "draft", "draft_quant", "spec_bloc
                "threads", "sampling_defaults")
 EXIT_HELP = ("Exit codes: 0 the model answered (no tool call); 1 an error; "
              f"{EXIT_CODES['max_steps']} the step limit ran out; {EXIT_CODES['max_tokens']} a token limit ran out "
-             f"or the context is full; {EXIT_CODES['interrupted']} interrupted (Ctrl-C).")
+             f"or the context is full; {EXIT_CODES['interrupted']} interrupted (Ctrl-C); 143 / 129 stopped by "
+             "SIGTERM / SIGHUP.")
 
 
 def agent_options(f):
@@ -51,7 +53,7 @@ def agent_options(f):
                      help="Generated tokens per task, all turns together [default: no limit]."),
         click.option("--max-turn-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
                      help="Generated tokens per model turn."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=None,
+        click.option("--temperature", type=FiniteRange(min=0), default=None,
                      help="0 is greedy [default: the model's recommended sampling (see --sampling-defaults; with "
                           "--server, as the server lists it), else 0]."),
         click.option("--enable-thinking", is_flag=True, help="Let the model reason before each turn (Gemma 4)."),
@@ -62,11 +64,17 @@ def agent_options(f):
                           "(sudo, git push, rm -rf /, mkfs, ...)."),
         click.option("--transcript", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Where to write the JSONL transcript [default: REPO/.dflash-agent/transcripts/"
-                          "run-TIME-PID.jsonl, or $TMPDIR/dflash-agent/transcripts/ with --read-only]."),
+                          "run-TIME-PID.jsonl, or $TMPDIR/dflash-agent-UID/transcripts/ with --read-only]."),
     ]
     for option in reversed(options):
         f = option(f)
     return sandbox_options(f)
+
+
+# Besides Ctrl-C, what ends a command as a user stops it: `kill`, `timeout`, an editor's stop button (SIGTERM),
+# a closed terminal (SIGHUP). Each ends it as Ctrl-C does, its cleanup run, with 128 + the signal's number.
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CHAT_HELP = "/exit (or Ctrl-D) ends the session, /clear starts a new conversation, Ctrl-C interrupts a turn."
 
 
 @dataclass
@@ -75,6 +83,34 @@ class Session:
     console: Console
     transcript: Transcript
     close_backend: Callable[[], Awaitable]  # inside the event loop (an HTTP client's connections)
+    stopped_by: int | None = None  # the signal that interrupted the last turn
+    outcome: str | None = None  # the last turn's
+
+    async def turn(self, task: str) -> int:
+        """Run `task`; a stopping signal meanwhile interrupts it. Its exit code, 128 + the signal if one came."""
+        loop = asyncio.get_running_loop()
+        self.stopped_by = None
+        for sig in STOPPING:
+            loop.add_signal_handler(sig, self._stop, sig)
+        try:
+            result = await self.agent.run(task)
+            self.outcome = result.outcome
+        finally:
+            for sig in STOPPING:
+                loop.remove_signal_handler(sig)  # SIGTERM and SIGHUP back to their default: see `exit_on_signals`
+            exit_on_signals()
+        return 128 + self.stopped_by if self.stopped_by is not None else result.exit_code
+
+    def _stop(self, sig: int) -> None:
+        self.stopped_by = sig
+        self.agent.interrupt()
+
+
+def exit_on_signals() -> None:
+    """Outside a turn (loading the model, the chat prompt), SIGTERM and SIGHUP end the command through SystemExit,
+    so that what it opened is closed (the sandbox's /tmp, the terminal's cursor, the transcript)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
 
 
 def open_session(stack: ExitStack, params: dict, console: Console) -> Session:
@@ -127,7 +163,7 @@ def _backend(stack: ExitStack, ctx: click.Context, params: dict) -> tuple[Backen
     from .engine_backend import EngineBackend
 
     engine = load_engine(**{name: params[name] for name in ("model", *ENGINE_ONLY)})
-    stack.callback(engine.close)
+    stack.callback(close_engine, engine)
     # Unset, the temperature (and top-k / top-p) are the model's; greedy where it has none.
     sampling = engine.sampling_defaults.resolve(SamplingParams(), temperature=params["temperature"])
     backend = EngineBackend(engine, ChatFormat.for_engine(engine), sampling)
@@ -135,39 +171,46 @@ def _backend(stack: ExitStack, ctx: click.Context, params: dict) -> tuple[Backen
 
 
 async def _run_task(session: Session, task: str) -> int:
-    loop = asyncio.get_running_loop()
-    # Ctrl-C interrupts the run (generation or command in flight); the loop returns "interrupted".
-    loop.add_signal_handler(signal.SIGINT, session.agent.interrupt)
     try:
-        result = await session.agent.run(task)
+        return await session.turn(task)
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
         await session.close_backend()
-    return result.exit_code
 
 
-async def _chat(session: Session) -> None:
-    loop = asyncio.get_running_loop()
+async def _chat(session: Session) -> int:
+    """The session's exit code: 0, or 128 + the signal that ended it."""
     # At the prompt Ctrl-C ends the session (KeyboardInterrupt); during a turn it interrupts the turn.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     console = session.console
-    console.print("[dim]Type a task; /exit or Ctrl-D ends the session, Ctrl-C interrupts a turn.[/]")
+    console.print(f"[dim]Type a task; {CHAT_HELP}[/]")
     try:
+        if sys.stdin is None:  # closed (`<&-`): no task can come
+            return 0
+        if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become U+FFFD (printable), not an error
+            sys.stdin.reconfigure(errors="surrogateescape")
         while True:
             try:
-                line = console.input("[bold green]you>[/] ").strip()
+                line = printable(console.input("[bold green]you>[/] ")).strip()
             except (EOFError, KeyboardInterrupt):
                 console.print()
-                return
-            if line in ("/exit", "/quit"):
-                return
+                return 0
+            command = line.lower() if line.startswith("/") and " " not in line else None
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/clear":
+                session.agent.clear()
+                console.print("[dim]a new conversation: the model no longer sees the earlier tasks[/]")
+                continue
+            if command is not None:  # /help, or one that does not exist
+                console.print(f"[dim]{'' if command == '/help' else f'no command {escape(line)}; '}{CHAT_HELP}[/]")
+                continue
             if not line:
                 continue
-            loop.add_signal_handler(signal.SIGINT, session.agent.interrupt)
-            try:
-                await session.agent.run(line)
-            finally:
-                loop.remove_signal_handler(signal.SIGINT)
+            code = await session.turn(line)
+            if session.stopped_by in (signal.SIGTERM, signal.SIGHUP):
+                return code
+            if session.outcome == "context_full":
+                console.print("[dim]the conversation fills the model's context: /clear starts a new one[/]")
     finally:
         await session.close_backend()
 
@@ -180,6 +223,10 @@ async def _chat(session: Session) -> None:
 def run(task: str, **params) -> None:
     """Run the coding agent on TASK in a repository: the model reads, edits and runs commands through
     sandboxed tools until it answers without a tool call or a limit runs out."""
+    task = printable(task).strip()  # an argument's bytes that are not UTF-8 become U+FFFD
+    if not task:
+        raise click.UsageError("TASK is empty: say what the agent should do")
+    exit_on_signals()
     console = Console(highlight=False)
     with ExitStack() as stack:
         session = open_session(stack, params, console)
@@ -195,8 +242,10 @@ def run(task: str, **params) -> None:
 def chat(**params) -> None:
     """An interactive session with the coding agent: each message is a task, run with the same tools in
     one growing conversation (so the model's prefix cache carries over)."""
+    exit_on_signals()
     console = Console(highlight=False)
     with ExitStack() as stack:
         session = open_session(stack, params, console)
-        asyncio.run(_chat(session))
+        code = asyncio.run(_chat(session))
         console.print(f"[dim]transcript: {session.transcript.path}[/]", soft_wrap=True)
+    sys.exit(code)

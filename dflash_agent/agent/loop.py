@@ -136,6 +136,14 @@ class Agent:
             self._interrupted = True
             self._task.cancel()
 
+    def clear(self) -> None:
+        """Start a new conversation (a chat's /clear): the system prompt alone, the earlier tasks forgotten."""
+        if self._task is not None:
+            raise RuntimeError("the agent is running a task")
+        del self.messages[1:]
+        if self.transcript is not None:
+            self.transcript.event("clear")
+
     async def run(self, task: str) -> RunResult:
         """Cancelling the task that awaits this raises CancelledError as usual (after the transcript
         records it); `interrupt()` makes it return instead."""
@@ -161,6 +169,11 @@ class Agent:
         finally:
             self._task = None
         result = RunResult(outcome, answer, self._steps, usage, time.monotonic() - started)
+        if outcome == "context_full" and self._steps == 0:
+            # The task itself does not fit: kept, it would fill every later turn of a chat as well.
+            self.messages.pop()
+            if self.transcript is not None:
+                self.transcript.event("dropped", role="user", reason="the task does not fit in the context")
         self._record_end(outcome, usage, started)
         self.on_event(RunEnd(result))
         return result

@@ -287,10 +287,14 @@ class Engine:
         """Requests waiting for a free slot."""
         return self._scheduler.queued
 
-    def close(self) -> None:
-        """Stop the worker; requests still running or waiting end as cancelled."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the worker; requests still running or waiting end as cancelled. The step in flight ends first (a
+        prompt chunk on a slow CPU: seconds): waits for it up to `timeout` seconds (None: however long it takes),
+        and says whether the worker has stopped. Until it has, the process must not end normally: finalizing torch
+        under a running step aborts it (SIGABRT). Calling it again waits again."""
         self._scheduler.submit(None)
-        self._worker.join(timeout=10)
+        self._worker.join(timeout)
+        return not self._worker.is_alive()
 
     def _validate(self, request: GenerateRequest) -> None:
         if not request.prompt_ids:

@@ -4,6 +4,7 @@ Torch-free, so a client of a remote server (`run --server`) uses the same types 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan and inf sample nothing
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

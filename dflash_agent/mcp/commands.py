@@ -26,7 +26,15 @@ from mcp.server.stdio import stdio_server
 from ..agent.commands import ENGINE_ONLY
 from ..chat.chat_format import LoadedModel
 from ..engine import Engine
-from ..options import check_spec_options, load_engine, model_options, report_error, sandbox_options, user_errors
+from ..options import (
+    check_spec_options,
+    close_engine,
+    load_engine,
+    model_options,
+    report_error,
+    sandbox_options,
+    user_errors,
+)
 from ..tools.bash import DEFAULT_DENY
 from ..tools.sandbox import Sandbox
 from .model import LocalModel, ModelAccess, RemoteModel
@@ -90,7 +98,7 @@ def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, loc
         anyio.run(_serve, mcp_server, model, loading)
     finally:
         if loading is not None and loading.done() and loading.exception() is None:
-            loading.result().engine.close()
+            close_engine(loading.result().engine)
         elif loading is not None and not loading.done():
             log.info("the client left before the model had loaded")
 

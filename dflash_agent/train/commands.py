@@ -15,7 +15,7 @@ import torch
 
 from ..engine import Engine, SpecConfig
 from ..engine.drafter import build_target_layer_ids
-from ..options import user_errors
+from ..options import FiniteRange, user_errors
 from .data import DataDir, DataSpec, checkpoint_bytes, corpus_files, default_corpus, prepare
 from .target import BatchGenerator
 from .trainer import TargetParts, TrainConfig, Trainer, TrainError
@@ -52,11 +52,11 @@ log = logging.getLogger(__name__)
               help="Random anchor blocks per sequence per step.")
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per step.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps [default: --epochs].")
-@click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=6.0, show_default=True)
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=6e-4, show_default=True)
-@click.option("--warmup", type=click.FloatRange(0, 1), default=0.04, show_default=True,
+@click.option("--epochs", type=FiniteRange(min=0, min_open=True), default=6.0, show_default=True)
+@click.option("--lr", type=FiniteRange(min=0, min_open=True), default=6e-4, show_default=True)
+@click.option("--warmup", type=FiniteRange(0, 1), default=0.04, show_default=True,
               help="Fraction of the steps spent warming the learning rate up.")
-@click.option("--gamma", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--gamma", type=FiniteRange(min=0, min_open=True), default=None,
               help="Loss decay over block positions [default: 7 for block 16, 5 for 10, 4 for 8].")
 @click.option("--loss-vocab", type=click.Choice(["data", "full"]), default=None,
               help="Softmax over the whole vocabulary, or over the data's tokens plus sampled negatives "
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
               help="Checkpoint every N steps.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure held-out acceptance every N steps (0: only at the end).")
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--time-limit", type=FiniteRange(min=0, min_open=True), default=None,
               help="Minutes to train before saving and stopping; the same command continues the run.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.fake_openai import Reply, fake_server
+from tests.agent.fake_openai import Failure, Reply, fake_server
 from tests.agent.repos import PYTEST, failing_repo, git, repo_tests_pass
 from tests.e2e.test_cli import assert_one_line_error, cli
 
@@ -99,6 +99,86 @@ def test_ctrl_c_interrupts_a_running_command(repo):
     assert log[-2]["role"] == "tool" and "interrupted" in log[-2]["content"]
 
 
+def test_sigterm_ends_a_run_as_ctrl_c_does(repo, tmp_path):
+    """`kill`, `timeout` or an editor's stop button: the command and the sandbox's /tmp go, the transcript ends."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    with fake_server([Reply(calls=[("bash", args({"command": "sleep 120"}))])]) as fake:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_agent", "run", "Wait.", "--repo", str(repo), "--server", fake.url,
+             "--transcript", str(tmp_path / "t.jsonl")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(temp)})
+        try:
+            for line in proc.stdout:
+                if "$ sleep 120" in line:
+                    break
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert "interrupted after 1 step" in out and "Traceback" not in err
+    assert records(tmp_path / "t.jsonl")[-1]["outcome"] == "interrupted"
+    assert list(temp.iterdir()) == []  # the sandbox's private /tmp and the cwd files are gone
+
+
+def test_a_task_that_is_not_utf8_reaches_the_model_as_replacement_characters(repo, tmp_path):
+    with fake_server([Reply("Done.")]) as fake:
+        proc = subprocess.run([sys.executable, "-m", "dflash_agent", "run", b"fix the \xff\xfe bug", "--repo",
+                               str(repo), "--server", fake.url, "--transcript", str(tmp_path / "t.jsonl")],
+                              capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert fake.requests[0]["messages"][-1]["content"] == "fix the \ufffd\ufffd bug"
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--temperature", "nan"], "'nan' is not a finite number"),
+    (["--temperature", "inf"], "'inf' is not a finite number"),
+    (["--max-steps", "0"], "0 is not in the range x>=1"),
+])
+def test_bad_numbers_are_usage_errors(repo, extra, fragment):
+    proc = cli("run", "x", "--repo", str(repo), "--server", "http://127.0.0.1:9/v1", *extra)
+    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_empty_task_is_refused(repo):
+    proc = cli("run", "  ", "--repo", str(repo), "--server", "http://127.0.0.1:9/v1")
+    assert proc.returncode == 2 and "TASK is empty" in proc.stderr
+
+
+def chat(repo, fake_url, typed):
+    return subprocess.run([sys.executable, "-m", "dflash_agent", "chat", "--repo", str(repo), "--server", fake_url],
+                          input=typed, capture_output=True, text=True, timeout=120)
+
+
+def test_chat_drops_a_task_that_does_not_fit_and_goes_on(repo):
+    too_long = Failure(400, {"message": "This model's maximum context length is 1024 tokens",
+                             "type": "invalid_request_error", "code": "context_length_exceeded"})
+    with fake_server([too_long, Reply("Hello.")]) as fake:
+        proc = chat(repo, fake.url, "A very long paste\nSay hello.\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "/clear starts a new one" in proc.stdout and "Hello." in proc.stdout
+    second = fake.requests[1]["messages"]
+    assert [m["role"] for m in second] == ["system", "user"] and second[-1]["content"] == "Say hello."
+
+
+def test_chat_commands(repo):
+    with fake_server([Reply("First."), Reply("Second.")]) as fake:
+        proc = chat(repo, fake.url, "/help\nOne.\n/clear\n/nonsense\nTwo.\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "/clear starts a new conversation" in proc.stdout and "no command /nonsense" in proc.stdout
+    assert [m["content"] for m in fake.requests[1]["messages"][1:]] == ["Two."]  # One. is forgotten
+
+
+def test_chat_with_stdin_closed_ends_at_once(repo):
+    with fake_server([]) as fake:
+        proc = subprocess.run(f"{sys.executable} -m dflash_agent chat --repo {repo} --server {fake.url} <&-",
+                              shell=True, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert fake.requests == []
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--repo", "/nonexistent/repo"], "is not a directory"),
     (["--server", "http://127.0.0.1:9/v1"], "cannot reach the server at http://127.0.0.1:9/v1"),
@@ -120,7 +200,7 @@ def test_run_with_the_embedded_model(repo, tmp_path):
     proc = cli("run", "List the files.", "--repo", str(repo), "--read-only", "--tool-choice", "required",
                "--max-steps", "1", "--max-turn-tokens", "128", "--device", "cpu", env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 3, proc.stderr
-    (path,) = (tmp_path / "dflash-agent" / "transcripts").glob("run-*.jsonl")
+    (path,) = (tmp_path / f"dflash-agent-{os.getuid()}" / "transcripts").glob("run-*.jsonl")
     log = records(path)
     assert log[0]["model"] == "gemma-3-270m-q4_k_m.gguf"
     assert log[0]["tools"] == ["read_file", "list_dir", "glob", "grep"]
@@ -137,7 +217,7 @@ def test_run_with_a_server_never_imports_torch(repo, tmp_path):
     script.write_text(
         "import sys\n"
         "from dflash_agent.cli import main\n"
-        "from tests.agent.fake_openai import Reply, fake_server\n"
+        "from tests.agent.fake_openai import Failure, Reply, fake_server\n"
         "with fake_server([Reply('All done.')]) as fake:\n"
         "    try:\n"
         f"        main(['run', 'Say done.', '--repo', {str(repo)!r}, '--server', fake.url])\n"

@@ -3,6 +3,7 @@ come. However a consumer stops (done, an early break, an exception, its task can
 then, not when a suspended generator happens to be collected."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -137,3 +138,28 @@ def test_stream_closes_the_generator_it_opened():
 
     # Without the context manager, a generator abandoned by `break` stays open until collected.
     assert asyncio.run(scenario()) is True
+
+
+def test_close_waits_for_the_step_in_flight(monkeypatch):
+    """A worker inside a step cannot be stopped; close says so until the step ends (a process that ended under it
+    would abort: options.close_engine)."""
+    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=256, progress=False, weights="exact")
+    entered, release = threading.Event(), threading.Event()
+    model = type(eng.model)
+    forward = model.forward_groups
+
+    def held(self, *args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_groups", held)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(asyncio.run(eng.complete(request(eng, max_tokens=50)))))
+    worker.start()
+    assert entered.wait(60)
+    assert not eng.close(timeout=0.2)  # still inside the step
+    release.set()
+    assert eng.close(timeout=60)
+    worker.join(60)
+    assert results[0].final.finish_reason == "cancelled"

@@ -54,7 +54,7 @@ def test_values_out_of_range_are_left_out_with_a_warning(tmp_path, caplog):
         {"temperature": -1, "top_p": 0.0, "top_k": 1.5, "min_p": True}))
     with caplog.at_level(logging.WARNING):
         assert read_sampling_defaults(tmp_path) == SamplingDefaults()
-    for said in ("temperature must be >= 0", "top_p must be in (0, 1]", "ignoring top_k 1.5 (not an integer)",
+    for said in ("temperature must be a finite number >= 0", "top_p must be in (0, 1]", "ignoring top_k 1.5 (not an integer)",
                  "ignoring min_p True (not a number)"):
         assert said in caplog.text
 
