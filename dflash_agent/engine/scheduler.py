@@ -299,7 +299,11 @@ class ThreadCount:
     threads decoded at a quarter of their quiet speed where one kept 60% of it. Each count is measured MIN_SAMPLES
     times, then the faster one plays and the other is re-measured from an exploration budget (1% of the time), so a
     core that gets busy is left at once (the count in play slows down) and one that gets free is taken back within
-    seconds. The CPU kernels only: their results do not depend on the count (CpuDot.using)."""
+    seconds. The CPU kernels and torch's own ops (a prompt chunk's attention, norms and activations; the count is
+    the worker thread's, which alone runs torch in the engine): with torch's at two threads beside a busy core, a
+    1.4K-token prompt took 10 s where one thread took 2.4. Results do not depend on the count: the kernels compute
+    each output on one thread (CpuDot.using), and torch's ops on a prompt gave the same bits at one and two threads
+    (tests/engine/test_scheduler.py checks it)."""
 
     ALPHA = 0.2
     MIN_SAMPLES = 2
@@ -342,9 +346,23 @@ class ThreadCount:
         """Run a step of `rows` rows with the kernels on the count chosen for it, and learn from its time."""
         threads = self.choose(rows)
         started = time.perf_counter()
-        with self.kernels.using(threads):
-            step()
+        self.on(threads, step)
         self.record(rows, threads, time.perf_counter() - started)
+
+    def preferred(self) -> int:
+        """The count the steps measured most favour: a prompt chunk's (not measured itself: it may be one layer of
+        a chunk, and a busy core is as busy for it); all the threads before both counts are measured."""
+        measured = [size for size in (0, 1, 2) if all((size, n) in self.cost for n in self.counts)]
+        if not measured:
+            return self.counts[0]
+        size = max(measured, key=lambda s: sum(self.samples[s, n] for n in self.counts))
+        return min(self.counts, key=lambda n: self.cost[size, n])
+
+    def on(self, threads: int, work: Callable[[], object]) -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        with self.kernels.using(threads):
+            work()
 
 
 class Scheduler:
@@ -500,7 +518,14 @@ class Scheduler:
                 break
             task = min(prefilling, key=lambda t: t.prompt_left)
             work: list[float] = []
-            self.guard([task], lambda t=task: work.append(t.prefill_chunk()))
+
+            def chunk(t: Task = task) -> None:
+                self.guard([t], lambda: work.append(t.prefill_chunk()))
+
+            if self.thread_count is not None:
+                self.thread_count.on(self.thread_count.preferred(), chunk)
+            else:
+                chunk()
             budget -= max(1.0, work[0] if work else 0.0)
             self._take(block=False)
             self._admit()

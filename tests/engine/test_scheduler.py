@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from dflash_agent.engine import FinalEvent, GenerateRequest, SamplingParams, SpecConfig, TokenEvent
 from dflash_agent.engine.engine import Engine
@@ -355,3 +356,30 @@ def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_
     assert back[-100:].count(2) > 95
     # verification blocks are learnt apart from decode steps
     assert counts.choose(65) == 2 and (2, 2) not in counts.cost
+    # a prompt chunk takes the count the steps measured most favour: all the threads until both are measured
+    assert ThreadCount(None, 2).preferred() == 2
+    seconds[2] = 0.040
+    play(20)
+    assert counts.preferred() == 1
+
+
+@pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
+def test_a_prompt_gives_the_same_bits_on_one_thread_and_two():
+    """ThreadCount runs a prompt chunk's torch ops (attention, norms) on the count it picks: a request's output must
+    not depend on how busy the cores were."""
+    engine = Engine.load(ctx_size=1024, progress=False)
+    engine.close()
+    model, lib = engine.model, cpu_dot()
+    ids = torch.tensor(engine.tokenizer.encode(CODE * 12)[:600])
+    threads, logits = torch.get_num_threads(), {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cache = model.new_cache(1024, "auto")
+            with torch.inference_mode(), lib.using(n):
+                logits[n] = torch.cat([model.forward(ids[a:a + 512], cache,
+                                                     logits_at=torch.arange(min(512, len(ids) - a))).logits
+                                       for a in range(0, len(ids), 512)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits[1], logits[2])
