@@ -4,9 +4,11 @@ Every command module imports these from here; nothing but `__main__` imports `cl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import traceback
 from functools import wraps
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 # Errors a user can cause and fix (every engine, chat, tools and training error is a UserError; a missing or
 # unreadable file an OSError); anything else is a bug and keeps its traceback.
 USER_ERRORS = (UserError, OSError)
-INTERRUPTED = 130  # the exit code of a command Ctrl-C ended: 128 + SIGINT, as shells report it
+INTERRUPTED = 128 + signal.SIGINT  # the exit code of a command Ctrl-C ended, as shells report it
 
 
 class FiniteRange(click.FloatRange):
@@ -115,16 +117,19 @@ def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, 
 def close_engine(engine: Engine) -> None:
     """Stop `engine`'s worker before the command ends (Engine.close: a process that ends under a running step
     aborts). After Ctrl-C the step in flight (a prompt chunk: seconds on a slow CPU) is waited for, and the user
-    told so; Ctrl-C again ends the process at once."""
-    if engine.close(timeout=1.0):
-        return
-    click.echo("waiting for the model to finish its current step (Ctrl-C again quits at once)", err=True)
+    told so; Ctrl-C again (or SIGTERM, SIGHUP) ends the process at once."""
     try:
+        if engine.close(timeout=1.0):
+            return
+        with contextlib.suppress(OSError):  # a terminal that hung up
+            click.echo("waiting for the model to finish its current step (Ctrl-C again quits at once)", err=True)
         engine.close()
-    except KeyboardInterrupt:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(INTERRUPTED)  # not through the interpreter's exit: that finalizes torch under the step
+    except (KeyboardInterrupt, SystemExit) as stop:
+        code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else INTERRUPTED
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)  # not through the interpreter's exit: that finalizes torch under the step
 
 
 def user_errors(f):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
-from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ..tools.registry import workspace_tools
 from ..tools.sandbox import Sandbox
 from ..tools.workspace import Workspace, printable
 from .backend import Backend
-from .loop import EXIT_CODES, Agent, AgentConfig
+from .loop import EXIT_CODES, Agent, AgentConfig, RunResult
 from .prompt import system_prompt
 from .remote import RemoteBackend
 from .transcript import Transcript, default_transcript_path
@@ -33,8 +34,8 @@ ENGINE_ONLY = ("device", "dtype", "ctx_size", "draft", "draft_quant", "spec_bloc
                "threads", "sampling_defaults")
 EXIT_HELP = ("Exit codes: 0 the model answered (no tool call); 1 an error; "
              f"{EXIT_CODES['max_steps']} the step limit ran out; {EXIT_CODES['max_tokens']} a token limit ran out "
-             f"or the context is full; {EXIT_CODES['interrupted']} interrupted (Ctrl-C); 143 / 129 stopped by "
-             "SIGTERM / SIGHUP.")
+             f"or the context is full; {EXIT_CODES['interrupted']} interrupted (Ctrl-C); {128 + signal.SIGTERM} / "
+             f"{128 + signal.SIGHUP} stopped by SIGTERM / SIGHUP.")
 
 
 def agent_options(f):
@@ -71,10 +72,63 @@ def agent_options(f):
     return sandbox_options(f)
 
 
-# Besides Ctrl-C, what ends a command as a user stops it: `kill`, `timeout`, an editor's stop button (SIGTERM),
-# a closed terminal (SIGHUP). Each ends it as Ctrl-C does, its cleanup run, with 128 + the signal's number.
-STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHAT_HELP = "/exit (or Ctrl-D) ends the session, /clear starts a new conversation, Ctrl-C interrupts a turn."
+
+
+class StopSignals:
+    """What stops a command as a user stops it: Ctrl-C, and `kill`, `timeout` or an editor's stop button (SIGTERM),
+    a closed terminal (SIGHUP). Installed once for the whole command (so no signal falls between two handlers): in a
+    turn each interrupts it, and the turn then says how the command should end; outside one, SIGINT raises
+    KeyboardInterrupt and the others SystemExit(128 + the signal), so that what the command opened is closed (the
+    sandbox's /tmp, the transcript, the model's worker). SIGTERM and SIGHUP win over a Ctrl-C before them."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # in the current turn
+        self._turn: tuple[asyncio.AbstractEventLoop, Agent] | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._handle)
+
+    @contextmanager
+    def turn(self, agent: Agent) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        # The kernel may hand a signal to another thread (a tool's): its byte on the wakeup fd wakes the event loop,
+        # so that the main thread runs the handler now, not at the loop's next event (as add_signal_handler does).
+        wake_read, wake_write = socket.socketpair()
+        wake_read.setblocking(False)
+        wake_write.setblocking(False)
+        loop.add_reader(wake_read.fileno(), wake_read.recv, 4096)
+        previous = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+        self.received, self._turn = None, (loop, agent)
+        try:
+            yield
+        finally:
+            self._turn = None
+            signal.set_wakeup_fd(previous)
+            loop.remove_reader(wake_read.fileno())
+            wake_read.close()
+            wake_write.close()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: writing to it would fail (EIO) on the way out
+            _detach_from_terminal()
+        if self.received in (None, signal.SIGINT):
+            self.received = signum
+        if self._turn is not None:
+            loop, agent = self._turn
+            loop.call_soon_threadsafe(agent.interrupt)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        else:
+            raise SystemExit(128 + signum)
+
+
+def _detach_from_terminal() -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
 
 
 @dataclass
@@ -83,37 +137,23 @@ class Session:
     console: Console
     transcript: Transcript
     close_backend: Callable[[], Awaitable]  # inside the event loop (an HTTP client's connections)
-    stopped_by: int | None = None  # the signal that interrupted the last turn
-    outcome: str | None = None  # the last turn's
+    signals: StopSignals
+    result: RunResult | None = None  # the last turn's
 
     async def turn(self, task: str) -> int:
         """Run `task`; a stopping signal meanwhile interrupts it. Its exit code, 128 + the signal if one came."""
-        loop = asyncio.get_running_loop()
-        self.stopped_by = None
-        for sig in STOPPING:
-            loop.add_signal_handler(sig, self._stop, sig)
-        try:
-            result = await self.agent.run(task)
-            self.outcome = result.outcome
-        finally:
-            for sig in STOPPING:
-                loop.remove_signal_handler(sig)  # SIGTERM and SIGHUP back to their default: see `exit_on_signals`
-            exit_on_signals()
-        return 128 + self.stopped_by if self.stopped_by is not None else result.exit_code
+        with self.signals.turn(self.agent):
+            self.result = await self.agent.run(task)
+        stopped = self.signals.received
+        return 128 + stopped if stopped is not None else self.result.exit_code
 
-    def _stop(self, sig: int) -> None:
-        self.stopped_by = sig
-        self.agent.interrupt()
+    @property
+    def ended(self) -> bool:
+        """SIGTERM or SIGHUP came in the last turn: the command ends after it."""
+        return self.signals.received in (signal.SIGTERM, signal.SIGHUP)
 
 
-def exit_on_signals() -> None:
-    """Outside a turn (loading the model, the chat prompt), SIGTERM and SIGHUP end the command through SystemExit,
-    so that what it opened is closed (the sandbox's /tmp, the terminal's cursor, the transcript)."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-
-
-def open_session(stack: ExitStack, params: dict, console: Console) -> Session:
+def open_session(stack: ExitStack, params: dict, console: Console, signals: StopSignals) -> Session:
     """Workspace, tools, model, transcript and view from the command's options; `stack` closes them."""
     ctx = click.get_current_context()
     workspace = Workspace(params["repo"], read_only=params["read_only"])
@@ -137,7 +177,7 @@ def open_session(stack: ExitStack, params: dict, console: Console) -> Session:
     agent = Agent(backend, registry, system_prompt(workspace), config, view, transcript)
     print_welcome(console, {**where, "model": model_name, "repo": workspace.root, "tools": ", ".join(registry.names),
                             "sandbox": sandboxing, "transcript": transcript.path})
-    return Session(agent, console, transcript, close_backend)
+    return Session(agent, console, transcript, close_backend, signals)
 
 
 async def _nothing() -> None:
@@ -178,9 +218,8 @@ async def _run_task(session: Session, task: str) -> int:
 
 
 async def _chat(session: Session) -> int:
-    """The session's exit code: 0, or 128 + the signal that ended it."""
-    # At the prompt Ctrl-C ends the session (KeyboardInterrupt); during a turn it interrupts the turn.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """The session's exit code: 0, or 128 + the signal that ended it. At the prompt Ctrl-C ends the session
+    (KeyboardInterrupt, from StopSignals); during a turn it interrupts the turn."""
     console = session.console
     console.print(f"[dim]Type a task; {CHAT_HELP}[/]")
     try:
@@ -207,12 +246,20 @@ async def _chat(session: Session) -> int:
             if not line:
                 continue
             code = await session.turn(line)
-            if session.stopped_by in (signal.SIGTERM, signal.SIGHUP):
+            if session.ended:
                 return code
-            if session.outcome == "context_full":
-                console.print("[dim]the conversation fills the model's context: /clear starts a new one[/]")
+            if session.result.outcome == "context_full":
+                console.print(f"[dim]{_context_full_hint(session)}[/]")
     finally:
         await session.close_backend()
+
+
+def _context_full_hint(session: Session) -> str:
+    earlier = len(session.agent.messages) > 1  # more than the system prompt
+    if session.result.steps == 0:  # the message itself did not fit: the agent dropped it
+        return ("this message does not fit in the model's context" + (" beside the conversation so far" if earlier
+                else "") + ": it was dropped" + ("; /clear starts a new conversation" if earlier else ""))
+    return "the conversation fills the model's context: /clear starts a new one"
 
 
 @click.command(epilog=EXIT_HELP)
@@ -226,10 +273,11 @@ def run(task: str, **params) -> None:
     task = printable(task).strip()  # an argument's bytes that are not UTF-8 become U+FFFD
     if not task:
         raise click.UsageError("TASK is empty: say what the agent should do")
-    exit_on_signals()
+    signals = StopSignals()
+    signals.install()
     console = Console(highlight=False)
     with ExitStack() as stack:
-        session = open_session(stack, params, console)
+        session = open_session(stack, params, console, signals)
         code = asyncio.run(_run_task(session, task))
         console.print(f"[dim]transcript: {session.transcript.path}[/]", soft_wrap=True)
     sys.exit(code)
@@ -242,10 +290,11 @@ def run(task: str, **params) -> None:
 def chat(**params) -> None:
     """An interactive session with the coding agent: each message is a task, run with the same tools in
     one growing conversation (so the model's prefix cache carries over)."""
-    exit_on_signals()
+    signals = StopSignals()
+    signals.install()
     console = Console(highlight=False)
     with ExitStack() as stack:
-        session = open_session(stack, params, console)
+        session = open_session(stack, params, console, signals)
         code = asyncio.run(_chat(session))
         console.print(f"[dim]transcript: {session.transcript.path}[/]", soft_wrap=True)
     sys.exit(code)

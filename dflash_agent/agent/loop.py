@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 Outcome = Literal["answered", "max_steps", "max_tokens", "context_full", "interrupted"]
 # What `dflash-agent run` exits with; 1 is an error (one line on stderr).
 EXIT_CODES: dict[Outcome, int] = {"answered": 0, "max_steps": 3, "max_tokens": 4, "context_full": 4,
-                                  "interrupted": 130}
+                                  "interrupted": 128 + signal.SIGINT}
 INTERRUPTED_RESULT = "interrupted by the user before this call ran"
 
 
@@ -170,7 +171,7 @@ class Agent:
             self._task = None
         result = RunResult(outcome, answer, self._steps, usage, time.monotonic() - started)
         if outcome == "context_full" and self._steps == 0:
-            # The task itself does not fit: kept, it would fill every later turn of a chat as well.
+            # The task does not fit (beside the conversation so far): kept, it would fill every later turn too.
             self.messages.pop()
             if self.transcript is not None:
                 self.transcript.event("dropped", role="user", reason="the task does not fit in the context")

@@ -34,12 +34,12 @@ def default_transcript_path(repo: Path, read_only: bool) -> Path:
 def private_temp_dir() -> Path:
     """$TMPDIR/dflash-agent-<uid>, this user's alone (mode 0700): the temp dir is shared, and a transcript holds
     tasks and file contents. Where another user took the name, or it is a link or a file, a new directory."""
-    path = Path(tempfile.gettempdir()) / f"dflash-agent-{os.getuid()}"
+    path = Path(tempfile.gettempdir()) / f"dflash-agent-{os.geteuid()}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     info = os.lstat(path)
-    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077:
         return path
     log.warning("%s is not a private directory of this user: not using it", path)
     return Path(tempfile.mkdtemp(prefix="dflash-agent-"))

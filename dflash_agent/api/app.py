@@ -220,7 +220,9 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
         finally:
             loop.set_exception_handler(previous)
             task.cancel()
-            if server.model is not None:
+            if server.model is not None and not await asyncio.to_thread(server.model.engine.close, 1.0):
+                # the step in flight ends first (Engine.close): a prompt chunk on a slow CPU takes seconds
+                log.warning("waiting for the model to finish its current step")
                 await asyncio.to_thread(server.model.engine.close)
 
     guards = [_auth_guard(settings.api_key)] if settings.api_key else []

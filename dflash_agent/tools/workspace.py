@@ -132,8 +132,8 @@ def _refuse_device(parent: int, name: str, shown: str) -> None:
 
 
 def printable(name: str) -> str:
-    """A file name as text: bytes that are not UTF-8 (kept by os as lone surrogates, which JSON
-    encoders refuse) become U+FFFD."""
+    """A file name, an argument or a line read as text: bytes that are not UTF-8 (kept by os and stdin as lone
+    surrogates, which JSON encoders refuse) become U+FFFD."""
     try:
         return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     except UnicodeEncodeError:  # a surrogate os did not make (from a JSON escape)

@@ -65,7 +65,7 @@ def test_a_read_only_run_writes_in_a_directory_of_this_user_alone(tmp_path, monk
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     transcript = Transcript(default_transcript_path(tmp_path / "repo", read_only=True))
     transcript.close()
-    private = tmp_path / f"dflash-agent-{os.getuid()}"
+    private = tmp_path / f"dflash-agent-{os.geteuid()}"
     assert transcript.path.parent == private / "transcripts"
     assert stat.S_IMODE(private.stat().st_mode) == 0o700 and stat.S_IMODE(transcript.path.stat().st_mode) == 0o600
 
@@ -73,7 +73,7 @@ def test_a_read_only_run_writes_in_a_directory_of_this_user_alone(tmp_path, monk
 @pytest.mark.parametrize("made", ["a link", "a file", "open to others"])
 def test_a_temp_name_someone_else_made_is_not_used(tmp_path, monkeypatch, made, caplog):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    name, outside = tmp_path / f"dflash-agent-{os.getuid()}", tmp_path / "outside"
+    name, outside = tmp_path / f"dflash-agent-{os.geteuid()}", tmp_path / "outside"
     outside.mkdir()
     if made == "a link":
         name.symlink_to(outside)

@@ -51,8 +51,8 @@ class EndlessEngine:
         yield FinalEvent("length", Usage(len(request.prompt_ids), n), Timings(predicted_n=n),
                          context_full=request.max_tokens is None or request.max_tokens > budget)
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout: float | None = None) -> bool:
+        return True
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,8 @@ class RecordingEngine:
 
     stream = Engine.stream
 
-    def close(self) -> None:
-        pass  # shared by the tests; the server's lifespan closes the real one
+    def close(self, timeout: float | None = None) -> bool:
+        return True  # shared by the tests; the server's lifespan closes the real one
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator:
         self.sampling.append(request.sampling)

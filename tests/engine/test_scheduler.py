@@ -364,16 +364,31 @@ def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_
 
 
 @pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
-def test_a_prompt_gives_the_same_bits_on_one_thread_and_two():
+def test_torch_runs_on_the_count_chosen():
+    from dflash_agent.engine.scheduler import ThreadCount
+
+    seen, threads = [], torch.get_num_threads()
+    try:
+        ThreadCount(cpu_dot(), 2).on(1, lambda: seen.append((torch.get_num_threads(), cpu_dot().threads())))
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [(1, 1)]
+
+
+@pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
+def test_a_prompt_gives_the_same_bits_on_the_counts_a_step_may_take():
     """ThreadCount runs a prompt chunk's torch ops (attention, norms) on the count it picks: a request's output must
     not depend on how busy the cores were."""
-    engine = Engine.load(ctx_size=1024, progress=False)
+    from dflash_agent.engine.scheduler import ThreadCount
+
+    engine = Engine.load(ctx_size=1024, progress=False, device="cpu")
     engine.close()
     model, lib = engine.model, cpu_dot()
     ids = torch.tensor(engine.tokenizer.encode(CODE * 12)[:600])
     threads, logits = torch.get_num_threads(), {}
+    counts = ThreadCount(lib, max(2, threads)).counts
     try:
-        for n in (1, 2):
+        for n in counts:
             torch.set_num_threads(n)
             cache = model.new_cache(1024, "auto")
             with torch.inference_mode(), lib.using(n):
@@ -382,4 +397,4 @@ def test_a_prompt_gives_the_same_bits_on_one_thread_and_two():
                                        for a in range(0, len(ids), 512)])
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(logits[1], logits[2])
+    assert torch.equal(logits[counts[0]], logits[counts[1]])
