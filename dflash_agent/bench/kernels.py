@@ -46,7 +46,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..engine.config import ModelConfig
 from ..engine.cuda_graphs import BUCKETS
-from ..engine.drafter import DrafterConfig
+from ..engine.drafter_config import DrafterConfig
 from ..engine.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
 from ..engine.model import GemmaModel
 from ..engine.speculative import PREFILL_CHUNK

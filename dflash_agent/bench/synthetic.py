@@ -33,7 +33,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..engine.config import ModelConfig
-from ..engine.drafter import Drafter, DrafterConfig
+from ..engine.drafter import Drafter
+from ..engine.drafter_config import DrafterConfig
 from ..engine.memory_plan import (
     DrafterPlan,
     GiB,

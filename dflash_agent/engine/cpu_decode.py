@@ -20,14 +20,11 @@ import torch
 from ..kernels.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
 from .host_memory import available_ram_bytes
 from .kv_cache import LayerKV
+from .limits import MAX_ROWS
 from .packed_linear import CpuDotWeight, PackedWeight, cpu_dot
 
 log = logging.getLogger(__name__)
 
-# The most rows one call takes: decode rows, verification blocks of up to 64 drafts, a prompt's last short chunk.
-# Rows cost ~9 ms each on 2 cores for the embedded model here (the 262144-row LM head is half of it), where the
-# eager path's float32 GEMMs spend ~18 ms a row on 64 (each weight dequantized per forward): long prompts only.
-MAX_ROWS = 128
 # Greedy steps of this many rows and more screen the LM head (CpuDot.norm_head_argmax): 64 rows cost the embedded
 # model's head 56 ms so against 165 ms whole here; one row streams the screen's bytes for nothing (8 ms against 5).
 SCREEN_ROWS = 2

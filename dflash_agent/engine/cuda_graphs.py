@@ -30,7 +30,8 @@ import torch
 
 from ..kernels.capture import capture_graph
 from ..kernels.dispatch import VERIFY_ROWS
-from .drafter import Drafter, DrafterCache, DraftLayerPlan
+from .drafter import Drafter, DraftLayerPlan
+from .drafter_cache import DrafterCache
 from .kv_cache import KVCache
 from .model import ForwardOutput, GemmaModel, JointAttention, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
 from .packed_linear import PackedWeight

@@ -27,7 +27,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
 from .config import ModelConfig
 from .cuda_graphs import BUCKETS, MAX_GROUP_GRAPHS
-from .drafter import DrafterCache, DrafterConfig, DrafterError
+from .drafter import DrafterError
+from .drafter_cache import DrafterCache
+from .drafter_config import DrafterConfig
 from .errors import MemoryPlanError, OptionError
 from .host_memory import available_ram_bytes
 from .kv_cache import DEFAULT_SLACK, KVCache

@@ -20,11 +20,10 @@ from ..kernels.attention import (
 )
 from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .config import LayerSpec, ModelConfig, MoESpec
-from .cpu_decode import MAX_ROWS
 from .errors import ContextOverflowError
 from .kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
+from .limits import MAX_ROWS
 from .packed_linear import PackedWeight
-from .sampling import torch_argmax
 
 
 @dataclass
@@ -808,7 +807,7 @@ class GemmaModel(nn.Module):
         """The index of the largest of logits [V] (greedy decoding's pick), through the C kernels on the CPU."""
         if self.cpu_layers is not None and logits.device.type == "cpu":
             return self.cpu_layers.lib.argmax(logits)
-        return torch_argmax(logits)
+        return int(torch.argmax(logits))
 
     def _runs_cpu_layers(self, rows: int | None, kv: list[LayerKV]) -> bool:
         """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.cpu_decode's layers."""

@@ -25,10 +25,10 @@ from torch import nn
 from .config import ConfigError, ModelConfig
 from .errors import DrafterError, GGUFError
 from .gguf import read_gguf
+from .gguf_names import gguf_model_config, gguf_tensor_name
 from .kv_cache import KVCache
 from .model import DecoderLayer, LayerPlan, Linear, RMSNorm, StepKeys, rope_tables
 from .quant import PackedTensor, from_numpy
-from .weights import gguf_model_config, gguf_tensor_name
 
 log = logging.getLogger(__name__)
 

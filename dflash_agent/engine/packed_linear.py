@@ -49,8 +49,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
 from ..kernels.cpu_dot import load as load_cpu_dot
 from ..kernels.dispatch import PACKED_TYPES, TUNED_WEIGHTS, triton_runs
-from .quant import PackedTensor, _bits, _f16, _k_scale_min, _nibbles, _q5, _unpack, dequantize
-from .tokenizer import default_cache_root
+from .paths import default_cache_root
+from .quant import PackedTensor, bit_fields, bit_planes, dequantize, half_floats, k_scale_min, nibbles, q5_values
 
 if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only install may lack it
     from ..kernels.quant_matmul import TileChoice
@@ -468,27 +468,27 @@ def _int_groups(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int,
     blocks = blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1])
     group, m = GROUP, None
     if qtype in (T.Q4_0, T.Q5_0, T.Q8_0):
-        d = _f16(blocks[:, :2])
+        d = half_floats(blocks[:, :2])
         if qtype == T.Q4_0:  # kept unsigned, the offset in m, so the kernel reads it at 4 bits
-            q, m = _nibbles(blocks[:, 2:], 16).reshape(-1, 32).to(torch.int32), -8 * d
+            q, m = nibbles(blocks[:, 2:], 16).reshape(-1, 32).to(torch.int32), -8 * d
         elif qtype == T.Q5_0:
-            q = _q5(blocks[:, 2:6], blocks[:, 6:]).to(torch.int32) - 16
+            q = q5_values(blocks[:, 2:6], blocks[:, 6:]).to(torch.int32) - 16
         else:
             q = blocks[:, 2:].view(torch.int8).to(torch.int32)
     elif qtype in (T.Q4_K, T.Q5_K):
-        super_d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc, mn = _k_scale_min(blocks[:, 4:16])
+        super_d, dmin = half_floats(blocks[:, 0:2]), half_floats(blocks[:, 2:4])
+        sc, mn = k_scale_min(blocks[:, 4:16])
         d, m = (super_d * sc.to(torch.float32)).reshape(-1, 1), (-dmin * mn.to(torch.float32)).reshape(-1, 1)
         if qtype == T.Q4_K:
-            q = _nibbles(blocks[:, 16:], 32).reshape(-1, 32).to(torch.int32)
+            q = nibbles(blocks[:, 16:], 32).reshape(-1, 32).to(torch.int32)
         else:
-            q = _nibbles(blocks[:, 48:], 32).reshape(-1, 32).to(torch.int32) | \
-                (_bits(blocks[:, 16:48], 32).reshape(-1, 32).to(torch.int32) << 4)
+            q = nibbles(blocks[:, 48:], 32).reshape(-1, 32).to(torch.int32) | \
+                (bit_planes(blocks[:, 16:48], 32).reshape(-1, 32).to(torch.int32) << 4)
     elif qtype == T.Q6_K:
         group = 16
-        d = (_f16(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8).to(torch.float32)).reshape(-1, 1)
-        low = _nibbles(blocks[:, :128], 64).reshape(-1, 8, 32)
-        high = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), (0, 2, 4, 6), 0x03).reshape(-1, 8, 32)
+        d = (half_floats(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8).to(torch.float32)).reshape(-1, 1)
+        low = nibbles(blocks[:, :128], 64).reshape(-1, 8, 32)
+        high = bit_fields(blocks[:, 128:192].reshape(-1, 2, 32), (0, 2, 4, 6), 0x03).reshape(-1, 8, 32)
         q = (low | (high << 4)).to(torch.int32) - 32
     else:
         raise ValueError(f"{qtype.name} has no integer groups for the CPU dot kernels")

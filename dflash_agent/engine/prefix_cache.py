@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafter import DrafterCache
+from .drafter_cache import DrafterCache
 from .kv_cache import KVCache, RingSnapshot
 
 log = logging.getLogger(__name__)

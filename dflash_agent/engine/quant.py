@@ -32,26 +32,26 @@ QK_K = 256
 K_SCALE_SIZE = 12
 
 
-def _f16(field: torch.Tensor) -> torch.Tensor:
+def half_floats(field: torch.Tensor) -> torch.Tensor:
     # [n, 2] uint8 -> [n, 1] float32. Exact for every non-NaN half; NaNs stay NaN but torch's
     # CPU path returns one canonical NaN where numpy keeps sign and payload
     return field.view(torch.float16).to(torch.float32)
 
 
-def _unpack(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
+def bit_fields(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     # [..., k] -> [..., len(shifts), k]: the bit fields of every byte, one shift per row,
     # which is the layout all ggml formats use (low nibble/bits first)
     return torch.stack([(x >> s) & mask for s in shifts], dim=-2)
 
 
-def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+def nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
     # [n, b] -> [n, b // width, 2, width]: for each `width` bytes, their low nibbles then their high nibbles
-    return _unpack(qs.reshape(qs.shape[0], -1, width), (0, 4), 0x0F)
+    return bit_fields(qs.reshape(qs.shape[0], -1, width), (0, 4), 0x0F)
 
 
-def _bits(qh: torch.Tensor, width: int) -> torch.Tensor:
+def bit_planes(qh: torch.Tensor, width: int) -> torch.Tensor:
     # [n, b] -> [n, b // width, 8, width]: bit j of each of `width` bytes, j = 0..7
-    return _unpack(qh.reshape(qh.shape[0], -1, width), tuple(range(8)), 0x01)
+    return bit_fields(qh.reshape(qh.shape[0], -1, width), tuple(range(8)), 0x01)
 
 
 def _f32(blocks: torch.Tensor) -> torch.Tensor:
@@ -64,73 +64,73 @@ def _bf16(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
+    d = half_floats(blocks[:, :2])
     x = blocks[:, 2:].view(torch.int8).to(torch.float32)
     return x.mul_(d)
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:], 16).reshape(n, 32).to(torch.float32).sub_(8.0)
+    d = half_floats(blocks[:, :2])
+    q = nibbles(blocks[:, 2:], 16).reshape(n, 32).to(torch.float32).sub_(8.0)
     return q.mul_(d)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    q = _nibbles(blocks[:, 4:], 16).reshape(n, 32).to(torch.float32)
+    d, m = half_floats(blocks[:, 0:2]), half_floats(blocks[:, 2:4])
+    q = nibbles(blocks[:, 4:], 16).reshape(n, 32).to(torch.float32)
     return q.mul_(d).add_(m)
 
 
-def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+def q5_values(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     # qh is a little-endian uint32 whose bit i is the 5th bit of element i;
     # reading it byte by byte keeps us off uint32 ops torch lacks on some devices
     n = qs.shape[0]
-    low = _nibbles(qs, 16).reshape(n, 32)
-    high = _bits(qh, 4).transpose(-1, -2).reshape(n, 32)
+    low = nibbles(qs, 16).reshape(n, 32)
+    high = bit_planes(qh, 4).transpose(-1, -2).reshape(n, 32)
     return low | (high << 4)
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, 0:2])
-    q = _q5(blocks[:, 2:6], blocks[:, 6:]).to(torch.float32).sub_(16.0)
+    d = half_floats(blocks[:, 0:2])
+    q = q5_values(blocks[:, 2:6], blocks[:, 6:]).to(torch.float32).sub_(16.0)
     return q.mul_(d)
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    q = _q5(blocks[:, 4:8], blocks[:, 8:]).to(torch.float32)
+    d, m = half_floats(blocks[:, 0:2]), half_floats(blocks[:, 2:4])
+    q = q5_values(blocks[:, 4:8], blocks[:, 8:]).to(torch.float32)
     return q.mul_(d).add_(m)
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     scales, qs = blocks[:, :16], blocks[:, 16:80]
-    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    d, dmin = half_floats(blocks[:, 80:82]), half_floats(blocks[:, 82:84])
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    q = _unpack(qs.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16).to(torch.float32)
+    q = bit_fields(qs.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16).to(torch.float32)
     return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    d = _f16(blocks[:, 108:110])
+    d = half_floats(blocks[:, 108:110])
     # 16 6-bit scales: low 4 bits from bytes 0..7 (both nibbles), high 2 bits from bytes 8..11
-    low = _unpack(scales[:, :8], (0, 4), 0x0F).reshape(n, 16)
-    high = _unpack(scales[:, 8:], (0, 2, 4, 6), 0x03).reshape(n, 16)
+    low = bit_fields(scales[:, :8], (0, 4), 0x0F).reshape(n, 16)
+    high = bit_fields(scales[:, 8:], (0, 2, 4, 6), 0x03).reshape(n, 16)
     sc = (low | (high << 4)).to(torch.float32).sub_(32.0)
     dl = (d * sc).reshape(n, 16, 1)
-    ql = _unpack(qs.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16)
+    ql = bit_fields(qs.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16)
     # a set hmask bit means "no offset", a clear one means subtract 4
-    qh = _bits(hmask, 32).reshape(n, 16, 16) ^ 1
+    qh = bit_planes(hmask, 32).reshape(n, 16, 16) ^ 1
     q = ql.to(torch.float32).sub_((qh << 2).to(torch.float32))
     return q.mul_(dl).reshape(n, QK_K)
 
 
-def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # eight 6-bit (scale, min) pairs packed into 12 bytes; see Q4_K.get_scale_min in gguf-py
     d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
@@ -141,8 +141,8 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     # shared tail of Q4_K/Q5_K: q is [n, 8, 32] sub-blocks
     n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, mn = _k_scale_min(blocks[:, 4 : 4 + K_SCALE_SIZE])
+    d, dmin = half_floats(blocks[:, 0:2]), half_floats(blocks[:, 2:4])
+    sc, mn = k_scale_min(blocks[:, 4 : 4 + K_SCALE_SIZE])
     d = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
     return q.to(torch.float32).mul_(d).sub_(dm).reshape(n, QK_K)
@@ -150,24 +150,24 @@ def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    q = _nibbles(blocks[:, 16:], 32).reshape(n, 8, 32)
+    q = nibbles(blocks[:, 16:], 32).reshape(n, 8, 32)
     return _k_affine(blocks, q)
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     qh, qs = blocks[:, 16:48], blocks[:, 48:]
-    q = _nibbles(qs, 32).reshape(n, 8, 32) | (_bits(qh, 32).reshape(n, 8, 32) << 4)
+    q = nibbles(qs, 32).reshape(n, 8, 32) | (bit_planes(qh, 32).reshape(n, 8, 32) << 4)
     return _k_affine(blocks, q)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     ql, qh, scales = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208]
-    d = _f16(blocks[:, 208:210])
+    d = half_floats(blocks[:, 208:210])
     d = (d * scales.view(torch.int8).to(torch.float32)).reshape(n, 16, 1)
-    low = _nibbles(ql, 64).reshape(n, 8, 32)
-    high = _unpack(qh.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
+    low = nibbles(ql, 64).reshape(n, 8, 32)
+    high = bit_fields(qh.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
     q = (low | (high << 4)).reshape(n, 16, 16).to(torch.float32).sub_(32.0)
     return q.mul_(d).reshape(n, QK_K)
 
@@ -175,7 +175,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 _T = GGMLQuantizationType
 _KERNELS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     _T.F32: _f32,
-    _T.F16: _f16,
+    _T.F16: half_floats,
     _T.BF16: _bf16,
     _T.Q8_0: _q8_0,
     _T.Q4_0: _q4_0,

@@ -28,7 +28,8 @@ import torch
 
 from ..kernels.cpu_dot import CpuDot
 from . import speculative
-from .drafter import Drafter, DrafterCache
+from .drafter import Drafter
+from .drafter_cache import DrafterCache
 from .kv_cache import KVCache
 from .model import GemmaModel, RowGroup
 from .mtp import MtpDrafter

@@ -20,7 +20,8 @@ from typing import Protocol
 
 import torch
 
-from .drafter import Drafter, DrafterCache
+from .drafter import Drafter
+from .drafter_cache import DrafterCache
 from .kv_cache import KVCache
 from .model import ForwardOutput, GemmaModel, run_to_end
 from .mtp import MtpDrafter

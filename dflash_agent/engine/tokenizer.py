@@ -38,15 +38,15 @@ import tokenizers
 
 from .errors import TokenizerError
 from .gguf import GGUFError, GGUFFile, read_gguf
+from .paths import default_cache_root
 
-__all__ = ["IncrementalDetokenizer", "SpecialTokens", "Tokenizer", "TokenizerError", "default_cache_root"]
+__all__ = ["IncrementalDetokenizer", "SpecialTokens", "Tokenizer", "TokenizerError"]
 
 log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the way special ids are derived changes: old entries are
 # then simply never looked up again.
 _CACHE_FORMAT = 1
-_CACHE_ENV = "DFLASH_AGENT_CACHE"
 _TOKENIZER_JSON = "tokenizer.json"
 _SPECIALS_JSON = "special_tokens.json"
 
@@ -58,11 +58,6 @@ _END_OF_TURN = "<end_of_turn>"
 # The GGUF keys whose ids should stop generation besides eos.
 _GGUF_EXTRA_STOP_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
-
-def default_cache_root() -> Path:
-    """`$DFLASH_AGENT_CACHE`, else `~/.cache/dflash-agent`."""
-    env = os.environ.get(_CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash-agent"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.drafter import Drafter, DrafterCache
+from ..engine.drafter import Drafter
+from ..engine.drafter_cache import DrafterCache
 from .data import SequenceSet
 
 

@@ -169,7 +169,7 @@ def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
     # every step the GPU run takes (random packed target and quantized drafter, decode at two contexts,
     # verify, draft, append, roofline and projection arithmetic), at a tiny Gemma 4 (dense, or 26B-A4B's layout)
     # on the CPU; timings are not asserted
-    from dflash_agent.engine.drafter import DrafterConfig
+    from dflash_agent.engine.drafter_config import DrafterConfig
     from tests.engine.test_packed_linear import tiny_family_config
     from tests.engine.test_packed_linear import tiny_gemma4_config as dense_config
 

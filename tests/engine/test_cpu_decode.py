@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_agent.engine.cpu_decode import MAX_ROWS, CpuDecodeLayers
+from dflash_agent.engine.cpu_decode import CpuDecodeLayers
+from dflash_agent.engine.limits import MAX_ROWS
 from dflash_agent.engine.model import RowGroup
 from dflash_agent.engine.packed_linear import PackedWeight, cpu_dot
 from dflash_agent.engine.quant import dequantize

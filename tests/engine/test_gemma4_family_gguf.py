@@ -42,7 +42,7 @@ def test_q8_0_gguf_loads_what_gguf_py_dequantizes(converted):
     gguf-py's dequantization of it."""
     import gguf
 
-    from dflash_agent.engine.weights import gguf_tensor_name
+    from dflash_agent.engine.gguf_names import gguf_tensor_name
 
     ref, _, path = converted
     state = build_model(open_checkpoint(path), "cpu", torch.float32, progress=False).state_dict()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_agent.bench.synthetic import build_synthetic_drafter, gemma4_31b_config, gemma4_31b_drafter_config
-from dflash_agent.engine.drafter import DrafterConfig
+from dflash_agent.engine.drafter_config import DrafterConfig
 from dflash_agent.engine.kv_cache import DEFAULT_SLACK
 from dflash_agent.engine.memory_plan import (
     DrafterPlan,
