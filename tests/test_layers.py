@@ -53,7 +53,7 @@ def allowed(layer: str) -> set[str]:
 
 
 def layer_of(module: str) -> str:
-    """`dflash_agent.engine.model` -> `engine`; `dflash_agent.cli` -> `cli`; `dflash_agent` -> `__init__`."""
+    """`dflash_agent.engine.model.gemma` -> `engine`; `dflash_agent.cli` -> `cli`; `dflash_agent` -> `__init__`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -104,6 +104,79 @@ def violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
     return bad
 
 
+# The engine's rooms (docs/architecture.md), bottom first: each imports only the rooms below it. The contract
+# modules at engine/'s top (types, errors, ...) sit below every room; engine/'s own __init__ (the lazy public
+# names) and the runtime on top (memory_plan, scheduler, engine) may import any room.
+ENGINE = f"{PACKAGE}.engine"
+ENGINE_CONTRACT = {"types", "errors", "progress", "paths", "limits", "host_memory"}
+ENGINE_ROOMS = ["formats", "cache", "model", "backends", "load", "decode"]
+ENGINE_TOP = {"memory_plan", "scheduler", "engine", "__init__"}
+
+
+def room_of(module: str) -> str | None:
+    """`dflash_agent.engine.model.gemma` -> `model`; `dflash_agent.engine.types` -> `contract`; None outside."""
+    if module == ENGINE:
+        return "__init__"
+    if not module.startswith(ENGINE + "."):
+        return None
+    first = module.split(".")[2]
+    return "contract" if first in ENGINE_CONTRACT else first
+
+
+def room_allows(room: str) -> set[str]:
+    if room in ENGINE_TOP:
+        return {"contract", *ENGINE_ROOMS, *ENGINE_TOP}
+    if room == "contract":
+        return {"contract"}
+    return {"contract", *ENGINE_ROOMS[: ENGINE_ROOMS.index(room) + 1]}
+
+
+def room_violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
+    """One line per import inside engine/ that goes up a room or sideways."""
+    bad = []
+    for module, imported in graph.items():
+        room = room_of(module)
+        if room is None:
+            continue
+        for target, line in imported:
+            into = room_of(target)
+            if into is not None and into not in room_allows(room):
+                bad.append(f"{module}:{line} imports {target} ({room} -> {into})")
+    return bad
+
+
+def test_every_engine_import_goes_down_the_rooms():
+    assert room_violations(import_graph()) == []
+
+
+def test_every_engine_module_is_in_a_room():
+    rooms = {room_of(module) for module in import_graph()} - {None}
+    assert rooms <= {"contract", *ENGINE_ROOMS, *ENGINE_TOP}, sorted(rooms)
+
+
+def test_the_room_scan_sees_the_real_imports():
+    edges = {(room_of(m), room_of(t)) for m, imported in import_graph().items() for t, _ in imported}
+    assert {("cache", "formats"), ("model", "cache"), ("backends", "model"), ("load", "backends"),
+            ("decode", "load"), ("scheduler", "decode"), ("formats", "contract")} <= edges
+
+
+def test_planted_room_violations_are_flagged():
+    graph = {
+        f"{ENGINE}.formats.config": [(f"{ENGINE}.errors", 1), (f"{ENGINE}.cache.kv_cache", 2)],
+        f"{ENGINE}.model.gemma": [(f"{ENGINE}.backends.cpu", 3), (f"{ENGINE}.formats.quant", 4)],
+        f"{ENGINE}.load.weights": [(f"{ENGINE}.backends.cpu", 5), (f"{ENGINE}.decode.sampling", 6)],
+        f"{ENGINE}.limits": [(f"{ENGINE}.model.gemma", 7)],
+        f"{ENGINE}.scheduler": [(f"{ENGINE}.decode.speculative", 8), (f"{ENGINE}.engine", 9)],
+        f"{PACKAGE}.chat.parser": [(f"{ENGINE}.decode.grammar", 10)],
+    }
+    assert room_violations(graph) == [
+        f"{ENGINE}.formats.config:2 imports {ENGINE}.cache.kv_cache (formats -> cache)",
+        f"{ENGINE}.model.gemma:3 imports {ENGINE}.backends.cpu (model -> backends)",
+        f"{ENGINE}.load.weights:6 imports {ENGINE}.decode.sampling (load -> decode)",
+        f"{ENGINE}.limits:7 imports {ENGINE}.model.gemma (contract -> model)",
+    ]
+
+
 def test_every_package_import_goes_down():
     graph = import_graph()
     assert violations(graph) == []
@@ -138,7 +211,7 @@ def test_relative_imports_resolve_to_absolute_modules(tmp_path):
 
 def test_planted_violations_are_flagged():
     graph = {
-        "dflash_agent.engine.model": [("dflash_agent.kernels.dispatch", 1), ("dflash_agent.chat.parser", 7)],
+        "dflash_agent.engine.model.gemma": [("dflash_agent.kernels.dispatch", 1), ("dflash_agent.chat.parser", 7)],
         "dflash_agent.kernels.attention": [("dflash_agent.engine", 3)],
         "dflash_agent.tools.bash": [("dflash_agent.engine.engine", 4)],
         "dflash_agent.api.app": [("dflash_agent.mcp.http", 5), ("dflash_agent.engine", 6)],
@@ -149,7 +222,7 @@ def test_planted_violations_are_flagged():
         "dflash_agent.__main__": [("dflash_agent.cli", 1)],
     }
     assert violations(graph) == [
-        "dflash_agent.engine.model:7 imports dflash_agent.chat.parser (engine -> chat)",
+        "dflash_agent.engine.model.gemma:7 imports dflash_agent.chat.parser (engine -> chat)",
         "dflash_agent.kernels.attention:3 imports dflash_agent.engine (kernels -> engine)",
         "dflash_agent.tools.bash:4 imports dflash_agent.engine.engine (tools -> engine)",
         "dflash_agent.api.app:5 imports dflash_agent.mcp.http (api -> mcp)",

@@ -26,9 +26,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_agent.bench import synthetic
-from dflash_agent.engine.cuda_graphs import DraftStepGraph, enable_cuda_graphs
-from dflash_agent.engine.model import RowGroup
-from dflash_agent.engine.packed_linear import choose_cuda_tiles
+from dflash_agent.engine.backends.cuda import DraftStepGraph, enable_cuda_graphs
+from dflash_agent.engine.model.gemma import RowGroup
+from dflash_agent.engine.model.packed import choose_cuda_tiles
 from dflash_agent.kernels import quant_matmul as qm
 from dflash_agent.kernels.dispatch import VERIFY_ROWS
 from dflash_agent.kernels.quant_tuning import choose_tile, graphed_cost, graphed_ms

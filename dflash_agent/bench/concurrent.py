@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from ..engine.weights import resolve_model_path
+from ..engine.load.weights import resolve_model_path
 from ..errors import UserError
 from .cpu import llama_cpp_binary
 from .http import decode_rate

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ..engine import EMBEDDED, Engine, GenerateRequest, SpecConfig
-from ..engine.packed_linear import prefill_dtype, release_cpu_threads
-from ..engine.weights import resolve_model_path
+from ..engine.load.weights import resolve_model_path
+from ..engine.model.packed import prefill_dtype, release_cpu_threads
 from ..errors import UserError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""How far the packed CPU path (engine.packed_linear's int4 / int8 kernels) is from the exact one.
+"""How far the packed CPU path (engine.model.packed's int4 / int8 kernels) is from the exact one.
 
 Both models read the same texts teacher-forced (each position sees the true prefix, not its own output), and
 we compare their next-token distributions at every position: top-1 agreement and the mean KL(exact || packed).
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..engine.model import GemmaModel
-from ..engine.packed_linear import prefill_dtype
-from ..engine.tokenizer import Tokenizer
-from ..engine.weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
+from ..engine.load.tokenizer import Tokenizer
+from ..engine.load.weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
+from ..engine.model.gemma import GemmaModel
+from ..engine.model.packed import prefill_dtype
 from ..errors import UserError
 
 log = logging.getLogger(__name__)

@@ -44,12 +44,12 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..engine.config import ModelConfig
-from ..engine.cuda_graphs import BUCKETS
-from ..engine.drafter_config import DrafterConfig
-from ..engine.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
-from ..engine.model import GemmaModel
-from ..engine.speculative import PREFILL_CHUNK
+from ..engine.backends.cuda import BUCKETS
+from ..engine.cache.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
+from ..engine.decode.speculative import PREFILL_CHUNK
+from ..engine.formats.config import ModelConfig
+from ..engine.formats.drafter_config import DrafterConfig
+from ..engine.model.gemma import GemmaModel
 from ..kernels.attention import OFFSETS_PER_CACHE
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..chat.chat_format import ChatFormat
 from ..chat.types import Conversation, Message, TextPart, Tool, ToolCall
 from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig, TokenEvent, Tokenizer
-from ..engine.prefix_cache import PrefixCacheConfig
+from ..engine.cache.prefix_cache import PrefixCacheConfig
 from ..errors import UserError
 
 log = logging.getLogger(__name__)

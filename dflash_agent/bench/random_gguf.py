@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..engine.weights import EMBEDDED, resolve_model_path
+from ..engine.load.weights import EMBEDDED, resolve_model_path
 
 log = logging.getLogger(__name__)
 

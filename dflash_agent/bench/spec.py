@@ -27,8 +27,8 @@ import httpx
 import torch
 
 from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig
-from ..engine.drafter import init_drafter_checkpoint, load_drafter
-from ..engine.weights import resolve_model_path
+from ..engine.load.weights import resolve_model_path
+from ..engine.model.drafter import init_drafter_checkpoint, load_drafter
 from ..errors import UserError
 from .cpu import code_prompt, llama_cpp_binary
 from .servers import running_servers

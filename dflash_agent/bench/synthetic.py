@@ -2,7 +2,7 @@
 
 Builds Gemma 4 31B (60 layers, hidden 5376, head_dim 256 / 512) with random GGUF blocks in the layout of a
 named quantization (Google's QAT Q4_0, or llama.cpp's Q4_K_M mix) kept packed on the GPU, a random
-z-lab-shaped DFlash drafter quantized to 4 bits (engine.quant_linear "q4"), and measures in one run:
+z-lab-shaped DFlash drafter quantized to 4 bits (engine.model.quant_linear "q4"), and measures in one run:
 - the device's copy bandwidth (the roofline's denominator);
 - autoregressive decode tok/s at 1K / 8K / 32K context, and bytes read per token, so the fraction of the
   bandwidth roofline (tok/s x bytes per token / copy bandwidth);
@@ -32,9 +32,8 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..engine.config import ModelConfig
-from ..engine.drafter import Drafter
-from ..engine.drafter_config import DrafterConfig
+from ..engine.formats.config import ModelConfig
+from ..engine.formats.drafter_config import DrafterConfig
 from ..engine.memory_plan import (
     DrafterPlan,
     GiB,
@@ -44,7 +43,8 @@ from ..engine.memory_plan import (
     plan_memory,
     weight_bytes,
 )
-from ..engine.model import GemmaModel
+from ..engine.model.drafter import Drafter
+from ..engine.model.gemma import GemmaModel
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class StreamsSpeed:
 
     streams: int
     context: int
-    kv_cache: str  # the caches' KV dtype (engine.kv_cache.KV_DTYPES)
+    kv_cache: str  # the caches' KV dtype (engine.cache.kv_cache.KV_DTYPES)
     tok_s: float  # aggregate: a token per stream per step
     per_stream_tok_s: float
     over_one_stream: float
@@ -271,8 +271,8 @@ def _random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, device, 
 def build_synthetic_target(config: ModelConfig, quant: str, device: torch.device, dtype: torch.dtype,
                            seed: int = 0) -> GemmaModel:
     """The target with random packed weights, built on `device` one tensor at a time."""
-    from ..engine.packed_linear import PackedWeight
-    from ..engine.quant import PackedTensor
+    from ..engine.formats.quant import PackedTensor
+    from ..engine.model.packed import PackedWeight
 
     generator = torch.Generator(device=device).manual_seed(seed)
     model = GemmaModel(config, device=device)
@@ -294,7 +294,7 @@ def build_synthetic_drafter(config: DrafterConfig, target_hidden: int, quant: st
     """A drafter with random weights, quantized one matrix at a time (so the bf16 drafter never exists whole)."""
     from torch import nn
 
-    from ..engine.quant_linear import QuantLinear
+    from ..engine.model.quant_linear import QuantLinear
 
     generator = torch.Generator(device=device).manual_seed(seed)
     drafter = Drafter(config, target_hidden)  # weights on the meta device
@@ -378,9 +378,9 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
             contexts: tuple[int, ...] = CONTEXTS, reference: int = REFERENCE_CTX,
             copy_bytes: int = 1 << 30) -> SyntheticResult:
     """The measurements of the module doc for any config (the 31B on a GPU; the tests' tiny one on the CPU)."""
-    from ..engine.cuda_graphs import DraftStepGraph, enable_cuda_graphs
-    from ..engine.model import RowGroup
-    from ..engine.packed_linear import PackedWeight, choose_cuda_tiles
+    from ..engine.backends.cuda import DraftStepGraph, enable_cuda_graphs
+    from ..engine.model.gemma import RowGroup
+    from ..engine.model.packed import PackedWeight, choose_cuda_tiles
 
     cuda, dtype = device.type == "cuda", torch.bfloat16
     block_size = 16

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import GGUFError, ModelLoadError, Tokenizer
-from ..engine.config import ModelConfig
-from ..engine.gguf import read_gguf
-from ..engine.weights import resolve_model_path
+from ..engine.formats.config import ModelConfig
+from ..engine.formats.gguf import read_gguf
+from ..engine.load.weights import resolve_model_path
 from .openai_messages import messages_from_openai, tools_from_openai
 from .template import ChatTemplate, render_and_encode, select_template
 from .types import ChatError, Conversation

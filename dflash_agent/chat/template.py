@@ -21,8 +21,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine import GGUFError, Tokenizer
-from ..engine.config import Family
-from ..engine.gguf import GGUFFile, read_gguf
+from ..engine.formats.config import Family
+from ..engine.formats.gguf import GGUFFile, read_gguf
 from .gemma3_tools import inline_tools
 from .types import ChatError, Conversation, ImagePart, Message, Tool
 

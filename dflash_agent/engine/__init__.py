@@ -50,22 +50,22 @@ from .types import (
 )
 
 if TYPE_CHECKING:
+    from .decode.grammar import GrammarCompiler, TokenGrammar
+    from .decode.speculative import SpecConfig
     from .engine import DEFAULT_CTX, Engine
-    from .grammar import GrammarCompiler, TokenGrammar
-    from .speculative import SpecConfig
-    from .tokenizer import Tokenizer
-    from .weights import EMBEDDED, default_drafter
+    from .load.tokenizer import Tokenizer
+    from .load.weights import EMBEDDED, default_drafter
 
 # name -> the module that defines it; imported (with torch) when first asked for.
 _LAZY = {
     "Engine": "engine",
     "DEFAULT_CTX": "engine",
-    "SpecConfig": "speculative",
-    "Tokenizer": "tokenizer",
-    "GrammarCompiler": "grammar",
-    "TokenGrammar": "grammar",
-    "EMBEDDED": "weights",
-    "default_drafter": "weights",
+    "SpecConfig": "decode.speculative",
+    "Tokenizer": "load.tokenizer",
+    "GrammarCompiler": "decode.grammar",
+    "TokenGrammar": "decode.grammar",
+    "EMBEDDED": "load.weights",
+    "default_drafter": "load.weights",
 }
 
 __all__ = [

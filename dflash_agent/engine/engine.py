@@ -14,20 +14,21 @@ from pathlib import Path
 
 import torch
 
-from .cuda_graphs import enable_cuda_graphs
-from .drafter import Drafter, load_drafter
+from .backends.cuda import enable_cuda_graphs
+from .cache.kv_cache import check_kv_dtype
+from .cache.prefix_cache import PrefixCacheConfig, PrefixCacheStats
+from .decode.speculative import SpecConfig
 from .errors import OptionError, RequestError
-from .generation_config import read_sampling_defaults
-from .kv_cache import check_kv_dtype
+from .load.generation_config import read_sampling_defaults
+from .load.tokenizer import Tokenizer
+from .load.weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 from .memory_plan import cpu_context_size, cpu_weights, drafter_plan, gpu_context_size
-from .model import ContextOverflowError, GemmaModel
-from .mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
-from .packed_linear import choose_cuda_tiles, cpu_dot, prefill_dtype, release_cpu_threads
-from .prefix_cache import PrefixCacheConfig, PrefixCacheStats
+from .model.drafter import Drafter, load_drafter
+from .model.gemma import ContextOverflowError, GemmaModel
+from .model.mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
+from .model.packed import choose_cuda_tiles, cpu_dot, prefill_dtype, release_cpu_threads
 from .progress import PROGRESS_EVERY_S
 from .scheduler import Job, Scheduler
-from .speculative import SpecConfig
-from .tokenizer import Tokenizer
 from .types import (
     PREFILL,
     SAMPLING_DEFAULTS,
@@ -40,7 +41,6 @@ from .types import (
     SlotInfo,
     TokenEvent,
 )
-from .weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Engine:
         parallel: int | None = 1,
         prefill: str = "auto",
     ) -> Engine:
-        """draft: a DFlash drafter checkpoint, or a Gemma 4 assistant (MTP) one (engine.mtp); None takes the
+        """draft: a DFlash drafter checkpoint, or a Gemma 4 assistant (MTP) one (engine.model.mtp); None takes the
         model's bundled one, if it has one and speculation is on (spec.enabled).
         prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
@@ -120,12 +120,12 @@ class Engine:
         weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu_dot on the CPU where a
         vector build of it runs, else dequantized where that fits in RAM, else packed: memory_plan.cpu_weights),
         "packed" (also on the CPU without the C kernels, through torch's int4 / int8 kernels;
-        engine.packed_linear) or "exact"
+        engine.model.packed) or "exact"
         (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors
         checkpoints always load exactly.
         threads: CPU threads (default: the physical cores).
         sampling_defaults: "model" (the checkpoint's recommended sampling fills what a request leaves out:
-        engine.generation_config) or "none".
+        engine.load.generation_config) or "none".
         parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context; None:
         AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots divide the
         card's memory and the batched steps have not yet been timed to earn it (README, GPU path).

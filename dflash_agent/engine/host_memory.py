@@ -1,4 +1,4 @@
-"""How much RAM this machine has free: what the CPU memory decisions (engine.memory_plan, engine.cpu_decode) read."""
+"""How much RAM this machine has free: what the CPU memory decisions (engine.memory_plan, engine.backends.cpu) read."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `plan_memory` is a pure function of shapes and byte counts: target weights, drafter weights, the
 target's KV cache (full-attention layers grow with the context, sliding layers keep a ring of
 window + slack slots), the drafter's context K/V (every drafter layer keeps max_len slots), and a
-workspace for the largest step. The caches' figures come from engine.kv_cache / engine.drafter
+workspace for the largest step. The caches' figures come from engine.cache.kv_cache / engine.cache.drafter_cache
 allocating them on the meta device, so they are the caches' own whatever their layout. `fit_context` turns a
 free-memory figure into a context length, or refuses one that does not fit and names the largest that does.
 
@@ -25,18 +25,18 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
-from .config import ModelConfig
-from .cuda_graphs import BUCKETS, MAX_GROUP_GRAPHS
-from .drafter import DrafterError
-from .drafter_cache import DrafterCache
-from .drafter_config import DrafterConfig
+from .backends.cuda import BUCKETS, MAX_GROUP_GRAPHS
+from .cache.drafter_cache import DrafterCache
+from .cache.kv_cache import DEFAULT_SLACK, KVCache
+from .decode.speculative import PREFILL_CHUNK
 from .errors import MemoryPlanError, OptionError
+from .formats.config import ModelConfig
+from .formats.drafter_config import DrafterConfig
+from .formats.quant import PackedTensor
 from .host_memory import available_ram_bytes
-from .kv_cache import DEFAULT_SLACK, KVCache
-from .packed_linear import keeps_packed
-from .quant import PackedTensor
-from .quant_linear import GROUP
-from .speculative import PREFILL_CHUNK
+from .model.drafter import DrafterError
+from .model.packed import keeps_packed
+from .model.quant_linear import GROUP
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ RUNTIME_ALLOWANCE = 384 << 20  # cuBLAS / Triton workspaces, CUDA graph pools, a
 @dataclass(frozen=True)
 class DrafterPlan:
     config: DrafterConfig
-    quant: str | None  # None (the compute dtype), "q8" or "q4" (engine.quant_linear)
+    quant: str | None  # None (the compute dtype), "q8" or "q4" (engine.model.quant_linear)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def weight_bytes(tensors: Iterable[tuple[tuple[int, ...], GGMLQuantizationType |
 
 
 def checkpoint_weight_bytes(tensors: dict[str, torch.Tensor | PackedTensor], dtype: torch.dtype, packed: bool) -> int:
-    """What engine.weights.build_model keeps: packed GGUF matrices (when `packed`) keep their blocks,
+    """What engine.load.weights.build_model keeps: packed GGUF matrices (when `packed`) keep their blocks,
     everything else is converted to the compute dtype."""
     return weight_bytes(
         ((tuple(t.shape), t.qtype if isinstance(t, PackedTensor) and packed and keeps_packed(t) else None)
@@ -116,7 +116,7 @@ def checkpoint_weight_bytes(tensors: dict[str, torch.Tensor | PackedTensor], dty
 
 
 def _linear_bytes(out_features: int, in_features: int, quant: str | None, dtype_bytes: int) -> int:
-    # exactly what engine.quant_linear.QuantLinear stores
+    # exactly what engine.model.quant_linear.QuantLinear stores
     if quant is None:
         return out_features * in_features * dtype_bytes
     if quant == "q8":
@@ -141,7 +141,7 @@ def drafter_weight_bytes(drafter: DrafterPlan, target_hidden: int, dtype: torch.
 
 
 def target_kv_bytes(config: ModelConfig, ctx_size: int, kv_dtype: str, dtype: torch.dtype) -> tuple[int, int]:
-    """(full-attention layers, sliding rings with their slot map) of engine.kv_cache.KVCache, built on the
+    """(full-attention layers, sliding rings with their slot map) of engine.cache.kv_cache.KVCache, built on the
     meta device so the figures are the cache's own, whatever its layout."""
     cache = KVCache(config, ctx_size, device="meta", dtype=dtype, kv_dtype=kv_dtype)
     full = sum(t.nbytes for layer in cache.owned if not layer.sliding for t in layer.storage())
@@ -174,7 +174,7 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
         # sliding layers prefill through SDPA with a mask: float32 scores and probabilities over ring + chunk
         items["workspace: sliding prefill scores"] = 2 * heads * T * (ring + T) * 4
     # verify logits in float32 plus softcap / softmax temporaries, for every slot's block and the drafter's; on CUDA
-    # the step graphs copy the target's into a buffer of a block a slot (engine.cuda_graphs; the CPU's plan, this one
+    # the step graphs copy the target's into a buffer of a block a slot (engine.backends.cuda; the CPU's plan, this one
     # against RAM, counts it too, as it does the runtime allowance)
     rows = max(SPLIT_ROWS, slots * VERIFY_ROWS) + (drafter.block_size if drafter is not None else 0)
     items["workspace: logits"] = (3 * rows + slots * VERIFY_ROWS) * V * 4
@@ -187,7 +187,7 @@ def workspace_bytes(config: ModelConfig, ctx_size: int, dtype: torch.dtype,
         # captured target features of a prefill chunk, and the drafter's fc projection of them
         items["workspace: drafter features"] = T * (len(drafter.target_layer_ids) + 1) * h * dtype_bytes
         # every CUDA step graph keeps its rows' captured target layers, which its replays overwrite
-        # (engine.cuda_graphs): a slot's own graphs one a bucket, and up to MAX_GROUP_GRAPHS of several slots' rows,
+        # (engine.backends.cuda): a slot's own graphs one a bucket, and up to MAX_GROUP_GRAPHS of several slots' rows,
         # a block a slot at most
         rows = slots * sum(BUCKETS) + (MAX_GROUP_GRAPHS * slots * VERIFY_ROWS if slots > 1 else 0)
         items["workspace: step graphs' captured features"] = rows * len(drafter.target_layer_ids) * h * dtype_bytes
@@ -224,7 +224,7 @@ def plan_memory(
         items["drafter KV"] = slots * drafter_kv_bytes(drafter.config, ctx_size, dtype)
     items |= workspace_bytes(config, ctx_size, dtype, drafter.config if drafter is not None else None, slots)
     if drafter is not None and drafter.quant == "q8":
-        # engine.quant_linear expands one q8 matrix at a time to the compute dtype (q4 ones only off CUDA, where
+        # engine.model.quant_linear expands one q8 matrix at a time to the compute dtype (q4 ones only off CUDA, where
         # this plan's budget is the RAM); fc is the largest
         c = drafter.config
         items["workspace: drafter matrix expansion"] = (

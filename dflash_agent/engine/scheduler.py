@@ -10,7 +10,7 @@ running prefill stalls the decoding requests by about a quarter chunk at a time;
 slot at the next turn; requests past the slots wait in order.
 
 Each slot has its own speculation controller (what pays depends on what the request writes), its own prefix-cache
-view of its working caches, and they share the stored conversations (engine.prefix_cache), so a stored
+view of its working caches, and they share the stored conversations (engine.cache.prefix_cache), so a stored
 conversation resumes in any free slot; a request goes to the free slot whose caches already hold most of its prompt.
 """
 
@@ -27,18 +27,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.cpu_dot import CpuDot
-from . import speculative
-from .drafter import Drafter
-from .drafter_cache import DrafterCache
-from .kv_cache import KVCache
-from .model import GemmaModel, RowGroup
-from .mtp import MtpDrafter
-from .packed_linear import cpu_dot, release_cpu_threads
-from .prefix_cache import Conversation, PrefixCache, PrefixCacheConfig, PrefixStore, Reuse, common_prefix
+from .cache.drafter_cache import DrafterCache
+from .cache.kv_cache import KVCache
+from .cache.prefix_cache import Conversation, PrefixCache, PrefixCacheConfig, PrefixStore, Reuse, common_prefix
+from .decode import speculative
+from .decode.sampling import Sampler, StopStringFilter
+from .decode.speculative import CopyMemory, LengthController, PlannedStep, RequestDecoder, SpecConfig
+from .load.tokenizer import IncrementalDetokenizer, Tokenizer
+from .model.drafter import Drafter
+from .model.gemma import GemmaModel, RowGroup
+from .model.mtp import MtpDrafter
+from .model.packed import cpu_dot, release_cpu_threads
 from .progress import ProgressLog
-from .sampling import Sampler, StopStringFilter
-from .speculative import CopyMemory, LengthController, PlannedStep, RequestDecoder, SpecConfig
-from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, TokenEvent, Usage
 
 log = logging.getLogger(__name__)

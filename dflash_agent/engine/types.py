@@ -129,7 +129,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopCriteria = field(default_factory=StopCriteria)
     max_tokens: int | None = None  # None: until a stop or the context is full
-    grammar: Any = None  # an engine.grammar.TokenGrammar (constrained decoding); .matcher() per request
+    grammar: Any = None  # an engine.decode.grammar.TokenGrammar (constrained decoding); .matcher() per request
     request_id: str = ""
     cache_prompt: bool = True  # False: neither reuse a cached prefix nor keep this request's KV
     # Called on the engine's thread, before any event, with the number of prompt tokens the prefix cache

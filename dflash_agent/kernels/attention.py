@@ -2,7 +2,7 @@
 
 Key j is visible to query i iff k_pos[j] >= 0, k_pos[j] <= q_pos[i] and k_pos[j] > q_pos[i] - window:
 the causal block mask of decode / verification, the sliding window, and a ring buffer's slot -> position
-map (-1 = empty) in one rule, which is what engine.model's masks say. Grouped-query attention: query
+map (-1 = empty) in one rule, which is what engine.model.gemma's masks say. Grouped-query attention: query
 head h reads KV head h // (heads / kv_heads). Softmax in float32, scores `scale * q.k`.
 
 - `cache_attention_reference`: plain PyTorch (SDPA with K/V repeated per query head, which keeps
@@ -13,7 +13,7 @@ head h reads KV head h // (heads / kv_heads). Softmax in float32, scores `scale 
 - `rows_cache_attention` / `write_rows`: several sequences' decode rows, each over its own cache, in one launch
   (Triton only): the caches are read at element offsets from the first one's (`cache_offsets`).
 
-int8 caches (engine.kv_cache's q8 layout: a scale per run of head_dim / blocks values of a slot's head)
+int8 caches (engine.cache.kv_cache's q8 layout: a scale per run of head_dim / blocks values of a slot's head)
 are read and scaled by the kernel as they are read, so the cache is never expanded in memory.
 """
 
@@ -206,7 +206,7 @@ def write_rows(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: tor
                offsets: torch.Tensor) -> None:
     """Row t's new key and value [T, kv_heads, d] into slot slots[t] of its own cache (k / v the first row's, as
     rows_cache_attention's), in one launch: the values as given (an int8 cache's quantized ones, or its scales with
-    the offsets' scale columns: engine.kv_cache.LayerKV.write_rows). Triton only."""
+    the offsets' scale columns: engine.cache.kv_cache.LayerKV.write_rows). Triton only."""
     from .attention_triton import write_rows_launch
 
     write_rows_launch(k_new.contiguous(), v_new.contiguous(), k, v, slots, offsets)()

@@ -472,7 +472,7 @@ class CpuDot:
             raise MemoryError("the CPU decoder layer could not allocate its scratch memory")
 
     def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin [T, 2 len(inv_freq)] float32 of NeoX RoPE at positions [T] int64 (engine.model.rope_tables)."""
+        """cos / sin [T, 2 len(inv_freq)] float32 of NeoX RoPE at positions [T] int64 (model.gemma.rope_tables)."""
         _require(positions, "positions", torch.int64, None)
         _require(inv_freq, "inv_freq", torch.float32, None)
         half = inv_freq.shape[0]

@@ -1,7 +1,7 @@
 """y = x @ W^T straight from packed GGUF blocks, in Triton: the CUDA path for GGUF weights.
 
 W is [N, K] in ggml's layout: each row is K / block_size blocks of type_size bytes, and no block
-straddles two rows. The reference is engine.quant.dequantize (bit-exact against gguf-py) followed by
+straddles two rows. The reference is engine.formats.quant.dequantize (bit-exact against gguf-py) followed by
 F.linear. The tl.dot tiles multiply each weight's quant as the small integer it is (q - 8 for Q4_0; exact in bfloat16,
 `_small_int`) and apply a block's (or sub-block's) scale to that block's float32 sums, so no weight is rounded to a
 half type and a value costs an unpack, an OR and a subtraction, its multiply-add riding on the tensor cores. No

@@ -1,5 +1,5 @@
 """RMSNorm, optionally followed by RoPE or by a residual add (and a scale), in one Triton kernel: the CUDA path of
-engine.model.RMSNorm.
+engine.model.gemma.RMSNorm.
 
 In PyTorch a norm is five kernels (the weight and the input to float32, the norm, the offset, the cast back) and
 the rotation of q / k five more. A decode step of Gemma 4 31B runs 420 norms: on an H200 those small kernels

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.drafter import Drafter, DraftLayerPlan
-from ..engine.drafter_config import DrafterConfig
+from ..engine.formats.drafter_config import DrafterConfig
+from ..engine.model.drafter import Drafter, DraftLayerPlan
 
 
 def sample_anchors(length: int, prompt_len: int, count: int, generator: torch.Generator) -> torch.Tensor:

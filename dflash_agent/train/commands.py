@@ -14,7 +14,7 @@ import click
 import torch
 
 from ..engine import Engine, SpecConfig
-from ..engine.drafter_config import build_target_layer_ids
+from ..engine.formats.drafter_config import build_target_layer_ids
 from ..options import FiniteRange, user_errors
 from .data import DataDir, DataSpec, checkpoint_bytes, corpus_files, default_corpus, prepare
 from .target import BatchGenerator

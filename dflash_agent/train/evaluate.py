@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.drafter import Drafter
-from ..engine.drafter_cache import DrafterCache
+from ..engine.cache.drafter_cache import DrafterCache
+from ..engine.model.drafter import Drafter
 from .data import SequenceSet
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.kv_cache import LayerKV
-from ..engine.model import GemmaModel, LayerPlan, StepPlan
+from ..engine.cache.kv_cache import LayerKV
+from ..engine.model.gemma import GemmaModel, LayerPlan, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from ..engine.drafter import Drafter, init_drafter_checkpoint, load_drafter
-from ..engine.model import GemmaModel, RMSNorm
+from ..engine.model.drafter import Drafter, init_drafter_checkpoint, load_drafter
+from ..engine.model.gemma import GemmaModel, RMSNorm
 from ..errors import UserError
 from .blocks import block_labels, forward_blocks, sample_anchors
 from .data import SequenceSet

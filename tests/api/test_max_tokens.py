@@ -14,9 +14,9 @@ import pytest
 from dflash_agent.api.background import live_server
 from dflash_agent.api.service import ServerSettings, max_new_tokens
 from dflash_agent.engine import Engine, FinalEvent, GenerateRequest, SamplingDefaults, Timings, TokenEvent, Usage
-from dflash_agent.engine.config import ModelConfig
-from dflash_agent.engine.gguf import read_gguf
-from dflash_agent.engine.tokenizer import Tokenizer
+from dflash_agent.engine.formats.config import ModelConfig
+from dflash_agent.engine.formats.gguf import read_gguf
+from dflash_agent.engine.load.tokenizer import Tokenizer
 
 CAP = 5
 N_CTX = 512

@@ -13,7 +13,7 @@ from dflash_agent.bench.cpu import (
     report,
     run_cpu_bench,
 )
-from dflash_agent.engine.weights import resolve_model_path
+from dflash_agent.engine.load.weights import resolve_model_path
 
 
 def test_bench_runs_and_writes_json(tmp_path, monkeypatch):

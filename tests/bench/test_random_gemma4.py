@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_agent.bench.random_gemma4 import converter_script, write_random_gemma4
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
 
 pytestmark = pytest.mark.skipif(converter_script() is None,
                                 reason="no llama.cpp sources with convert_hf_to_gguf.py ($LLAMA_CPP_SRC)")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from dflash_agent.bench.random_gguf import Shape, write_random_gemma3
-from dflash_agent.engine.tokenizer import Tokenizer
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.tokenizer import Tokenizer
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
 
 
 def test_a_random_gemma3_loads_at_its_shape(tmp_path):

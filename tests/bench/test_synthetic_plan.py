@@ -23,7 +23,7 @@ from dflash_agent.bench.synthetic import (
 )
 from dflash_agent.cli import main
 from dflash_agent.engine.memory_plan import DrafterPlan, GiB, drafter_weight_bytes, weight_bytes
-from dflash_agent.engine.model import GemmaModel
+from dflash_agent.engine.model.gemma import GemmaModel
 
 
 def test_31b_shapes_match_the_model_card() -> None:
@@ -169,7 +169,7 @@ def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
     # every step the GPU run takes (random packed target and quantized drafter, decode at two contexts,
     # verify, draft, append, roofline and projection arithmetic), at a tiny Gemma 4 (dense, or 26B-A4B's layout)
     # on the CPU; timings are not asserted
-    from dflash_agent.engine.drafter_config import DrafterConfig
+    from dflash_agent.engine.formats.drafter_config import DrafterConfig
     from tests.engine.test_packed_linear import tiny_family_config
     from tests.engine.test_packed_linear import tiny_gemma4_config as dense_config
 

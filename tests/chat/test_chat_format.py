@@ -12,10 +12,10 @@ import pytest
 from dflash_agent.chat.chat_format import ChatFormat, ChatOptions, stream_chat
 from dflash_agent.chat.openai_messages import conversation_from_openai
 from dflash_agent.chat.types import ChatError
-from dflash_agent.engine.drafter import init_drafter_checkpoint, load_drafter
+from dflash_agent.engine.decode.sampling import SamplingParams
+from dflash_agent.engine.decode.speculative import SpecConfig
 from dflash_agent.engine.engine import Engine
-from dflash_agent.engine.sampling import SamplingParams
-from dflash_agent.engine.speculative import SpecConfig
+from dflash_agent.engine.model.drafter import init_drafter_checkpoint, load_drafter
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {

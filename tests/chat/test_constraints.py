@@ -20,10 +20,10 @@ from dflash_agent.chat.gemma3_tools import tools_prompt
 from dflash_agent.chat.gemma4_syntax import format_tool_call as gemma4_call
 from dflash_agent.chat.parser import make_parser
 from dflash_agent.chat.types import ChatError, Tool, ToolCall
+from dflash_agent.engine.decode.grammar import GrammarCompiler
+from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
 from dflash_agent.engine.engine import Engine
-from dflash_agent.engine.grammar import GrammarCompiler
-from dflash_agent.engine.sampling import Sampler, SamplingParams
-from dflash_agent.engine.tokenizer import Tokenizer
+from dflash_agent.engine.load.tokenizer import Tokenizer
 
 VOCAB = 262144
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "google_gemma4_chat_template.jinja"

@@ -39,7 +39,7 @@ from dflash_agent.chat.types import (
     Tool,
     ToolCall,
 )
-from dflash_agent.engine.tokenizer import Tokenizer
+from dflash_agent.engine.load.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -45,7 +45,7 @@ def multimodal_dir(tmp_path_factory, embedded_gguf):
     """A tiny random Gemma 4 saved the way Google ships it: config with text_config, model.language_model.*."""
     import transformers
 
-    from dflash_agent.engine.tokenizer import Tokenizer
+    from dflash_agent.engine.load.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("gemma4-mm")
     text = dict(
@@ -71,7 +71,7 @@ def test_multimodal_checkpoint_generates_like_transformers(multimodal_dir):
                "--dtype", "float32", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    from dflash_agent.engine.tokenizer import Tokenizer
+    from dflash_agent.engine.load.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(path).encode("def main():")
     with torch.no_grad():
@@ -112,8 +112,8 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_tensor_type(embedded_gguf, tmp_path):
     import gguf
 
-    from dflash_agent.engine.gguf import read_gguf
-    from dflash_agent.engine.weights import ModelLoadError, open_checkpoint
+    from dflash_agent.engine.formats.gguf import read_gguf
+    from dflash_agent.engine.load.weights import ModelLoadError, open_checkpoint
 
     # A real gemma3 header whose embedding is stored in a type we do not read.
     src = read_gguf(embedded_gguf)
@@ -151,7 +151,7 @@ def test_verbose_shows_traceback(tmp_path):
 
 
 def test_generate_with_a_drafter_speculates_and_matches_plain(tmp_path):
-    from dflash_agent.engine.drafter import init_drafter_checkpoint
+    from dflash_agent.engine.model.drafter import init_drafter_checkpoint
 
     # The embedded Gemma 3 270M: 640 wide, 18 layers; <mask> is id 4 in Gemma vocabularies.
     draft = init_drafter_checkpoint(tmp_path / "draft", 640, 18, 4, num_layers=1, block_size=4)

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_agent.chat.openai_messages import conversation_from_openai
 from dflash_agent.chat.template import RenderOptions, builtin_template
-from dflash_agent.engine.tokenizer import Tokenizer
+from dflash_agent.engine.load.tokenizer import Tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are a coding agent."},

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_agent.engine.config import ConfigError, ModelConfig
-from dflash_agent.engine.weights import ModelLoadError, build_model, open_checkpoint, resolve_model_path
+from dflash_agent.engine.formats.config import ConfigError, ModelConfig
+from dflash_agent.engine.load.weights import ModelLoadError, build_model, open_checkpoint, resolve_model_path
 from tests.engine.test_model_vs_transformers import VOCAB, save_reference
 
 GGUF_LAYER = {

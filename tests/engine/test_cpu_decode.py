@@ -1,4 +1,4 @@
-"""engine.cpu_decode: decode and verify steps through the C decoder layer (kernels/cpu_layer.c) give what the
+"""engine.backends.cpu: decode and verify steps through the C decoder layer (kernels/cpu_layer.c) give what the
 eager layers give on the same repacked weights, row for row, on Gemma 4's structure (two head sizes, shared
 keys and values, value norms, layer scalars, a sliding ring), on 26B-A4B's routed experts, on E2B / E4B's per-layer
 inputs and shared K / V, and on the embedded Gemma 3."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_agent.engine.cpu_decode import CpuDecodeLayers
+from dflash_agent.engine.backends.cpu import CpuDecodeLayers
+from dflash_agent.engine.formats.quant import dequantize
 from dflash_agent.engine.limits import MAX_ROWS
-from dflash_agent.engine.model import RowGroup
-from dflash_agent.engine.packed_linear import PackedWeight, cpu_dot
-from dflash_agent.engine.quant import dequantize
-from dflash_agent.engine.weights import build_model, open_checkpoint, resolve_model_path
+from dflash_agent.engine.load.weights import build_model, open_checkpoint, resolve_model_path
+from dflash_agent.engine.model.gemma import RowGroup
+from dflash_agent.engine.model.packed import PackedWeight, cpu_dot
 
 from .test_packed_linear import VOCAB, run_steps, tiny_family_config, tiny_packed_checkpoint
 
@@ -266,7 +266,7 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(ti
 def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_name, tiny, embedded_c):
     """GemmaModel.forward_groups: decode rows and verification blocks of four sequences (different lengths, one
     past its sliding window) in one C call give bit for bit the logits and captures of each run alone."""
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.model.gemma import RowGroup
 
     model = {"tiny": tiny, "embedded": embedded_c}.get(model_name) or _family_model(model_name)
     vocab = model.config.vocab_size
@@ -319,7 +319,7 @@ def embedded_c():
 def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
     """GemmaModel.forward(greedy=True): a verification block's picks through the head's screen (VNNI builds) are the
     argmax of each row's logits, alone and beside other sequences' rows (forward_groups, greedy and not)."""
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.model.gemma import RowGroup
 
     model = embedded_c
     assert (model.cpu_layers._screen is not None) == (cpu_dot().simd == "avx512")
@@ -365,7 +365,7 @@ def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
 
 
 def test_no_screen_where_it_would_crowd_the_ram(embedded_c, monkeypatch):
-    from dflash_agent.engine import cpu_decode
+    from dflash_agent.engine.backends import cpu as cpu_decode
 
     if cpu_dot().simd != "avx512":
         pytest.skip("the screen is built for VNNI builds only")

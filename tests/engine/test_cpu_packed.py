@@ -1,4 +1,4 @@
-"""The packed CPU path (engine.packed_linear repacked for torch's int4 / int8 kernels): exact int4 planes,
+"""The packed CPU path (engine.model.packed repacked for torch's int4 / int8 kernels): exact int4 planes,
 fidelity against the exact path on the embedded model, and speculation that stays lossless on it."""
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 
 from dflash_agent.bench.fidelity import DECODE_STEP, compare, log_probs, texts
-from dflash_agent.engine import OptionError, memory_plan, packed_linear
+from dflash_agent.engine import OptionError, memory_plan
+from dflash_agent.engine.decode.speculative import SpecConfig
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
+from dflash_agent.engine.load.tokenizer import Tokenizer
+from dflash_agent.engine.load.weights import EMBEDDED_DRAFTER, build_model, open_checkpoint, resolve_model_path
 from dflash_agent.engine.memory_plan import checkpoint_weight_bytes, cpu_weights
-from dflash_agent.engine.packed_linear import (
+from dflash_agent.engine.model import packed as packed_linear
+from dflash_agent.engine.model.packed import (
     GEMM_ROWS,
     PLANE_TYPES,
     U4_TYPES,
@@ -31,9 +35,6 @@ from dflash_agent.engine.packed_linear import (
     cpu_dot,
     prefill_dtype,
 )
-from dflash_agent.engine.speculative import SpecConfig
-from dflash_agent.engine.tokenizer import Tokenizer
-from dflash_agent.engine.weights import EMBEDDED_DRAFTER, build_model, open_checkpoint, resolve_model_path
 from dflash_agent.kernels import cpu_dot as cpu_dot_module
 from dflash_agent.kernels.cpu_dot import DISABLE_ENV
 

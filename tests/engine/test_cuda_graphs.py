@@ -1,4 +1,4 @@
-"""The steps engine.cuda_graphs captures, run eagerly on the CPU against the model's own forward.
+"""The steps engine.backends.cuda captures, run eagerly on the CPU against the model's own forward.
 
 Capturing needs CUDA; what can go wrong without it is the device-side plan the captured step makes
 (padding to a bucket, positions from a buffer, the rings' slot map updated on the device, full caches
@@ -13,10 +13,10 @@ import json
 import pytest
 import torch
 
-from dflash_agent.engine import cuda_graphs
-from dflash_agent.engine.cuda_graphs import BUCKETS, DraftStepGraph, TargetStepGraphs
-from dflash_agent.engine.drafter import init_drafter_checkpoint, load_drafter
-from dflash_agent.engine.weights import build_model
+from dflash_agent.engine.backends import cuda as cuda_graphs
+from dflash_agent.engine.backends.cuda import BUCKETS, DraftStepGraph, TargetStepGraphs
+from dflash_agent.engine.load.weights import build_model
+from dflash_agent.engine.model.drafter import init_drafter_checkpoint, load_drafter
 from tests.engine.test_packed_linear import VOCAB, tiny_family_config, tiny_packed_checkpoint
 
 
@@ -110,7 +110,7 @@ def test_several_requests_decode_rows_replay_a_graph_per_combination_of_caches(l
     and around the rings, each row's logits, greedy pick and captured layers as the model's own forward of that cache
     alone gives; one graph per combination of caches (and captured layers), reused across steps; 26B-A4B's experts
     and E2B / E4B's per-layer inputs and shared K / V too."""
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.model.gemma import RowGroup
 
     ckpt = tiny_packed_checkpoint(config=None if layout == "dense" else tiny_family_config(layout))
     eager = build_model(ckpt, "cpu", torch.float32, progress=False)
@@ -158,7 +158,7 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
     padding writes), for blocks asking some of their rows in any order, and steps of blocks only; one graph per
     combination of caches and their rows' buckets, the least recently used dropped past MAX_GROUP_GRAPHS; every
     graph's logits in one buffer of a block a slot, while what a replay returned stays as it was after the next."""
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.model.gemma import RowGroup
 
     monkeypatch.setattr(cuda_graphs, "MAX_GROUP_GRAPHS", 4)
     capture, captured = cuda_graphs.capture_graph, []

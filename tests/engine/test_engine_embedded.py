@@ -8,7 +8,7 @@ import torch
 
 from dflash_agent.engine import SamplingParams, StopCriteria
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
-from dflash_agent.engine.model import ContextOverflowError
+from dflash_agent.engine.model.gemma import ContextOverflowError
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -145,7 +145,7 @@ def test_concurrent_requests_do_not_mix(engine):
 def test_a_request_cancelled_during_prefill_stops_at_the_next_chunk(engine, monkeypatch):
     """A long prompt is minutes of prefill on a CPU: cancelled, the request stops at the next chunk with no
     tokens, and the next request (reusing what was computed) decodes what a fresh one does."""
-    from dflash_agent.engine import speculative
+    from dflash_agent.engine.decode import speculative
 
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 16)
     prefix = engine._scheduler.slots[0].prefix

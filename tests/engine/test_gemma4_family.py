@@ -5,8 +5,8 @@ test_model_vs_transformers.py run on these layouts too."""
 import pytest
 import torch
 
-from dflash_agent.engine.config import ModelConfig
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.formats.config import ModelConfig
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from tests.engine.test_model_vs_transformers import VOCAB, gemma4_config
 
 transformers = pytest.importorskip("transformers")
@@ -133,9 +133,9 @@ def _engine_run(engine, prompt: list[int], max_tokens: int):
 def test_agent_turns_with_lookup_drafts_and_the_prefix_cache_match_plain_decoding(pair):
     """Each turn appends the output and a 'tool result' quoting earlier text: prompt lookup drafts long blocks,
     the prefix cache resumes each turn, and every token is what plain decoding without either gives."""
+    from dflash_agent.engine.cache.prefix_cache import PrefixCacheConfig
+    from dflash_agent.engine.decode.speculative import SpecConfig
     from dflash_agent.engine.engine import Engine
-    from dflash_agent.engine.prefix_cache import PrefixCacheConfig
-    from dflash_agent.engine.speculative import SpecConfig
     from tests.engine.test_speculative import _word_tokenizer
 
     _, ours = pair

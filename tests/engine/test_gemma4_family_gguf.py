@@ -8,7 +8,7 @@ import torch
 
 from dflash_agent.bench.random_gemma4 import convert, converter_script
 from dflash_agent.bench.random_gemma4 import save_byte_tokenizer as save_tokenizer
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from tests.engine.test_gemma4_family import CONFIGS, VOCAB, save_reference
 
 
@@ -42,7 +42,7 @@ def test_q8_0_gguf_loads_what_gguf_py_dequantizes(converted):
     gguf-py's dequantization of it."""
     import gguf
 
-    from dflash_agent.engine.gguf_names import gguf_tensor_name
+    from dflash_agent.engine.formats.gguf_names import gguf_tensor_name
 
     ref, _, path = converted
     state = build_model(open_checkpoint(path), "cpu", torch.float32, progress=False).state_dict()
@@ -104,7 +104,7 @@ def test_q8_0_stays_packed_and_decodes_as_dequantized(converted, repack_cpu):
     """Kept in their GGUF blocks (the experts as stacks, a token reading only its experts' blocks), or repacked
     for the CPU's C matmuls (each expert's matrix on its own): the logits are those of the same file dequantized at
     load."""
-    from dflash_agent.engine.packed_linear import PackedWeight
+    from dflash_agent.engine.model.packed import PackedWeight
 
     ref, _, path = converted
     ckpt = open_checkpoint(path)
@@ -129,7 +129,7 @@ def test_assistant_gguf_drafts_as_its_safetensors(tmp_path):
     """A Gemma 4 assistant (MTP drafter) as llama.cpp's converter writes it (gemma4-assistant): its draft steps are
     the safetensors checkpoint's read through the whole LM head (the converter drops an ordered embedding's
     clusters, and llama.cpp reads the head whole)."""
-    from dflash_agent.engine.mtp import is_mtp_checkpoint, load_mtp_drafter
+    from dflash_agent.engine.model.mtp import is_mtp_checkpoint, load_mtp_drafter
     from tests.engine.test_model_vs_transformers import save_reference as save_target
     from tests.engine.test_mtp_drafter import PROMPT_LEN, save_assistant
 

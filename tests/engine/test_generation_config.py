@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 from dflash_agent.engine import ModelLoadError, OptionError, RequestError, SamplingDefaults, SamplingParams
-from dflash_agent.engine.generation_config import read_sampling_defaults
-from dflash_agent.engine.gguf import read_gguf
+from dflash_agent.engine.formats.gguf import read_gguf
+from dflash_agent.engine.load.generation_config import read_sampling_defaults
 
 # What google/gemma-3-*-it ships as generation_config.json: sampling on, no temperature.
 GEMMA3_IT = {"bos_token_id": 2, "cache_implementation": "hybrid", "do_sample": True, "eos_token_id": [1, 106],

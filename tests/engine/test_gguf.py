@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from dflash_agent.engine.gguf import GGUFError, read_gguf
+from dflash_agent.engine.formats.gguf import GGUFError, read_gguf
 
 
 def test_metadata_and_tensors_match_gguf_py(embedded_gguf):

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from dflash_agent.engine.grammar import GrammarCompiler, GrammarError
-from dflash_agent.engine.tokenizer import Tokenizer
+from dflash_agent.engine.decode.grammar import GrammarCompiler, GrammarError
+from dflash_agent.engine.load.tokenizer import Tokenizer
 
 VOCAB = 262144
 SCHEMA = {

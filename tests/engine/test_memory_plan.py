@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dflash_agent.bench.synthetic import build_synthetic_drafter, gemma4_31b_config, gemma4_31b_drafter_config
-from dflash_agent.engine.drafter_config import DrafterConfig
-from dflash_agent.engine.kv_cache import DEFAULT_SLACK
+from dflash_agent.engine.cache.kv_cache import DEFAULT_SLACK
+from dflash_agent.engine.formats.drafter_config import DrafterConfig
+from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.memory_plan import (
     DrafterPlan,
     GiB,
@@ -20,8 +21,7 @@ from dflash_agent.engine.memory_plan import (
     plan_memory,
     target_kv_bytes,
 )
-from dflash_agent.engine.packed_linear import PackedWeight
-from dflash_agent.engine.weights import build_model
+from dflash_agent.engine.model.packed import PackedWeight
 from dflash_agent.kernels.dispatch import SPLIT_ROWS
 from tests.engine.test_packed_linear import tiny_gemma4_config, tiny_packed_checkpoint
 
@@ -147,8 +147,8 @@ def test_small_model_gets_its_whole_context() -> None:
 
 def test_gpu_context_size_from_free_memory(monkeypatch, tmp_path) -> None:
     # the engine's CUDA path, with the device's free memory stood in for (no GPU here)
-    from dflash_agent.engine.drafter import DrafterError, init_drafter_checkpoint
     from dflash_agent.engine.memory_plan import drafter_plan, gpu_context_size
+    from dflash_agent.engine.model.drafter import DrafterError, init_drafter_checkpoint
 
     ckpt = tiny_packed_checkpoint()
     config = ckpt.config

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

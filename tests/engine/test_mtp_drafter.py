@@ -4,8 +4,8 @@ loop, on tiny random checkpoints; and speculation with them, lossless."""
 import pytest
 import torch
 
-from dflash_agent.engine.mtp import is_mtp_checkpoint, load_mtp_drafter
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
+from dflash_agent.engine.model.mtp import is_mtp_checkpoint, load_mtp_drafter
 from tests.engine.test_model_vs_transformers import VOCAB, save_reference
 
 transformers = pytest.importorskip("transformers")
@@ -96,9 +96,9 @@ def test_speculation_with_the_assistant_is_lossless(setup, block):
     """Agent turns through the prefix cache, the assistant drafting (a fixed block: every step; adaptive: as the
     controller finds it pays): each turn's greedy tokens are plain decoding's, and the drafts are counted as mtp's.
     The last turn's prompt is wholly cached: its first step has no target row to draft from, and decodes plainly."""
+    from dflash_agent.engine.cache.prefix_cache import PrefixCacheConfig
+    from dflash_agent.engine.decode.speculative import SpecConfig
     from dflash_agent.engine.engine import Engine
-    from dflash_agent.engine.prefix_cache import PrefixCacheConfig
-    from dflash_agent.engine.speculative import SpecConfig
     from tests.engine.test_speculative import _word_tokenizer
 
     _, _, target, mtp = setup

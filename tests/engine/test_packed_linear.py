@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from dflash_agent.engine.config import ModelConfig
-from dflash_agent.engine.model import GemmaModel, Linear
-from dflash_agent.engine.packed_linear import PACKED_TYPES, PackedWeight
-from dflash_agent.engine.quant import PackedTensor, dequantize
-from dflash_agent.engine.weights import Checkpoint, build_model
+from dflash_agent.engine.formats.config import ModelConfig
+from dflash_agent.engine.formats.quant import PackedTensor, dequantize
+from dflash_agent.engine.load.weights import Checkpoint, build_model
+from dflash_agent.engine.model.gemma import GemmaModel, Linear
+from dflash_agent.engine.model.packed import PACKED_TYPES, PackedWeight
 
 T = GGMLQuantizationType
 VOCAB = 96

@@ -9,14 +9,14 @@ import asyncio
 import pytest
 import torch
 
-from dflash_agent.engine import speculative
-from dflash_agent.engine.drafter import load_drafter
+from dflash_agent.engine.cache.kv_cache import dequantize_q8, quantize_q8
+from dflash_agent.engine.cache.prefix_cache import Conversation, PrefixCacheConfig, PrefixStore, common_prefix
+from dflash_agent.engine.decode import speculative
+from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
+from dflash_agent.engine.decode.speculative import RequestDecoder, SpecConfig
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
-from dflash_agent.engine.kv_cache import dequantize_q8, quantize_q8
-from dflash_agent.engine.prefix_cache import Conversation, PrefixCacheConfig, PrefixStore, common_prefix
-from dflash_agent.engine.sampling import Sampler, SamplingParams
-from dflash_agent.engine.speculative import RequestDecoder, SpecConfig
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
+from dflash_agent.engine.model.drafter import load_drafter
 
 from .dflash_pair import BLOCK, save_pair
 from .test_model_vs_transformers import VOCAB
@@ -358,7 +358,7 @@ def test_embedded_q8_greedy_matches(embedded):
 
 def test_reused_logits_are_a_copy(pair):
     """Grammar masks and samplers edit logits in place; a full hit must not hand out the stored ones."""
-    from dflash_agent.engine.prefix_cache import PrefixCache
+    from dflash_agent.engine.cache.prefix_cache import PrefixCache
 
     target, _ = pair
     cache = target.new_cache(N_CTX)

@@ -1,4 +1,4 @@
-"""engine.quant must match gguf-py's numpy dequantizers bit for bit."""
+"""engine.formats.quant must match gguf-py's numpy dequantizers bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as gq
 
-from dflash_agent.engine.quant import (
+from dflash_agent.engine.formats.quant import (
     SUPPORTED_TYPES,
     PackedTensor,
     UnsupportedTensorType,

@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dflash_agent.engine.sampling import Sampler, SamplingParams, StopStringFilter
+from dflash_agent.engine.decode.sampling import Sampler, SamplingParams, StopStringFilter
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ still gives a distribution, never the inf / nan that made `torch.multinomial` fa
 import pytest
 import torch
 
-from dflash_agent.engine.sampling import Sampler, SamplingParams
+from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, float("-inf"), -5.0])
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dflash_agent.engine import FinalEvent, GenerateRequest, SamplingParams, SpecConfig, TokenEvent
+from dflash_agent.engine.decode.grammar import GrammarCompiler
 from dflash_agent.engine.engine import Engine
-from dflash_agent.engine.grammar import GrammarCompiler
-from dflash_agent.engine.model import GemmaModel
-from dflash_agent.engine.packed_linear import cpu_dot
+from dflash_agent.engine.model.gemma import GemmaModel
+from dflash_agent.engine.model.packed import cpu_dot
 
 GREEDY = SamplingParams(temperature=0.0)
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},

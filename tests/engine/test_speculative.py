@@ -10,12 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash_agent.engine.drafter import DrafterError, load_drafter
+from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
+from dflash_agent.engine.decode.speculative import CopyMemory, LengthController, NgramIndex, RequestDecoder, SpecConfig
 from dflash_agent.engine.engine import Engine, GenerateRequest
-from dflash_agent.engine.sampling import Sampler, SamplingParams
-from dflash_agent.engine.speculative import CopyMemory, LengthController, NgramIndex, RequestDecoder, SpecConfig
-from dflash_agent.engine.tokenizer import SpecialTokens, Tokenizer
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.load.tokenizer import SpecialTokens, Tokenizer
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
+from dflash_agent.engine.model.drafter import DrafterError, load_drafter
 
 from .dflash_pair import BLOCK, MASK_ID, TARGET_LAYER_IDS, save_drafter, save_pair
 from .test_model_vs_transformers import VOCAB
@@ -103,7 +103,7 @@ def test_prefill_stops_when_asked(pair, monkeypatch, inside):
     eager layers run one at a time, and a chunk stopped between two of them runs the others: the sliding rings hold
     its first keys in place of the window before it); the caches keep the chunks done (the prefix cache takes them
     back), and nothing is decoded."""
-    from dflash_agent.engine import speculative
+    from dflash_agent.engine.decode import speculative
 
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
     _, _, target, drafter, _ = pair

@@ -11,11 +11,11 @@ import builtins
 import pytest
 import torch
 
-from dflash_agent.engine import kv_cache
-from dflash_agent.engine.drafter import DraftLayerPlan
-from dflash_agent.engine.kv_cache import KVCache, LayerKV
-from dflash_agent.engine.model import KeyPositions, LayerPlan, StepPlan
-from dflash_agent.engine.weights import build_model
+from dflash_agent.engine.cache import kv_cache
+from dflash_agent.engine.cache.kv_cache import KVCache, LayerKV
+from dflash_agent.engine.load.weights import build_model
+from dflash_agent.engine.model.drafter import DraftLayerPlan
+from dflash_agent.engine.model.gemma import KeyPositions, LayerPlan, StepPlan
 from dflash_agent.kernels.attention import cache_offsets
 from tests.engine.test_packed_linear import VOCAB, tiny_packed_checkpoint
 

@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from dflash_agent.engine import tokenizer as tokenizer_module
-from dflash_agent.engine.gguf import read_gguf
-from dflash_agent.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from dflash_agent.engine.formats.gguf import read_gguf
+from dflash_agent.engine.load import tokenizer as tokenizer_module
+from dflash_agent.engine.load.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [
     "hello world",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_agent.engine.kv_cache import LayerKV
+from dflash_agent.engine.cache.kv_cache import LayerKV
 from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

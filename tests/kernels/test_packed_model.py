@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_agent.engine.weights import build_model
+from dflash_agent.engine.load.weights import build_model
 from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 from tests.engine.test_packed_linear import run_steps, tiny_family_config, tiny_packed_checkpoint
 
@@ -59,8 +59,8 @@ def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind, kv_
     (JointAttention), int8 caches too. Three steps from empty caches, so the later ones attend to what the first
     wrote, the last all decode rows at three lengths; the family's layouts and int8 caches take the first step only
     (the interpreter takes 5-20 s a forward)."""
-    from dflash_agent.engine import model as model_module
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.model import gemma as model_module
+    from dflash_agent.engine.model.gemma import RowGroup
 
     config = None if kind == "dense" else tiny_family_config(kind)
     model = build_model(tiny_packed_checkpoint(config=config), kernels.device, torch.float32, progress=False,
@@ -104,9 +104,9 @@ def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(ker
     joined into one attention launch a layer over each row's whole cache (JointAttention), beside another request's
     verification block padded to its bucket (3 tokens to 4; padded to 16, the attention's row tile would change);
     every logit bit for bit what the eager step of its cache alone gives, one ring wrapped."""
-    from dflash_agent.engine import cuda_graphs
-    from dflash_agent.engine import model as model_module
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.backends import cuda as cuda_graphs
+    from dflash_agent.engine.model import gemma as model_module
+    from dflash_agent.engine.model.gemma import RowGroup
     from tests.engine.test_cuda_graphs import EagerGraph
 
     # a capture computes the step once (CUDA's warm-up run does); each replay computes it again
@@ -153,8 +153,8 @@ def test_graphs_captured_on_a_gpu_replay_what_eager_steps_give(kernels, kind, kv
     tiles by expert are sized on the host); E2B / E4B's captures all."""
     if kernels.device.type != "cuda":
         pytest.skip("captures CUDA graphs")
-    from dflash_agent.engine.cuda_graphs import TargetStepGraphs
-    from dflash_agent.engine.model import RowGroup
+    from dflash_agent.engine.backends.cuda import TargetStepGraphs
+    from dflash_agent.engine.model.gemma import RowGroup
 
     device = kernels.device
     config = None if kind == "dense" else tiny_family_config(kind)
@@ -193,7 +193,7 @@ def test_decode_rows_attend_apart_where_alone_they_would_not_take_the_kernel(ker
     """GemmaModel.joint_offsets joins the decode rows' attention only where each row alone takes the same Triton
     kernel: not in eager steps whose full layers would go to flash-attn (a graphed step attends by position, so it
     still joins; int8 caches never go there), nor over caches of another layout."""
-    from dflash_agent.engine import model as model_module
+    from dflash_agent.engine.model import gemma as model_module
 
     model = build_model(tiny_packed_checkpoint(), kernels.device, torch.float32, progress=False, packed=True)
     caches, q8 = [model.new_cache(16) for _ in range(2)], [model.new_cache(16, "q8") for _ in range(2)]

@@ -1,4 +1,4 @@
-"""The packed-GGUF matmul kernels against dequantize-then-matmul (engine.quant, bit-exact with gguf-py).
+"""The packed-GGUF matmul kernels against dequantize-then-matmul (engine.formats.quant, bit-exact with gguf-py).
 
 Shapes are small because the interpreter is slow: K = 2 super-blocks of 256, N = 48 (a partial tile for
 every launch shape), and 1 / 5 / 16 / 40 rows (decode, verification, a full verify tile, prefill).
@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from dflash_agent.engine.quant import dequantize
+from dflash_agent.engine.formats.quant import dequantize
 from tests.engine.test_quant import FP16_FIELDS
 
 T = GGMLQuantizationType
@@ -171,7 +171,7 @@ def test_quant_linear_q4_is_q4_0_blocks_and_runs_on_the_kernel(kernels) -> None:
     step of the weights, and where Triton runs QuantLinear multiplies them without expanding them."""
     from gguf.quants import dequantize as gguf_dequantize
 
-    from dflash_agent.engine.quant_linear import QuantLinear
+    from dflash_agent.engine.model.quant_linear import QuantLinear
 
     w = torch.randn(N, K)
     layer = QuantLinear(w, "q4")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from dflash_agent.engine.quant import PackedTensor, dequantize
+from dflash_agent.engine.formats.quant import PackedTensor, dequantize
 from tests.kernels.test_quant_matmul import K, N, check, random_weight
 
 T = GGMLQuantizationType
@@ -155,7 +155,7 @@ def test_tile_choices_are_kept_per_gpu(kernels, tmp_path, caplog) -> None:
 
 
 def test_a_packed_weight_multiplies_with_its_tile(kernels, monkeypatch) -> None:
-    from dflash_agent.engine.packed_linear import PackedWeight
+    from dflash_agent.engine.model.packed import PackedWeight
 
     qm = kernels.load("quant_matmul")
     raw = random_weight(T.Q4_0, N, K, seed=5)
@@ -172,7 +172,7 @@ def test_a_packed_weight_multiplies_with_its_tile(kernels, monkeypatch) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="timing a tile needs CUDA")
 def test_tiles_are_timed_on_the_gpu(tmp_path) -> None:
-    from dflash_agent.engine.packed_linear import TILE_TUNING_FILE, PackedWeight, choose_cuda_tiles
+    from dflash_agent.engine.model.packed import TILE_TUNING_FILE, PackedWeight, choose_cuda_tiles
     from dflash_agent.kernels import quant_matmul as qm
     from dflash_agent.kernels.quant_tuning import tile_shapes
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_agent.engine.model import rope_tables, rotate
+from dflash_agent.engine.model.gemma import rope_tables, rotate
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -53,7 +53,7 @@ def test_norm_then_rope(kernels, dtype) -> None:
 
 def test_module_takes_the_kernel_and_agrees_with_pytorch(kernels, monkeypatch) -> None:
     """engine.model.RMSNorm sends rows to the kernel where Triton runs, and both paths give the same values."""
-    from dflash_agent.engine import model
+    from dflash_agent.engine.model import gemma as model
 
     norm = model.RMSNorm(32, 1e-6, 0.0)
     norm.weight = torch.randn(32)

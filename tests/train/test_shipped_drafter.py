@@ -16,9 +16,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from dflash_agent.engine.decode.speculative import SpecConfig
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
-from dflash_agent.engine.speculative import SpecConfig
-from dflash_agent.engine.weights import EMBEDDED_DRAFTER, default_drafter
+from dflash_agent.engine.load.weights import EMBEDDED_DRAFTER, default_drafter
 from dflash_agent.train.data import CorpusFile
 
 # The goal is a mean acceptance of 3 over the training's 32 held-out sequences (not reached yet:

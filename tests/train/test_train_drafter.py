@@ -16,11 +16,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from dflash_agent.engine.drafter import load_drafter
-from dflash_agent.engine.sampling import Sampler, SamplingParams
-from dflash_agent.engine.speculative import RequestDecoder, SpecConfig
-from dflash_agent.engine.tokenizer import Tokenizer
-from dflash_agent.engine.weights import build_model, open_checkpoint
+from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
+from dflash_agent.engine.decode.speculative import RequestDecoder, SpecConfig
+from dflash_agent.engine.load.tokenizer import Tokenizer
+from dflash_agent.engine.load.weights import build_model, open_checkpoint
+from dflash_agent.engine.model.drafter import load_drafter
 from dflash_agent.train.blocks import forward_blocks, sample_anchors
 from dflash_agent.train.data import DataDir, DataError, DataSpec, checkpoint_bytes, corpus_files, prepare, prompts
 from dflash_agent.train.evaluate import replay_acceptance

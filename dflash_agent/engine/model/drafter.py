@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from ..kernels.attention import cache_attention, grouped_attention
-from .drafter_cache import DrafterCache
-from .drafter_config import DrafterConfig, build_target_layer_ids
-from .errors import DrafterError
-from .model import RMSNorm, rope_tables
+from ...kernels.attention import cache_attention, grouped_attention
+from ..cache.drafter_cache import DrafterCache
+from ..errors import DrafterError
+from ..formats.drafter_config import DrafterConfig, build_target_layer_ids
+from .gemma import RMSNorm, rope_tables
 from .quant_linear import quantize_linear_weights
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class Drafter(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], plans: list[DraftLayerPlan]
     ) -> torch.Tensor:
         """The drafter layers and final norm over block embeddings x [T, H] with RoPE tables (cos, sin) at
-        the block's positions: the one forward that eager drafts, the CUDA-graph draft (engine.cuda_graphs)
+        the block's positions: the one forward that eager drafts, the CUDA-graph draft (engine.backends.cuda)
         and training (train.blocks) run."""
         for layer, plan in zip(self.layers, plans, strict=True):
             x = layer(x, *rope, plan)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention import cache_offsets, write_rows
-from .config import ModelConfig
-from .errors import OptionError
+from ...kernels.attention import cache_offsets, write_rows
+from ..errors import OptionError
+from ..formats.config import ModelConfig
 
 # A forward of up to this many tokens may be rolled back (a speculative block plus its bonus token).
 DEFAULT_SLACK = 16

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from .errors import GrammarError
-from .tokenizer import Tokenizer
+from ..errors import GrammarError
+from ..load.tokenizer import Tokenizer
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarMatcher", "TokenGrammar"]
 

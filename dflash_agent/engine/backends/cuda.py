@@ -28,13 +28,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.capture import capture_graph
-from ..kernels.dispatch import VERIFY_ROWS
-from .drafter import Drafter, DraftLayerPlan
-from .drafter_cache import DrafterCache
-from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, JointAttention, KeyPositions, LayerPlan, RowGroup, StepPlan, StepRows
-from .packed_linear import PackedWeight
+from ...kernels.capture import capture_graph
+from ...kernels.dispatch import VERIFY_ROWS
+from ..cache.drafter_cache import DrafterCache
+from ..cache.kv_cache import KVCache
+from ..model.drafter import Drafter, DraftLayerPlan
+from ..model.gemma import (
+    ForwardOutput,
+    GemmaModel,
+    JointAttention,
+    KeyPositions,
+    LayerPlan,
+    RowGroup,
+    StepPlan,
+    StepRows,
+)
+from ..model.packed import PackedWeight
 
 log = logging.getLogger(__name__)
 

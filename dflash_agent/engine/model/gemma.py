@@ -11,19 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import (
+from ...kernels.attention import (
     cache_attention,
     flash_attn_takes,
     grouped_attention,
     rows_cache_attention,
     triton_takes,
 )
-from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
-from .config import LayerSpec, ModelConfig, MoESpec
-from .errors import ContextOverflowError
-from .kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
-from .limits import MAX_ROWS
-from .packed_linear import PackedWeight
+from ...kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
+from ..cache.kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
+from ..errors import ContextOverflowError
+from ..formats.config import LayerSpec, ModelConfig, MoESpec
+from ..limits import MAX_ROWS
+from .packed import PackedWeight
 
 
 @dataclass
@@ -92,7 +92,7 @@ class RMSNorm(nn.Module):
         # the kernel has no backward: training (the drafter trainer trains its norms) stays in PyTorch
         if triton_runs(x) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight is not None
                                                                  and self.weight.requires_grad)):
-            from ..kernels.rms_norm import rms_norm
+            from ...kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, self.offset, cos, sin, residual, scale)
         weight = None if self.weight is None else self.offset + self.weight.float()
@@ -491,9 +491,9 @@ class GemmaModel(nn.Module):
             key = _rope_key(spec)
             if key not in self._inv_freq:
                 self._inv_freq[key] = torch.tensor(spec.inv_freq(), dtype=torch.float32, device=device)
-        # engine.cuda_graphs.TargetStepGraphs when decode / verify steps replay CUDA graphs (CUDA only)
+        # engine.backends.cuda.TargetStepGraphs when decode / verify steps replay CUDA graphs (CUDA only)
         self.step_graphs = None
-        # engine.cpu_decode.CpuDecodeLayers when decode / verify steps run the C layers (CPU, repacked weights)
+        # engine.backends.cpu.CpuDecodeLayers when decode / verify steps run the C layers (CPU, repacked weights)
         self.cpu_layers = None
 
     @property
@@ -566,7 +566,7 @@ class GemmaModel(nn.Module):
         attends to its own cache; likewise the Triton kernels (`batches`: the decode rows and the blocks in 16-row
         tiles that load each weight once for all of them and whose rows never mix); else one forward per group.
         Either way each output is what `forward` of its group alone gives: every row is computed as alone
-        (engine.cpu_decode; kernels.quant_matmul)."""
+        (engine.backends.cpu; kernels.quant_matmul)."""
         for group in groups:
             if group.cache.length + group.ids.shape[0] > group.cache.max_len:
                 raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
@@ -711,7 +711,7 @@ class GemmaModel(nn.Module):
         capture: tuple[int, ...] = (), per_layer: torch.Tensor | None = None, rows: StepRows | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers over embeddings x [..., T, hidden]: what eager steps, CUDA-graph steps
-        (engine.cuda_graphs) and training-data generation (train.target) run. per_layer: PLE models' inputs
+        (engine.backends.cuda) and training-data generation (train.target) run. per_layer: PLE models' inputs
         (per_layer_inputs). rows: x [N, hidden] holds several sequences' steps, with a plan and a cache each
         (forward_groups on the Triton kernels). Returns the last layer's output and the outputs of the layers in
         `capture`."""
@@ -722,7 +722,7 @@ class GemmaModel(nn.Module):
         capture: tuple[int, ...] = (), per_layer: torch.Tensor | None = None, rows: StepRows | None = None,
     ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         """The one layer loop (layers_forward's), yielding the layers done after each but the last; the C
-        layers (engine.cpu_decode) run all of them in one call and yield nothing."""
+        layers (engine.backends.cpu) run all of them in one call and yield nothing."""
         if (per_layer is None) != (not self.config.per_layer_input):
             raise ValueError("per-layer inputs go with a PLE model, and only with one")
         if rows is None:
@@ -810,7 +810,7 @@ class GemmaModel(nn.Module):
         return int(torch.argmax(logits))
 
     def _runs_cpu_layers(self, rows: int | None, kv: list[LayerKV]) -> bool:
-        """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.cpu_decode's layers."""
+        """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.backends.cpu's layers."""
         return self.cpu_layers is not None and rows is not None and self.cpu_layers.takes(rows, kv)
 
     def _plan(self, cache: KVCache, pos: torch.Tensor, start: int, end: int) -> StepPlan:

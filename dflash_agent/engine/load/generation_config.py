@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import Keys
 
-from .errors import ModelLoadError, RequestError
-from .types import SamplingDefaults, SamplingParams
+from ..errors import ModelLoadError, RequestError
+from ..types import SamplingDefaults, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import GGUFError
+from ..errors import GGUFError
 
 _MAGIC = b"GGUF"
 _SCALARS: dict[GGUFValueType, str] = {

@@ -13,21 +13,21 @@ from typing import Literal
 import torch
 from gguf import GGMLQuantizationType
 
-from ..kernels.cpu_dot import HugePageArena
-from .config import ConfigError, ModelConfig
-from .cpu_decode import CpuDecodeLayers
-from .errors import ModelLoadError
-from .gguf import GGUFError, GGUFFile, read_gguf
-from .gguf_names import gguf_model_config, gguf_tensor_name
-from .model import GemmaModel
-from .packed_linear import CpuDotWeight, PackedWeight, keeps_packed
-from .quant import PackedTensor, UnsupportedTensorType, from_numpy
+from ...kernels.cpu_dot import HugePageArena
+from ..backends.cpu import CpuDecodeLayers
+from ..errors import ModelLoadError
+from ..formats.config import ConfigError, ModelConfig
+from ..formats.gguf import GGUFError, GGUFFile, read_gguf
+from ..formats.gguf_names import gguf_model_config, gguf_tensor_name
+from ..formats.quant import PackedTensor, UnsupportedTensorType, from_numpy
+from ..model.gemma import GemmaModel
+from ..model.packed import CpuDotWeight, PackedWeight, keeps_packed
 
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 # The DFlash drafter trained for the embedded model (`dflash-agent train-drafter`), shipped in the package.
-EMBEDDED_DRAFTER = Path(__file__).parent / "drafters" / "gemma3-270m"
+EMBEDDED_DRAFTER = Path(__file__).parents[1] / "drafters" / "gemma3-270m"
 
 
 @dataclass
@@ -178,7 +178,7 @@ def build_model(
     """Convert every tensor to `dtype` on `device` and load it; shows a progress bar on a terminal.
 
     packed (default: on CUDA): GGUF matrices of the types the Triton kernels read stay in their blocks
-    (engine.packed_linear); everything else is dequantized at load, as on the CPU.
+    (engine.model.packed); everything else is dequantized at load, as on the CPU.
     repack_cpu: on the CPU, those matrices are also repacked once for torch's int4 / int8 CPU kernels
     (implies packed; the LM head goes to int4 with exact rescoring); without it a packed weight on the CPU runs the
     exact reference; prefill: the dtype of the C kernels' prompt GEMMs (packed_linear.CpuDotWeight).

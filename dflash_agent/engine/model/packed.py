@@ -46,14 +46,23 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
-from ..kernels.cpu_dot import load as load_cpu_dot
-from ..kernels.dispatch import PACKED_TYPES, TUNED_WEIGHTS, triton_runs
-from .paths import default_cache_root
-from .quant import PackedTensor, bit_fields, bit_planes, dequantize, half_floats, k_scale_min, nibbles, q5_values
+from ...kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
+from ...kernels.cpu_dot import load as load_cpu_dot
+from ...kernels.dispatch import PACKED_TYPES, TUNED_WEIGHTS, triton_runs
+from ..formats.quant import (
+    PackedTensor,
+    bit_fields,
+    bit_planes,
+    dequantize,
+    half_floats,
+    k_scale_min,
+    nibbles,
+    q5_values,
+)
+from ..paths import default_cache_root
 
 if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only install may lack it
-    from ..kernels.quant_matmul import TileChoice
+    from ...kernels.quant_matmul import TileChoice
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
@@ -204,7 +213,7 @@ class PackedWeight(torch.Tensor):
         if self.cpu is not None and x.device.type == "cpu" and one_token_rows is None:
             return self._cpu_linear(x)
         if triton_runs(x):
-            from ..kernels.quant_matmul import quant_matmul
+            from ...kernels.quant_matmul import quant_matmul
 
             return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], one_token_rows, self.tile)
         if one_token_rows is not None:
@@ -218,7 +227,7 @@ class PackedWeight(torch.Tensor):
         Triton kernels run; None elsewhere, where the caller takes the experts one at a time."""
         if self.dim() != 3 or not triton_runs(x):
             return None
-        from ..kernels.quant_matmul import grouped_quant_matmul
+        from ...kernels.quant_matmul import grouped_quant_matmul
 
         return grouped_quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], self.shape[1], rows,
                                     chosen, single)
@@ -267,7 +276,7 @@ def choose_cuda_tiles(matrices: Iterable[torch.Tensor], path: Path | None = None
                and w.shape.numel() >= TUNED_WEIGHTS]
     if not weights:
         return
-    from ..kernels.quant_tuning import TileTuning
+    from ...kernels.quant_tuning import TileTuning
 
     tuning = TileTuning.for_device(weights[0].device, path or default_cache_root() / TILE_TUNING_FILE)
     shapes = {(w.packed.qtype, *w.shape, w.dtype) for w in weights}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DrafterError
+from ..errors import DrafterError
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from .config import ConfigError, ModelConfig
-from .errors import DrafterError, GGUFError
-from .gguf import read_gguf
-from .gguf_names import gguf_model_config, gguf_tensor_name
-from .kv_cache import KVCache
-from .model import DecoderLayer, LayerPlan, Linear, RMSNorm, StepKeys, rope_tables
-from .quant import PackedTensor, from_numpy
+from ..cache.kv_cache import KVCache
+from ..errors import DrafterError, GGUFError
+from ..formats.config import ConfigError, ModelConfig
+from ..formats.gguf import read_gguf
+from ..formats.gguf_names import gguf_model_config, gguf_tensor_name
+from ..formats.quant import PackedTensor, from_numpy
+from .gemma import DecoderLayer, LayerPlan, Linear, RMSNorm, StepKeys, rope_tables
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .types import SamplingParams
+from ..types import SamplingParams
 
 _FLOAT32 = torch.finfo(torch.float32)
 

@@ -1,7 +1,7 @@
 """Decode and verification steps on the CPU: the decoder layers in one call into kernels.cpu_dot's C layer,
 the final norm and LM head in another, the embedding rows read by id in C.
 
-With every matrix repacked for the C matmuls (engine.packed_linear), a decode step of the eager model spends
+With every matrix repacked for the C matmuls (engine.model.packed), a decode step of the eager model spends
 more time dispatching PyTorch's small ops (norms, RoPE, attention of one token) than in the matmuls; the C
 layer does the same computation per token row. It takes the steps the eager path would run with
 the "kernel" cache plan (a few new tokens, a float32 cache); prefill, int8 caches and anything else stay on
@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from ..kernels.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
-from .host_memory import available_ram_bytes
-from .kv_cache import LayerKV
-from .limits import MAX_ROWS
-from .packed_linear import CpuDotWeight, PackedWeight, cpu_dot
+from ...kernels.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
+from ..cache.kv_cache import LayerKV
+from ..host_memory import available_ram_bytes
+from ..limits import MAX_ROWS
+from ..model.packed import CpuDotWeight, PackedWeight, cpu_dot
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class CpuDecodeLayers:
 
     def forward(self, x: torch.Tensor, plan, kv: list[LayerKV], capture: tuple[int, ...],
                 per_layer: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The layers over embeddings x [T, hidden] with a "kernel" StepPlan (engine.model), in one C call; as
+        """The layers over embeddings x [T, hidden] with a "kernel" StepPlan (engine.model.gemma), in one C call; as
         GemmaModel.layers_forward (per_layer: a PLE model's inputs [T, layers, width])."""
         return self.forward_groups(x, [(plan, kv)], capture, per_layer)
 

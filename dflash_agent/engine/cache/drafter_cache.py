@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .drafter_config import DrafterConfig
+from ..formats.drafter_config import DrafterConfig
 
 
 class DrafterCache:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import GGUFError, UnsupportedTensorType
+from ..errors import GGUFError, UnsupportedTensorType
 
 QK_K = 256
 K_SCALE_SIZE = 12

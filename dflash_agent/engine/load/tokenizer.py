@@ -9,7 +9,7 @@ Two sources:
   once -- the same code `AutoTokenizer.from_pretrained(..., gguf_file=...)` runs, so ids
   agree with the reference -- and cache the resulting `tokenizer.json`. Conversion costs
   seconds plus importing transformers; a cache hit only hashes the GGUF's tokenizer metadata
-  (parsed by `engine.gguf.read_gguf`, usually already done by the weight loader) and parses
+  (parsed by `engine.formats.gguf.read_gguf`, usually already done by the weight loader) and parses
   the cached json.
 
 `IncrementalDetokenizer` turns a stream of ids into text without ever emitting half a
@@ -36,9 +36,9 @@ from typing import Any
 
 import tokenizers
 
-from .errors import TokenizerError
-from .gguf import GGUFError, GGUFFile, read_gguf
-from .paths import default_cache_root
+from ..errors import TokenizerError
+from ..formats.gguf import GGUFError, GGUFFile, read_gguf
+from ..paths import default_cache_root
 
 __all__ = ["IncrementalDetokenizer", "SpecialTokens", "Tokenizer", "TokenizerError"]
 

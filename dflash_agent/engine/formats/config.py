@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Family = Literal["gemma3", "gemma4"]
 

@@ -20,13 +20,13 @@ from typing import Protocol
 
 import torch
 
-from .drafter import Drafter
-from .drafter_cache import DrafterCache
-from .kv_cache import KVCache
-from .model import ForwardOutput, GemmaModel, run_to_end
-from .mtp import MtpDrafter
+from ..cache.drafter_cache import DrafterCache
+from ..cache.kv_cache import KVCache
+from ..model.drafter import Drafter
+from ..model.gemma import ForwardOutput, GemmaModel, run_to_end
+from ..model.mtp import MtpDrafter
+from ..types import SpecStats
 from .sampling import Sampler
-from .types import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ NGRAM_MAX_DRAFT = 64  # prompt lookup's longest draft: a copied file continues f
 
 
 class Matcher(Protocol):
-    """Grammar state for constrained decoding (engine/grammar.py's GrammarMatcher)."""
+    """Grammar state for constrained decoding (engine/decode/grammar.py's GrammarMatcher)."""
 
     def mask(self, logits: torch.Tensor) -> None: ...
     def accept(self, token: int) -> bool: ...
