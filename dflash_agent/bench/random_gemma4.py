@@ -11,7 +11,7 @@ reads (the vocabulary is a 128-piece byte tokenizer):
 - moe: 6 layers 1024 wide, each a dense MLP of 2048 beside 32 experts of 512, 8 a token;
 - e2b: 12 layers 1024 wide with per-layer inputs of 256, the last 4 reading earlier layers' K / V with MLPs twice
   as wide (4096).
-The converter comes from llama.cpp's sources: $LLAMA_CPP_SRC, else where ../shared/peers/llama-cpp.sh unpacks them.
+The converter comes from llama.cpp's sources: $LLAMA_CPP_SRC, else where scripts/llama-cpp.sh unpacks them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
     script = converter_script()
     if script is None:
         raise FileNotFoundError(f"no convert_hf_to_gguf.py in $LLAMA_CPP_SRC or {PEER_SOURCES}: "
-                                "../shared/peers/llama-cpp.sh unpacks llama.cpp's sources there")
+                                "scripts/llama-cpp.sh unpacks llama.cpp's sources there")
     result = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
                             capture_output=True, text=True, timeout=1800)
     if result.returncode:

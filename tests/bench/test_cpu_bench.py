@@ -67,6 +67,6 @@ def test_llama_bench_figures_from_an_empty_context_and_at_the_prompts_depth():
     the prompt, each read from its own row of llama-bench's JSON."""
     binary = llama_cpp_binary(None)
     if binary is None:
-        pytest.skip("no llama-bench (../shared/peers/llama-cpp.sh builds one; set LLAMA_CPP_BIN)")
+        pytest.skip("no llama-bench (scripts/llama-cpp.sh builds one; set LLAMA_CPP_BIN)")
     prefill_s, decode, after_prompt = _llama_cpp(binary, resolve_model_path("embedded"), 64, 4, 2)
     assert 0 < prefill_s < 60 and decode > 0 and after_prompt > 0

@@ -1,5 +1,5 @@
 """Gemma 4 26B-A4B and E2B / E4B as llama.cpp's own converter writes them (convert_hf_to_gguf.py from the
-llama.cpp sources: $LLAMA_CPP_SRC, else where ../shared/peers/llama-cpp.sh unpacks them), against transformers and
+llama.cpp sources: $LLAMA_CPP_SRC, else where scripts/llama-cpp.sh unpacks them), against transformers and
 against llama-server running the same file ($LLAMA_CPP_BIN)."""
 
 import httpx

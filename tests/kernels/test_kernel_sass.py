@@ -1,4 +1,4 @@
-"""tools/kernel_sass.py: the quant matmul's instructions a weight, read from SASS compiled for sm_89 / sm_90 without a
+"""scripts/kernel_sass.py: the quant matmul's instructions a weight, read from SASS compiled for sm_89 / sm_90 without a
 GPU. Run as a subprocess: this session may have set TRITON_INTERPRET=1, and Triton decides at import whether it
 compiles."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[2]
 
 def test_the_tile_issues_fewer_instructions_a_weight_than_the_gemv() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "tools/kernel_sass.py"], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "scripts/kernel_sass.py"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     rows = {tuple(m.group(1, 2)): [float(v) for v in re.findall(r"sm_\d+ ([\d.]+)", m.group(3))]

@@ -1,8 +1,8 @@
 """Where the synthetic Gemma 4 31B's GPU steps spend their time, for the kernel work `bench --gpu-check` asks for.
 
-Run on a GPU machine from a checkout (the lent one: `tools/device-gpu-check.sh probe`):
+Run on a GPU machine from a checkout (the lent one: `scripts/device-gpu-check.sh probe`):
 
-    python3 tools/gpu_probe.py OUT_DIR [SECONDS]
+    python3 scripts/gpu_probe.py OUT_DIR [SECONDS]
 
 It writes OUT_DIR/probe.json (after each part, so a run stopped at its limit keeps what it measured) and logs:
 - kernels: the CUDA kernels of one step (eager decode, 4 requests' decode rows, a 16-token verification, a graphed

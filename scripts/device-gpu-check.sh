@@ -2,15 +2,15 @@
 # `dflash-agent bench --gpu-check` on this workplace's lent GPU machine (the `device` tool's H200). Its image holds
 # torch, triton, transformers, pytest and pytest-xdist but not every package the GPU path imports, and it reaches no
 # network, so the missing ones travel as wheels:
-#   here, once:  tools/device-gpu-check.sh prepare      # cp312 wheels into .whl/ (git-excluded), at .venv's versions
-#   there:       run(command="bash tools/device-gpu-check.sh run 540", carry=[".whl"], timeout_s=580)
-#   or there:    run(command="bash tools/device-gpu-check.sh probe 480", carry=[".whl"], timeout_s=500): the kernel
-#                tests, then tools/gpu_probe.py (where a step's time goes; the quant GEMV's launch shapes)
+#   here, once:  scripts/device-gpu-check.sh prepare      # cp312 wheels into .whl/ (git-excluded), at .venv's versions
+#   there:       run(command="bash scripts/device-gpu-check.sh run 540", carry=[".whl"], timeout_s=580)
+#   or there:    run(command="bash scripts/device-gpu-check.sh probe 480", carry=[".whl"], timeout_s=500): the kernel
+#                tests, then scripts/gpu_probe.py (where a step's time goes; the quant GEMV's launch shapes)
 # `run` leaves the log and the JSON (written after each step) under $OUT, so a run stopped at its limit keeps what it
 # measured. The embedded Gemma 3 270M does not travel (250 MB): the tests that need it skip there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# what the GPU path imports and the image lacks (/work/.library/device/KINDS.md lists what it holds)
+# what the GPU path imports and the image lacks (the device image lists what it holds)
 WHEELS=(gguf msgspec xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection)
 
 case "${1:-}" in
@@ -44,7 +44,7 @@ run | probe)
             tests/kernels/test_quant_matmul.py tests/kernels/test_quant_tuning.py tests/kernels/test_packed_model.py >"$OUT/probe-tests.log" 2>&1 || true
         tail -n 15 "$OUT/probe-tests.log"
         left=$((limit - SECONDS))
-        timeout -k 5 $((left - 5)) python3 tools/gpu_probe.py "$OUT" $((left - 40)) 2>&1 | tee "$OUT/probe.log"
+        timeout -k 5 $((left - 5)) python3 scripts/gpu_probe.py "$OUT" $((left - 40)) 2>&1 | tee "$OUT/probe.log"
         exit 0
     fi
     status=0
@@ -56,7 +56,7 @@ run | probe)
     exit "$status"
     ;;
 *)
-    echo "usage: tools/device-gpu-check.sh prepare | run [SECONDS] | probe [SECONDS]" >&2
+    echo "usage: scripts/device-gpu-check.sh prepare | run [SECONDS] | probe [SECONDS]" >&2
     exit 2
     ;;
 esac

@@ -1,6 +1,6 @@
 """Instructions a weight of the quant matmul's compiled K loop, per format and launch shape, without a GPU.
 
-    python3 tools/kernel_sass.py [N K]     (default: the 31B's gate projection, 21504 x 5376)
+    python3 scripts/kernel_sass.py [N K]     (default: the 31B's gate projection, 21504 x 5376)
 
 The H200 showed the decode matmuls are bound by the instructions they issue, not by bytes (a GEMV of 0.38 warp
 instructions a Q4_0 weight ran at ~1 TB/s of 4.8): at that card's 4 warp instructions a clock an SM, reading Q4_0's
