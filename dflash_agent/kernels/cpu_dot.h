@@ -20,7 +20,7 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 10
+#define DFA_ABI_VERSION 11
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 /* How a layout's scales d are stored (see cpu_dot.c): float32, float16, Q4_K / Q5_K super-block headers, or
@@ -40,6 +40,9 @@ int dfa_linear(const float *x, int64_t M, int64_t K, const void *q, int bits, co
 int dfa_simd(void);
 /* Sizes of the mirrored structs and the ABI version (see cpu_layer.c), and the sources' digest. */
 int64_t dfa_abi(int which);
+/* Field i of ABI struct s (the numbering of dfa_abi): its name, with its offset and size written to *offset and
+ * *size; NULL past the last field or for an unknown struct. The Python mirror is checked against it by name. */
+const char *dfa_abi_field(int s, int i, int64_t *offset, int64_t *size);
 const char *dfa_source_digest(void);
 
 /* w [N, K] float32 from a layout (ids: the rows to take, else NULL for all N) */

@@ -45,7 +45,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_la
 HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
-ABI_VERSION = 10  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 11  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
 # (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
 # x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
@@ -653,6 +653,41 @@ def prebuilt(variant: str) -> Path | None:
     return None
 
 
+# The structs of the ABI, numbered as dfa_abi and dfa_abi_field number them.
+ABI_STRUCTS: tuple[type[ctypes.Structure], ...] = (Matrix, LayerWeights, LayerCache, Screen)
+
+
+def library_fields(lib: ctypes.CDLL) -> list[dict[str, tuple[int, int]]]:
+    """Each ABI struct's fields as the C library lays them out: name -> (offset, size)."""
+    lib.dfa_abi_field.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+                                  ctypes.POINTER(ctypes.c_int64)]
+    lib.dfa_abi_field.restype = ctypes.c_char_p
+    layouts = []
+    for s in range(len(ABI_STRUCTS)):
+        offset, size, fields = ctypes.c_int64(), ctypes.c_int64(), {}
+        while (name := lib.dfa_abi_field(s, len(fields), ctypes.byref(offset), ctypes.byref(size))) is not None:
+            fields[name.decode()] = (offset.value, size.value)
+        layouts.append(fields)
+    return layouts
+
+
+def abi_mismatches(layouts: list[dict[str, tuple[int, int]]],
+                   structs: tuple[type[ctypes.Structure], ...] = ABI_STRUCTS) -> list[str]:
+    """Every field where a ctypes mirror and the C layout disagree (missing on one side, another offset or size)."""
+    bad = []
+    for struct, c_fields in zip(structs, layouts, strict=True):
+        ours = {name: (getattr(struct, name).offset, getattr(struct, name).size) for name, *_ in struct._fields_}
+        for name in sorted(set(ours) | set(c_fields)):
+            if name not in c_fields:
+                bad.append(f"{struct.__name__}.{name} is not in the C struct")
+            elif name not in ours:
+                bad.append(f"{struct.__name__} lacks the C field {name}")
+            elif ours[name] != c_fields[name]:
+                bad.append(f"{struct.__name__}.{name} at offset {ours[name][0]} size {ours[name][1]}, C has "
+                           f"offset {c_fields[name][0]} size {c_fields[name][1]}")
+    return bad
+
+
 def open_library(path: Path) -> CpuDot | None:
     """The library at path, if it loads and speaks this module's ABI (None, logged, when not)."""
     try:
@@ -668,6 +703,14 @@ def open_library(path: Path) -> CpuDot | None:
     if found != expected:
         log.warning("the CPU kernels in %s were built from other sources (ABI %s, expected %s): not used",
                     path, found, expected)
+        return None
+    try:
+        mismatches = abi_mismatches(library_fields(lib), ABI_STRUCTS)
+    except AttributeError:
+        mismatches = ["the library lists no fields (dfa_abi_field)"]
+    if mismatches:
+        log.warning("the CPU kernels in %s do not match their ctypes mirror (%s): not used", path,
+                    "; ".join(mismatches))
         return None
     try:
         lib.dfa_source_digest.restype = ctypes.c_char_p

@@ -11,6 +11,7 @@
 #include <float.h>
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -827,6 +828,96 @@ int64_t dfa_abi(int which) {
     case 3: return (int64_t)sizeof(dfa_screen);
     default: return -1;
     }
+}
+
+/* Every field of the ABI structs, by name, offset and size: kernels/cpu_dot.py checks its ctypes mirror field by field
+ * against these, so a field moved, renamed, retyped or added on one side only is refused at load. */
+typedef struct {
+    const char *name;
+    int64_t offset, size;
+} dfa_abi_entry;
+#define DFA_FIELD(s, f) {#f, (int64_t)offsetof(s, f), (int64_t)sizeof(((s *)0)->f)}
+static const dfa_abi_entry dfa_matrix_fields[] = {
+    DFA_FIELD(dfa_matrix, q),
+    DFA_FIELD(dfa_matrix, qh),
+    DFA_FIELD(dfa_matrix, d),
+    DFA_FIELD(dfa_matrix, m),
+    DFA_FIELD(dfa_matrix, group),
+    DFA_FIELD(dfa_matrix, bits),
+    DFA_FIELD(dfa_matrix, offset),
+    DFA_FIELD(dfa_matrix, n),
+    DFA_FIELD(dfa_matrix, k),
+    DFA_FIELD(dfa_matrix, scales),
+};
+static const dfa_abi_entry dfa_layer_fields[] = {
+    DFA_FIELD(dfa_layer, q_proj),
+    DFA_FIELD(dfa_layer, k_proj),
+    DFA_FIELD(dfa_layer, v_proj),
+    DFA_FIELD(dfa_layer, o_proj),
+    DFA_FIELD(dfa_layer, gate),
+    DFA_FIELD(dfa_layer, up),
+    DFA_FIELD(dfa_layer, down),
+    DFA_FIELD(dfa_layer, input_norm),
+    DFA_FIELD(dfa_layer, post_attn_norm),
+    DFA_FIELD(dfa_layer, pre_ff_norm),
+    DFA_FIELD(dfa_layer, post_ff_norm),
+    DFA_FIELD(dfa_layer, q_norm),
+    DFA_FIELD(dfa_layer, k_norm),
+    DFA_FIELD(dfa_layer, hidden),
+    DFA_FIELD(dfa_layer, heads),
+    DFA_FIELD(dfa_layer, kv_heads),
+    DFA_FIELD(dfa_layer, head_dim),
+    DFA_FIELD(dfa_layer, intermediate),
+    DFA_FIELD(dfa_layer, v_norm),
+    DFA_FIELD(dfa_layer, eps),
+    DFA_FIELD(dfa_layer, scale),
+    DFA_FIELD(dfa_layer, layer_scalar),
+    DFA_FIELD(dfa_layer, router),
+    DFA_FIELD(dfa_layer, router_w),
+    DFA_FIELD(dfa_layer, router_scale),
+    DFA_FIELD(dfa_layer, expert_scale),
+    DFA_FIELD(dfa_layer, expert_gate_up),
+    DFA_FIELD(dfa_layer, expert_down),
+    DFA_FIELD(dfa_layer, post_ff_norm_1),
+    DFA_FIELD(dfa_layer, pre_ff_norm_2),
+    DFA_FIELD(dfa_layer, post_ff_norm_2),
+    DFA_FIELD(dfa_layer, experts),
+    DFA_FIELD(dfa_layer, top_k),
+    DFA_FIELD(dfa_layer, expert_width),
+    DFA_FIELD(dfa_layer, per_layer_gate),
+    DFA_FIELD(dfa_layer, per_layer_proj),
+    DFA_FIELD(dfa_layer, post_per_layer_norm),
+    DFA_FIELD(dfa_layer, per_layer_width),
+};
+static const dfa_abi_entry dfa_kv_fields[] = {
+    DFA_FIELD(dfa_kv, k),
+    DFA_FIELD(dfa_kv, v),
+    DFA_FIELD(dfa_kv, slots),
+    DFA_FIELD(dfa_kv, write_slots),
+    DFA_FIELD(dfa_kv, key_pos),
+    DFA_FIELD(dfa_kv, n_keys),
+    DFA_FIELD(dfa_kv, window),
+};
+static const dfa_abi_entry dfa_screen_fields[] = {
+    DFA_FIELD(dfa_screen, q),
+    DFA_FIELD(dfa_screen, d),
+    DFA_FIELD(dfa_screen, l1),
+    DFA_FIELD(dfa_screen, err),
+    DFA_FIELD(dfa_screen, n),
+    DFA_FIELD(dfa_screen, k),
+};
+
+const char *dfa_abi_field(int s, int i, int64_t *offset, int64_t *size) {
+    static const struct { const dfa_abi_entry *fields; int n; } structs[] = {
+        {dfa_matrix_fields, (int)(sizeof dfa_matrix_fields / sizeof *dfa_matrix_fields)},
+        {dfa_layer_fields, (int)(sizeof dfa_layer_fields / sizeof *dfa_layer_fields)},
+        {dfa_kv_fields, (int)(sizeof dfa_kv_fields / sizeof *dfa_kv_fields)},
+        {dfa_screen_fields, (int)(sizeof dfa_screen_fields / sizeof *dfa_screen_fields)},
+    };
+    if (s < 0 || s >= (int)(sizeof structs / sizeof *structs) || i < 0 || i >= structs[s].n) return NULL;
+    *offset = structs[s].fields[i].offset;
+    *size = structs[s].fields[i].size;
+    return structs[s].fields[i].name;
 }
 
 int dfa_norm_linear(const float *x, int64_t T, const float *norm, float eps, const dfa_matrix *w, float *y,
