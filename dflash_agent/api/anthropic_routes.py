@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -12,8 +12,9 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from ..chat.anthropic_messages import conversation_from_anthropic
-from ..chat.chat_format import ChatOptions, stream_chat
-from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
+from ..chat.chat_format import ChatOptions
+from ..chat.finish import Finish
+from ..chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..engine import FinalEvent
 from .anthropic_schema import (
     CountTokensRequest,
@@ -25,9 +26,10 @@ from .anthropic_schema import (
     TokenCount,
     ToolUseBlock,
 )
-from .errors import APIError, anthropic_error, anthropic_payload, as_api_error, handlers
+from .errors import APIError, anthropic_error, anthropic_payload, handlers
 from .openai_schema import Timings
-from .service import HEARTBEAT, EventStream, Generation, ServerState, max_new_tokens, sampling_params, stop_strings
+from .pipeline import Call, Dialect, Limit, Reply, Sampling, StreamEncoder, frames, run
+from .service import EventStream, Generation, ServerState, stop_strings
 
 
 def _response_format(data: MessagesRequest) -> Any:
@@ -60,143 +62,142 @@ def _options(tool_choice: dict[str, Any] | None, thinking: dict[str, Any] | None
                        enable_thinking=enabled)
 
 
-def _stop_reason(final: FinalEvent, tool_calls: bool, stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
-    if final.finish_reason == "length":  # first: a tool call cut by the limit is not one to run (as OpenAI's length)
-        # Anthropic's reason when the window, not max_tokens, ended the answer (Claude Code tells them apart).
-        return ("model_context_window_exceeded" if final.context_full else "max_tokens"), None
-    if tool_calls:
-        return "tool_use", None
-    if isinstance(final.stop, str) and final.stop in stop_sequences:
-        return "stop_sequence", final.stop
-    return "end_turn", None
+# stop_reason; Anthropic's own when the window, not max_tokens, ended the answer (Claude Code tells them apart)
+STOP_REASONS = {Finish.STOP: "end_turn", Finish.STOP_SEQUENCE: "stop_sequence", Finish.LENGTH: "max_tokens",
+                Finish.CONTEXT_FULL: "model_context_window_exceeded", Finish.TOOL_CALLS: "tool_use",
+                Finish.CANCELLED: "end_turn"}
+
+
+class Messages(Dialect[MessagesRequest]):
+    endpoint, id_prefix, finish_names = "messages", "msg_", STOP_REASONS
+
+    async def parse(self, data: MessagesRequest, server: ServerState) -> Call:
+        options = _options(data.tool_choice, data.thinking, _response_format(data))
+        conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
+        stop = stop_strings(data.stop_sequences, "stop_sequences")
+        sampling = Sampling(data.temperature, data.top_p, data.top_k)
+        return Call(conversation, sampling, Limit(data.max_tokens), data.stream, options, stop, data.cache_prompt)
+
+    def stream(self, data: MessagesRequest, reply: Reply, generation: Generation) -> AsyncIterator[bytes]:
+        return _message_events(generation, reply.request_id, reply.model.name, reply.n_prompt, reply.cached,
+                               reply.call.stop)
+
+    def whole(self, data: MessagesRequest, reply: Reply, events: list) -> MessageResponse:
+        out, final = reply.parser.result(), events[-1]
+        content: list = []
+        if out.reasoning:
+            content.append(ThinkingBlock(out.reasoning))
+        if out.content:
+            content.append(TextBlock(out.content))
+        content += [ToolUseBlock(c.id, c.name, c.arguments) for c in out.tool_calls]
+        reason, sequence = _stop_reason(final, bool(out.tool_calls), reply.call.stop)
+        return MessageResponse(reply.request_id, reply.model.name, content, reason, sequence, MessageUsage.of(final),
+                               timings=Timings.of(final))
+
+
+def _stop_reason(final: FinalEvent, tool_calls: bool, stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """stop_reason, and the stop_sequence that ended the answer."""
+    finish = Finish.of(final, tool_calls, stop)
+    return Messages.finish_names[finish], final.stop if finish is Finish.STOP_SEQUENCE else None
 
 
 @post("/v1/messages", status_code=200, summary="Create a message (Anthropic)")
 async def messages(data: JSONBody[MessagesRequest], state: State) -> MessageResponse | EventStream:
-    server: ServerState = state.server
-    model = server.ready()
-    options = _options(data.tool_choice, data.thinking, _response_format(data))
-    conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
-    stop = stop_strings(data.stop_sequences, "stop_sequences")
-    prepared = await server.prepare_chat(conversation, options)
-    server.check_context(len(prepared.prompt_ids))
-    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, None, None)
-    max_tokens = max_new_tokens(data.max_tokens)
-    message_id = f"msg_{uuid.uuid4().hex}"
-    parser = prepared.parser()
-    cached: list[int] = []  # the prompt tokens the prefix cache serves, told before the first token
-    source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, stop, message_id,
-                         cache_prompt=data.cache_prompt, on_prefix=cached.append)
-    generation = server.start(source, "messages")
-    if data.stream:
-        events = _message_events(generation, message_id, model.name, len(prepared.prompt_ids), cached, stop)
-        return EventStream(events)
-    final = (await generation.collect())[-1]
-    return _message(parser.result(), final, message_id, model.name, stop)
-
-
-def _message(out: ParsedOutput, final: FinalEvent, message_id: str, model: str,
-             stop: tuple[str, ...]) -> MessageResponse:
-    content: list = []
-    if out.reasoning:
-        content.append(ThinkingBlock(out.reasoning))
-    if out.content:
-        content.append(TextBlock(out.content))
-    content += [ToolUseBlock(c.id, c.name, c.arguments) for c in out.tool_calls]
-    reason, sequence = _stop_reason(final, bool(out.tool_calls), stop)
-    return MessageResponse(message_id, model, content, reason, sequence, MessageUsage.of(final),
-                           timings=Timings.of(final))
+    return await run(Messages(), data, state.server)
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode({"type": name, **payload}) + b"\n\n"
 
 
-class _Blocks:
-    """Content blocks of a streamed message: a new block opens whenever the kind of delta changes."""
+def _message_events(generation: Generation, message_id: str, model: str, n_prompt: int, cached: list[int],
+                    stop: tuple[str, ...]) -> AsyncIterator[bytes]:
+    return frames(generation, _MessageEvents(message_id, model, n_prompt, cached, stop))
 
-    def __init__(self) -> None:
-        self.index = -1
-        self.open: Any = None  # "thinking", "text" or ("tool", call index)
+
+@dataclass
+class _MessageEvents(StreamEncoder):
+    """A streamed message: a new content block opens whenever the kind of delta changes."""
+
+    message_id: str
+    model: str
+    n_prompt: int
+    cached: list[int]  # what the prefix cache serves, once the engine has told
+    stop: tuple[str, ...]
+    started: bool = False
+    called: bool = False
+    index: int = -1
+    open: Any = None  # the open block: "thinking", "text" or ("tool", call index)
+
+    def begin(self, n_cached: int) -> list[bytes]:
+        """message_start waits for the engine to take the request and tell what its cache serves (SSE comments keep
+        the connection alive while it is queued); then ping events, as Anthropic sends, while the prompt
+        prefills."""
+        if self.started:
+            return []
+        self.started = True
+        # Anthropic's split, as message_delta and the non-streamed usage have it: input_tokens excludes the
+        # cache reads, so a client adding the two counts each token once.
+        usage = msgspec.to_builtins(MessageUsage(self.n_prompt - n_cached, 0, 0, n_cached))
+        return [_event("message_start", {"message": {
+            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage,
+        }}), _event("ping", {})]
+
+    def heartbeat(self) -> list[bytes]:
+        if self.started:
+            return [_event("ping", {})]
+        return self.begin(sum(self.cached)) if self.cached else super().heartbeat()
+
+    def feed(self, event: object) -> list[bytes]:
+        out = self.begin(sum(self.cached))
+        if isinstance(event, ReasoningDelta):
+            if self.open != "thinking":
+                out += self.start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self.delta({"type": "thinking_delta", "thinking": event.text}))
+        elif isinstance(event, TextDelta):
+            if self.open != "text":
+                out += self.start("text", {"type": "text", "text": ""})
+            out.append(self.delta({"type": "text_delta", "text": event.text}))
+        elif isinstance(event, ToolCallStart):
+            self.called = True
+            out += self.start(("tool", event.index), {"type": "tool_use", "id": event.id, "name": event.name,
+                                                      "input": {}})
+        elif isinstance(event, ToolCallArgsDelta):
+            out.append(self.delta({"type": "input_json_delta", "partial_json": event.fragment}))
+        return out
+
+    def close(self, final: FinalEvent) -> list[bytes]:
+        out = self.begin(final.usage.cached_tokens) + self.end_block()
+        reason, sequence = _stop_reason(final, self.called, self.stop)
+        usage = msgspec.to_builtins(MessageUsage.of(final))
+        out.append(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                            "usage": usage, "timings": msgspec.to_builtins(Timings.of(final))}))
+        out.append(_event("message_stop", {}))
+        return out
+
+    def failed(self, error: APIError) -> list[bytes]:
+        return [b"event: error\ndata: " + msgspec.json.encode(anthropic_payload(error)) + b"\n\n"]
 
     def start(self, key: Any, block: dict[str, Any]) -> list[bytes]:
-        events = self.close()
+        out = self.end_block()
         self.index += 1
         self.open = key
-        events.append(_event("content_block_start", {"index": self.index, "content_block": block}))
-        return events
+        out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
+        return out
 
     def delta(self, delta: dict[str, Any]) -> bytes:
         return _event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def close(self) -> list[bytes]:
+    def end_block(self) -> list[bytes]:
         if self.open is None:
             return []
-        events = []
+        out = []
         if self.open == "thinking":
-            events.append(self.delta({"type": "signature_delta", "signature": ""}))
-        events.append(_event("content_block_stop", {"index": self.index}))
+            out.append(self.delta({"type": "signature_delta", "signature": ""}))
+        out.append(_event("content_block_stop", {"index": self.index}))
         self.open = None
-        return events
-
-
-async def _message_events(generation: Generation, message_id: str, model: str, n_prompt: int,
-                          cached: list[int], stop: tuple[str, ...]) -> AsyncIterator[bytes]:
-    def message_start(n_cached: int) -> bytes:
-        # Anthropic's split, as message_delta and the non-streamed usage have it: input_tokens excludes the
-        # cache reads, so a client adding the two counts each token once.
-        usage = msgspec.to_builtins(MessageUsage(n_prompt - n_cached, 0, 0, n_cached))
-        return _event("message_start", {"message": {
-            "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage,
-        }})
-
-    started = False
-    blocks = _Blocks()
-    called = False
-    try:
-        async for event in generation.events():
-            if not started:
-                # message_start waits for the engine to take the request and tell what its cache serves (SSE
-                # comments keep the connection alive while it is queued); then ping events, as Anthropic sends,
-                # while the prompt prefills.
-                if event is HEARTBEAT and not cached:
-                    yield b": ping\n\n"
-                    continue
-                yield message_start(event.usage.cached_tokens if isinstance(event, FinalEvent) else sum(cached))
-                yield _event("ping", {})
-                started = True
-                if event is HEARTBEAT:
-                    continue
-            if event is HEARTBEAT:
-                yield _event("ping", {})
-            elif isinstance(event, ReasoningDelta):
-                if blocks.open != "thinking":
-                    for e in blocks.start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
-                        yield e
-                yield blocks.delta({"type": "thinking_delta", "thinking": event.text})
-            elif isinstance(event, TextDelta):
-                if blocks.open != "text":
-                    for e in blocks.start("text", {"type": "text", "text": ""}):
-                        yield e
-                yield blocks.delta({"type": "text_delta", "text": event.text})
-            elif isinstance(event, ToolCallStart):
-                called = True
-                block = {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
-                for e in blocks.start(("tool", event.index), block):
-                    yield e
-            elif isinstance(event, ToolCallArgsDelta):
-                yield blocks.delta({"type": "input_json_delta", "partial_json": event.fragment})
-            elif isinstance(event, FinalEvent):
-                for e in blocks.close():
-                    yield e
-                reason, sequence = _stop_reason(event, called, stop)
-                usage = msgspec.to_builtins(MessageUsage.of(event))
-                yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                               "usage": usage, "timings": msgspec.to_builtins(Timings.of(event))})
-                yield _event("message_stop", {})
-    except Exception as exc:  # the status line is gone: an error event, as Anthropic sends
-        yield b"event: error\ndata: " + msgspec.json.encode(anthropic_payload(as_api_error(exc))) + b"\n\n"
+        return out
 
 
 @post("/v1/messages/count_tokens", status_code=200, summary="Count a request's input tokens (Anthropic)")

@@ -1,21 +1,23 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions and /v1/models, with the two dialects behind
+the first two (pipeline.Dialect)."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 from litestar import Router, get, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from ..chat.chat_format import ChatOptions, stream_chat
+from ..chat.chat_format import ChatOptions
+from ..chat.finish import Finish
 from ..chat.openai_messages import conversation_from_openai
-from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
-from ..engine import FinalEvent, GenerateRequest, StopCriteria, TokenEvent
-from .errors import APIError, as_api_error, handlers, openai_error, openai_payload
+from ..chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
+from ..engine import FinalEvent, TokenEvent
+from .errors import APIError, handlers, openai_error, openai_payload
 from .openai_schema import (
     ChatChoice,
     ChatCompletion,
@@ -37,22 +39,19 @@ from .openai_schema import (
     ToolCallDelta,
     Usage,
 )
-from .service import (
-    HEARTBEAT,
-    EventStream,
-    Generation,
-    ServerState,
-    check_token_ids,
-    max_new_tokens,
-    sampling_params,
-    stop_strings,
-)
+from .pipeline import Call, Dialect, Limit, Reply, Sampling, StreamEncoder, frames, run
+from .service import EventStream, Generation, ServerState, check_token_ids, stop_strings
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
+# finish_reason, for chat and text completions alike
+FINISH_REASONS = {Finish.STOP: "stop", Finish.STOP_SEQUENCE: "stop", Finish.LENGTH: "length",
+                  Finish.CONTEXT_FULL: "length", Finish.TOOL_CALLS: "tool_calls", Finish.CANCELLED: "stop"}
 
-def _refuse_unsupported(body: SamplingFields) -> None:
-    """Values we cannot honour get a 400 rather than a silently different answer."""
+
+def _refuse_unsupported(body: SamplingFields, **fields: str) -> None:
+    """Values we cannot honour get a 400 rather than a silently different answer; `fields`: the endpoint's own,
+    each with what a request that sets it is told."""
     if body.n not in (None, 1):
         raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request", param="n")
     if body.logprobs:
@@ -62,146 +61,146 @@ def _refuse_unsupported(body: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported (only 0)", param=name)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    for name, message in fields.items():
+        if getattr(body, name):
+            raise APIError(400, message, param=name)
 
 
-def _finish_reason(final: FinalEvent, tool_calls: bool) -> str:
-    if final.finish_reason == "length":
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
+def _sampling(body: SamplingFields) -> Sampling:
+    return Sampling(body.temperature, body.top_p, body.top_k, body.min_p, body.seed)
 
 
 def _sse(payload: msgspec.Struct | dict) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-def _sse_error(exc: Exception) -> bytes:
-    return _sse(openai_payload(as_api_error(exc)))
+@dataclass
+class _OpenAIStream(StreamEncoder):
+    """What both endpoints' streams share: an error as a data line, as OpenAI sends it, and [DONE] last."""
+
+    request_id: str
+    created: int
+    model: str
+    include_usage: bool
+    stop: tuple[str, ...]
+
+    def failed(self, error: APIError) -> list[bytes]:
+        return [_sse(openai_payload(error))]
+
+    def trailer(self) -> list[bytes]:
+        return [b"data: [DONE]\n\n"]
 
 
 # --- chat completions ------------------------------------------------------------------------------
 
 
-@post("/v1/chat/completions", status_code=200, summary="Chat completion (OpenAI)")
-async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) -> ChatCompletion | EventStream:
-    server: ServerState = state.server
-    model = server.ready()
-    _refuse_unsupported(data)
-    if data.top_logprobs:
-        raise APIError(400, "top_logprobs is not supported", param="top_logprobs")
-    conversation = conversation_from_openai(data.messages, data.tools)
-    kwargs = data.chat_template_kwargs or {}
-    thinking = bool(kwargs.get("enable_thinking", data.reasoning_effort not in (None, "none", "minimal")))
-    options = ChatOptions(
-        tool_choice=data.tool_choice if data.tool_choice is not None else "auto",
-        parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
-        response_format=data.response_format, enable_thinking=thinking,
-    )
-    stop = stop_strings(data.stop)
-    prepared = await server.prepare_chat(conversation, options)
-    server.check_context(len(prepared.prompt_ids))
-    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
-                               data.seed)
-    param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
-    max_tokens = max_new_tokens(data.max_completion_tokens, data.max_tokens, param=param,
-                                default=server.settings.max_tokens)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    parser = prepared.parser()
-    source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, stop, request_id,
-                         cache_prompt=data.cache_prompt)
-    generation = server.start(source, "chat")
-    created = int(time.time())
-    if data.stream:
+class ChatCompletions(Dialect[ChatCompletionRequest]):
+    endpoint, id_prefix, finish_names = "chat", "chatcmpl-", FINISH_REASONS
+
+    async def parse(self, data: ChatCompletionRequest, server: ServerState) -> Call:
+        _refuse_unsupported(data, top_logprobs="top_logprobs is not supported")
+        conversation = conversation_from_openai(data.messages, data.tools)
+        kwargs = data.chat_template_kwargs or {}
+        thinking = bool(kwargs.get("enable_thinking", data.reasoning_effort not in (None, "none", "minimal")))
+        options = ChatOptions(
+            tool_choice=data.tool_choice if data.tool_choice is not None else "auto",
+            parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
+            response_format=data.response_format, enable_thinking=thinking,
+        )
+        if data.max_completion_tokens is not None:
+            limit = Limit(data.max_completion_tokens, "max_completion_tokens", server.settings.max_tokens)
+        else:
+            limit = Limit(data.max_tokens, "max_tokens", server.settings.max_tokens)
+        return Call(conversation, _sampling(data), limit, data.stream, options, stop_strings(data.stop),
+                    data.cache_prompt)
+
+    def stream(self, data: ChatCompletionRequest, reply: Reply, generation: Generation) -> AsyncIterator[bytes]:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         # an answer that must be a tool call has no content, as the non-streamed message's null says
-        forced = bool(data.tools) and options.tool_choice not in ("auto", "none")
-        return EventStream(_chat_chunks(generation, request_id, created, model.name, include_usage,
-                                        None if forced else ""))
-    events = await generation.collect()
-    final = events[-1]
-    return _chat_completion(parser.result(), final, request_id, created, model.name)
+        forced = bool(data.tools) and reply.call.options.tool_choice not in ("auto", "none")
+        return _chat_chunks(generation, reply.request_id, reply.created, reply.model.name, include_usage,
+                            None if forced else "", reply.call.stop)
+
+    def whole(self, data: ChatCompletionRequest, reply: Reply, events: list) -> ChatCompletion:
+        out, final = reply.parser.result(), events[-1]
+        calls = [ToolCall(c.id, Function(c.name, msgspec.json.encode(c.arguments).decode())) for c in out.tool_calls]
+        message = ChatMessage(
+            content=out.content if out.content or not calls else None,
+            reasoning_content=out.reasoning if out.reasoning is not None else msgspec.UNSET,
+            tool_calls=calls or msgspec.UNSET,
+        )
+        choice = ChatChoice(0, message, self.finish_name(final, bool(calls), reply.call.stop))
+        return ChatCompletion(reply.request_id, reply.created, reply.model.name, [choice], Usage.of(final),
+                              Timings.of(final))
 
 
-def _chat_completion(out: ParsedOutput, final: FinalEvent, request_id: str, created: int, model: str) -> ChatCompletion:
-    calls = [ToolCall(c.id, Function(c.name, msgspec.json.encode(c.arguments).decode())) for c in out.tool_calls]
-    message = ChatMessage(
-        content=out.content if out.content or not calls else None,
-        reasoning_content=out.reasoning if out.reasoning is not None else msgspec.UNSET,
-        tool_calls=calls or msgspec.UNSET,
-    )
-    choice = ChatChoice(0, message, _finish_reason(final, bool(calls)))
-    return ChatCompletion(request_id, created, model, [choice], Usage.of(final), Timings.of(final))
+def _chat_chunks(generation: Generation, request_id: str, created: int, model: str, include_usage: bool,
+                 content: str | None = "", stop: tuple[str, ...] = ()) -> AsyncIterator[bytes]:
+    return frames(generation, _ChatChunks(request_id, created, model, include_usage, stop, content))
 
 
-async def _chat_chunks(generation: Generation, request_id: str, created: int, model: str,
-                       include_usage: bool, content: str | None = "") -> AsyncIterator[bytes]:
-    def chunk(delta: ChoiceDelta, finish: str | None = None, **extra) -> bytes:
-        usage = None if include_usage else msgspec.UNSET
-        return _sse(ChatCompletionChunk(request_id, created, model, [ChunkChoice(0, delta, finish)], usage=usage,
-                                        **extra))
+@dataclass
+class _ChatChunks(_OpenAIStream):
+    content: str | None = ""  # the first chunk's: None when the answer must be a tool call
+    called: bool = False
 
-    yield chunk(ChoiceDelta(role="assistant", content=content))
-    called = False
-    try:
-        async for event in generation.events():
-            if event is HEARTBEAT:
-                yield b": ping\n\n"
-            elif isinstance(event, TextDelta):
-                yield chunk(ChoiceDelta(content=event.text))
-            elif isinstance(event, ReasoningDelta):
-                yield chunk(ChoiceDelta(reasoning_content=event.text))
-            elif isinstance(event, ToolCallStart):
-                called = True
-                call = ToolCallDelta(event.index, FunctionDelta(event.name, ""), id=event.id, type="function")
-                yield chunk(ChoiceDelta(tool_calls=[call]))
-            elif isinstance(event, ToolCallArgsDelta):
-                call = ToolCallDelta(event.index, FunctionDelta(arguments=event.fragment))
-                yield chunk(ChoiceDelta(tool_calls=[call]))
-            elif isinstance(event, FinalEvent):
-                yield chunk(ChoiceDelta(), _finish_reason(event, called), timings=Timings.of(event))
-                if include_usage:
-                    yield _sse(ChatCompletionChunk(request_id, created, model, [], usage=Usage.of(event)))
-    except Exception as exc:  # the status line is gone: report in the stream, as OpenAI does
-        yield _sse_error(exc)
-    yield b"data: [DONE]\n\n"
+    def chunk(self, delta: ChoiceDelta, finish: str | None = None, **extra) -> bytes:
+        usage = None if self.include_usage else msgspec.UNSET
+        return _sse(ChatCompletionChunk(self.request_id, self.created, self.model, [ChunkChoice(0, delta, finish)],
+                                        usage=usage, **extra))
+
+    def opening(self) -> list[bytes]:
+        return [self.chunk(ChoiceDelta(role="assistant", content=self.content))]
+
+    def feed(self, event: object) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            return [self.chunk(ChoiceDelta(content=event.text))]
+        if isinstance(event, ReasoningDelta):
+            return [self.chunk(ChoiceDelta(reasoning_content=event.text))]
+        if isinstance(event, ToolCallStart):
+            self.called = True
+            call = ToolCallDelta(event.index, FunctionDelta(event.name, ""), id=event.id, type="function")
+            return [self.chunk(ChoiceDelta(tool_calls=[call]))]
+        if isinstance(event, ToolCallArgsDelta):
+            return [self.chunk(ChoiceDelta(tool_calls=[ToolCallDelta(event.index, FunctionDelta(
+                arguments=event.fragment))]))]
+        return []
+
+    def close(self, final: FinalEvent) -> list[bytes]:
+        out = [self.chunk(ChoiceDelta(), ChatCompletions.finish_name(final, self.called, self.stop),
+                          timings=Timings.of(final))]
+        if self.include_usage:
+            out.append(_sse(ChatCompletionChunk(self.request_id, self.created, self.model, [],
+                                                usage=Usage.of(final))))
+        return out
 
 
 # --- completions -----------------------------------------------------------------------------------
 
 
-@post("/v1/completions", status_code=200, summary="Text completion (OpenAI legacy)")
-async def completions(data: JSONBody[CompletionRequest], state: State) -> Completion | EventStream:
-    server: ServerState = state.server
-    model = server.ready()
-    _refuse_unsupported(data)
-    if data.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    if data.suffix:
-        raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-    if data.best_of not in (None, 1):
-        raise APIError(400, "best_of is not supported", param="best_of")
-    stop = stop_strings(data.stop)
-    prompt_ids = await _prompt_ids(data.prompt, server)
-    server.check_context(len(prompt_ids))
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
-                               data.seed)
-    request = GenerateRequest(
-        prompt_ids, sampling,
-        StopCriteria(strings=stop),
-        max_new_tokens(data.max_tokens, default=_completion_default(server.settings.max_tokens)),
-        request_id=request_id,
-        cache_prompt=data.cache_prompt,
-    )
-    generation = server.start(model.engine.generate(request), "completions")
-    created = int(time.time())
-    if data.stream:
+class Completions(Dialect[CompletionRequest]):
+    endpoint, id_prefix, finish_names = "completions", "cmpl-", FINISH_REASONS
+
+    async def parse(self, data: CompletionRequest, server: ServerState) -> Call:
+        _refuse_unsupported(data, echo="echo is not supported", suffix="suffix (fill-in-the-middle) is not supported")
+        if data.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of")
+        stop = stop_strings(data.stop)
+        prompt_ids = await _prompt_ids(data.prompt, server)
+        limit = Limit(data.max_tokens, default=_completion_default(server.settings.max_tokens))
+        return Call(prompt_ids, _sampling(data), limit, data.stream, stop=stop, cache_prompt=data.cache_prompt)
+
+    def stream(self, data: CompletionRequest, reply: Reply, generation: Generation) -> AsyncIterator[bytes]:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return EventStream(_completion_chunks(generation, request_id, created, model.name, include_usage))
-    events = await generation.collect()
-    final = events[-1]
-    text = "".join(e.text_delta for e in events if isinstance(e, TokenEvent))
-    choice = CompletionChoice(0, text, _finish_reason(final, False))
-    return Completion(request_id, created, model.name, [choice], usage=Usage.of(final), timings=Timings.of(final))
+        return frames(generation, _CompletionChunks(reply.request_id, reply.created, reply.model.name,
+                                                    include_usage, reply.call.stop))
+
+    def whole(self, data: CompletionRequest, reply: Reply, events: list) -> Completion:
+        final = events[-1]
+        text = "".join(e.text_delta for e in events if isinstance(e, TokenEvent))
+        choice = CompletionChoice(0, text, self.finish_name(final, False, reply.call.stop))
+        return Completion(reply.request_id, reply.created, reply.model.name, [choice], usage=Usage.of(final),
+                          timings=Timings.of(final))
 
 
 def _completion_default(server_max_tokens: int | None) -> int:
@@ -227,29 +226,34 @@ async def _prompt_ids(prompt: str | list, server: ServerState) -> list[int]:
     return list(prompt)
 
 
-async def _completion_chunks(generation: Generation, request_id: str, created: int, model: str,
-                             include_usage: bool) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None = None, **extra) -> bytes:
-        usage = None if include_usage else msgspec.UNSET
-        return _sse(Completion(request_id, created, model, [CompletionChoice(0, text, finish)], usage=usage, **extra))
+@dataclass
+class _CompletionChunks(_OpenAIStream):
+    def chunk(self, text: str, finish: str | None = None, **extra) -> bytes:
+        usage = None if self.include_usage else msgspec.UNSET
+        return _sse(Completion(self.request_id, self.created, self.model, [CompletionChoice(0, text, finish)],
+                               usage=usage, **extra))
 
-    try:
-        async for event in generation.events():
-            if event is HEARTBEAT:
-                yield b": ping\n\n"
-            elif isinstance(event, TokenEvent):
-                if event.text_delta:
-                    yield chunk(event.text_delta)
-            elif isinstance(event, FinalEvent):
-                yield chunk("", _finish_reason(event, False), timings=Timings.of(event))
-                if include_usage:
-                    yield _sse(Completion(request_id, created, model, [], usage=Usage.of(event)))
-    except Exception as exc:
-        yield _sse_error(exc)
-    yield b"data: [DONE]\n\n"
+    def feed(self, event: object) -> list[bytes]:
+        return [self.chunk(event.text_delta)] if isinstance(event, TokenEvent) and event.text_delta else []
+
+    def close(self, final: FinalEvent) -> list[bytes]:
+        out = [self.chunk("", Completions.finish_name(final, False, self.stop), timings=Timings.of(final))]
+        if self.include_usage:
+            out.append(_sse(Completion(self.request_id, self.created, self.model, [], usage=Usage.of(final))))
+        return out
 
 
-# --- models ----------------------------------------------------------------------------------------
+# --- routes ----------------------------------------------------------------------------------------
+
+
+@post("/v1/chat/completions", status_code=200, summary="Chat completion (OpenAI)")
+async def chat_completions(data: JSONBody[ChatCompletionRequest], state: State) -> ChatCompletion | EventStream:
+    return await run(ChatCompletions(), data, state.server)
+
+
+@post("/v1/completions", status_code=200, summary="Text completion (OpenAI legacy)")
+async def completions(data: JSONBody[CompletionRequest], state: State) -> Completion | EventStream:
+    return await run(Completions(), data, state.server)
 
 
 @get("/v1/models", summary="The served model")

@@ -8,10 +8,11 @@ recent conversations (the input, without its instructions, plus the output)."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -19,15 +20,17 @@ from litestar import Router, get, post
 from litestar.datastructures import State
 from litestar.params import FromPath, JSONBody
 
-from ..chat.chat_format import ChatOptions, LoadedModel, stream_chat
+from ..chat.chat_format import ChatOptions, LoadedModel
+from ..chat.finish import Finish
 from ..chat.parser import ParsedOutput, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
 from ..chat.responses_input import conversation_from_responses, tool_namespaces
 from ..chat.types import Message, TextPart, ToolCall
-from ..engine import FinalEvent, SamplingParams
-from .errors import APIError, as_api_error, handlers, openai_error
+from ..engine import FinalEvent
+from .errors import APIError, handlers, openai_error
 from .openai_schema import Timings
+from .pipeline import Call, Dialect, Limit, Reply, Sampling, StreamEncoder, frames, run
 from .responses_schema import JSONObject, JSONSchema, ResponsesRequest, ResponseUsage, TextConfig
-from .service import HEARTBEAT, EventStream, Generation, ServerState, max_new_tokens, sampling_params
+from .service import EventStream, Generation, ServerState
 
 STORED_RESPONSES = 64  # conversations kept for previous_response_id, least recently used dropped first
 
@@ -102,53 +105,60 @@ def _thinking(reasoning: dict[str, Any] | None) -> bool:
     return reasoning is not None and reasoning.get("effort") not in (None, "none", "minimal")
 
 
-@post("/v1/responses", status_code=200, summary="Create a response (OpenAI Responses API)")
-async def create_response(data: JSONBody[ResponsesRequest], state: State) -> dict | EventStream:
-    server: ServerState = state.server
-    model = server.ready()
-    _refuse_unsupported(data)
-    store = _store(state)
-    history = store.get(data.previous_response_id)[0] if data.previous_response_id else None
-    conversation = conversation_from_responses(data.input, data.instructions, data.tools, history)
-    options = ChatOptions(
-        tool_choice=_tool_choice(data.tool_choice),
-        parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
-        response_format=_response_format(data.text), enable_thinking=_thinking(data.reasoning),
-    )
-    prepared = await server.prepare_chat(conversation, options)
-    server.check_context(len(prepared.prompt_ids))
-    sampling = sampling_params(model.engine.sampling_defaults, data.temperature, data.top_p, data.top_k, data.min_p,
-                               data.seed)
-    max_tokens = max_new_tokens(data.max_output_tokens, param="max_output_tokens", default=server.settings.max_tokens)
-    response_id = f"resp_{uuid.uuid4().hex}"
-    parser = prepared.parser()
-    source = stream_chat(model.engine, prepared, parser, sampling, max_tokens, (), response_id,
-                         cache_prompt=data.cache_prompt)
-    generation = server.start(source, "responses")
-    base = _base(data, response_id, model.name, sampling)
-    namespaces = tool_namespaces(data.tools)
-    # What previous_response_id continues: the conversation without its instructions, plus the answer.
-    kept = conversation.messages[1:] if data.instructions else conversation.messages
+# the response's status (and an item's that the end cut)
+STATUSES = {Finish.STOP: "completed", Finish.STOP_SEQUENCE: "completed", Finish.LENGTH: "incomplete",
+            Finish.CONTEXT_FULL: "incomplete", Finish.TOOL_CALLS: "completed", Finish.CANCELLED: "completed"}
 
-    def finished(output: _Output, final: FinalEvent) -> dict[str, Any]:
-        out = parser.result()
-        response = _final(base, output, final, _reasoning_tokens(model, out))
+
+class Responses(Dialect[ResponsesRequest]):
+    endpoint, id_prefix, finish_names = "responses", "resp_", STATUSES
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def parse(self, data: ResponsesRequest, server: ServerState) -> Call:
+        _refuse_unsupported(data)
+        history = self.store.get(data.previous_response_id)[0] if data.previous_response_id else None
+        conversation = conversation_from_responses(data.input, data.instructions, data.tools, history)
+        options = ChatOptions(
+            tool_choice=_tool_choice(data.tool_choice),
+            parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,
+            response_format=_response_format(data.text), enable_thinking=_thinking(data.reasoning),
+        )
+        sampling = Sampling(data.temperature, data.top_p, data.top_k, data.min_p, data.seed)
+        limit = Limit(data.max_output_tokens, "max_output_tokens", server.settings.max_tokens)
+        return Call(conversation, sampling, limit, data.stream, options, cache_prompt=data.cache_prompt)
+
+    def stream(self, data: ResponsesRequest, reply: Reply, generation: Generation) -> AsyncIterator[bytes]:
+        output = _Output(tool_namespaces(data.tools))
+        return frames(generation, _ResponseEvents(_base(data, reply), partial(self.finished, data, reply), output))
+
+    def whole(self, data: ResponsesRequest, reply: Reply, events: list) -> dict[str, Any]:
+        output = _Output(tool_namespaces(data.tools))
+        for event in events[:-1]:
+            output.feed(event)
+        output.close(events[-1])
+        return self.finished(data, reply, output, events[-1])
+
+    def finished(self, data: ResponsesRequest, reply: Reply, output: _Output, final: FinalEvent) -> dict[str, Any]:
+        """The response a closed output makes, stored for previous_response_id."""
+        out, status = reply.parser.result(), output.status(final)
+        usage = ResponseUsage.of(final, _reasoning_tokens(reply.model, out))
+        response = {**_base(data, reply), "status": status,
+                    "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                    "output": output.items, "usage": msgspec.to_builtins(usage),
+                    "timings": msgspec.to_builtins(Timings.of(final))}
         if data.store:
-            store.put(response_id, [*kept, _answer(out)], response)
+            # What previous_response_id continues: the conversation without its instructions, plus the answer.
+            messages = reply.call.prompt.messages
+            self.store.put(reply.request_id, [*(messages[1:] if data.instructions else messages), _answer(out)],
+                           response)
         return response
 
-    if data.stream:
-        return EventStream(_events(generation, base, finished, namespaces))
-    output = _Output(namespaces)
-    final = None
-    for event in await generation.collect():
-        if isinstance(event, FinalEvent):
-            final = event
-        else:
-            output.feed(event)
-    assert final is not None
-    output.close(final)
-    return finished(output, final)
+
+@post("/v1/responses", status_code=200, summary="Create a response (OpenAI Responses API)")
+async def create_response(data: JSONBody[ResponsesRequest], state: State) -> dict | EventStream:
+    return await run(Responses(_store(state)), data, state.server)
 
 
 @get("/v1/responses/{response_id:str}", summary="A stored response (OpenAI Responses API)")
@@ -170,29 +180,22 @@ def _reasoning_tokens(model: LoadedModel, out: ParsedOutput) -> int:
     return len(model.engine.tokenizer.encode(out.reasoning)) if out.reasoning else 0
 
 
-def _base(data: ResponsesRequest, response_id: str, model: str, sampling: SamplingParams) -> dict[str, Any]:
+def _base(data: ResponsesRequest, reply: Reply) -> dict[str, Any]:
     """The response object's fields that do not depend on the output; the sampling actually used, as OpenAI
     reports it."""
     fmt = msgspec.to_builtins(data.text.format) if data.text is not None and data.text.format else {"type": "text"}
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-        "model": model, "output": [], "error": None, "incomplete_details": None,
+        "id": reply.request_id, "object": "response", "created_at": reply.created, "status": "in_progress",
+        "model": reply.model.name, "output": [], "error": None, "incomplete_details": None,
         "instructions": data.instructions, "tools": data.tools or [],
         "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
         "parallel_tool_calls": True if data.parallel_tool_calls is None else data.parallel_tool_calls,
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "max_output_tokens": data.max_output_tokens,
+        "temperature": reply.sampling.temperature, "top_p": reply.sampling.top_p,
+        "max_output_tokens": data.max_output_tokens,
         "previous_response_id": data.previous_response_id, "metadata": data.metadata or {},
         "reasoning": {"effort": (data.reasoning or {}).get("effort"), "summary": None},
         "text": {"format": fmt}, "store": data.store, "truncation": data.truncation or "disabled", "usage": None,
     }
-
-
-def _final(base: dict[str, Any], output: _Output, final: FinalEvent, reasoning_tokens: int) -> dict[str, Any]:
-    cut = final.finish_reason == "length"
-    return {**base, "status": "incomplete" if cut else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "output": output.items, "usage": msgspec.to_builtins(ResponseUsage.of(final, reasoning_tokens)),
-            "timings": msgspec.to_builtins(Timings.of(final))}
 
 
 class _Output:
@@ -234,7 +237,7 @@ class _Output:
         if self._open is None:
             return
         item = self.items[-1]
-        item["status"] = "incomplete" if final is not None and final.finish_reason == "length" else "completed"
+        item["status"] = "completed" if final is None else self.status(final)
         if self._open == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": self._text}]
             self._emit("response.reasoning_text.done", content_index=0, text=self._text)
@@ -247,6 +250,10 @@ class _Output:
             self._emit("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"])
         self._emit("response.output_item.done", item=json.loads(json.dumps(item)), with_item_id=False)
         self._open, self._text = None, ""
+
+    def status(self, final: FinalEvent) -> str:
+        called = any(item["type"] == "function_call" for item in self.items)
+        return Responses.finish_names[Finish.of(final, called)]
 
     def _open_message(self) -> None:
         self._ensure("message", lambda: {"type": "message", "id": _id("msg"), "role": "assistant",
@@ -276,40 +283,44 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-async def _events(generation: Generation, base: dict[str, Any], finished: Any,
-                  namespaces: dict[str, str]) -> AsyncIterator[bytes]:
-    sequence = 0
+@dataclass
+class _ResponseEvents(StreamEncoder):
+    """A streamed response: created and in_progress, the output's events as its items are built, then completed
+    or incomplete; each event numbered."""
 
-    def sse(event: dict[str, Any]) -> bytes:
-        nonlocal sequence
-        payload = {**event, "sequence_number": sequence}
-        sequence += 1
+    base: dict[str, Any]
+    finished: Callable[[_Output, FinalEvent], dict[str, Any]]
+    output: _Output
+    sequence: int = 0
+
+    def sse(self, event: dict[str, Any]) -> bytes:
+        payload = {**event, "sequence_number": self.sequence}
+        self.sequence += 1
         return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
 
-    yield sse({"type": "response.created", "response": base})
-    yield sse({"type": "response.in_progress", "response": base})
-    output = _Output(namespaces)
-    try:
-        async for event in generation.events():
-            if event is HEARTBEAT:
-                yield b": ping\n\n"
-                continue
-            if isinstance(event, FinalEvent):
-                output.close(event)
-                response = finished(output, event)
-            else:
-                output.feed(event)
-            for e in output.events:
-                yield sse(e)
-            output.events.clear()
-            if isinstance(event, FinalEvent):
-                kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-                yield sse({"type": kind, "response": response})
-    except Exception as exc:  # the status line is gone: a failed response, as OpenAI sends
-        err = as_api_error(exc)
-        failed = {**base, "status": "failed", "output": output.items,
-                  "error": {"code": str(err.code or "server_error"), "message": err.message}}
-        yield sse({"type": "response.failed", "response": failed})
+    def opening(self) -> list[bytes]:
+        return [self.sse({"type": "response.created", "response": self.base}),
+                self.sse({"type": "response.in_progress", "response": self.base})]
+
+    def feed(self, event: object) -> list[bytes]:
+        self.output.feed(event)
+        return self.drain()
+
+    def close(self, final: FinalEvent) -> list[bytes]:
+        self.output.close(final)
+        response = self.finished(self.output, final)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return [*self.drain(), self.sse({"type": kind, "response": response})]
+
+    def failed(self, error: APIError) -> list[bytes]:
+        failed = {**self.base, "status": "failed", "output": self.output.items,
+                  "error": {"code": str(error.code or "server_error"), "message": error.message}}
+        return [self.sse({"type": "response.failed", "response": failed})]
+
+    def drain(self) -> list[bytes]:
+        out = [self.sse(e) for e in self.output.events]
+        self.output.events.clear()
+        return out
 
 
 def responses_router() -> Router:
