@@ -26,9 +26,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_agent.bench import synthetic
-from dflash_agent.engine.backends.cuda import DraftStepGraph, enable_cuda_graphs
+from dflash_agent.engine.backends.cuda import DraftStepGraph, cuda_step_graphs
 from dflash_agent.engine.model.gemma import RowGroup
 from dflash_agent.engine.model.packed import choose_cuda_tiles
+from dflash_agent.engine.runner import StepRunner
 from dflash_agent.kernels import quant_matmul as qm
 from dflash_agent.kernels.dispatch import VERIFY_ROWS
 from dflash_agent.kernels.quant_tuning import choose_tile, graphed_cost, graphed_ms
@@ -71,7 +72,9 @@ def steps_part(out: dict) -> None:
     block = torch.zeros(16, dtype=torch.long, device=device)
     rows = torch.arange(16, device=device)
 
-    def run(ids, logits_at=None):
+    eager = StepRunner(target)
+
+    def run(runner, ids, logits_at=None):
         cached = CONTEXT - ids.shape[0]
 
         def step():
@@ -79,26 +82,29 @@ def steps_part(out: dict) -> None:
                 cache.rollback(cached)
             else:  # the scenario before this one left fewer tokens
                 synthetic._fill_context(cache, cached)
-            target(ids, cache, logits_at=logits_at)
+            runner.forward(ids, cache, logits_at=logits_at)
         return step
 
     caches = [target.new_cache(2 * CONTEXT) for _ in range(4)]
 
-    def four_rows():
-        for c in caches:
-            synthetic._fill_context(c, CONTEXT - 1)
-        target.forward_groups([RowGroup(one, c) for c in caches])
+    def four_rows(runner):
+        def step():
+            for c in caches:
+                synthetic._fill_context(c, CONTEXT - 1)
+            runner.forward_groups([RowGroup(one, c) for c in caches])
+        return step
 
-    scenarios = {"decode eager": run(one), "4 decode rows eager": four_rows, "verify-16 eager": run(block, rows)}
+    scenarios = {"decode eager": run(eager, one), "4 decode rows eager": four_rows(eager),
+                 "verify-16 eager": run(eager, block, rows)}
     for name, step in scenarios.items():
         out["kernels"][name] = table = kernel_table(step)
         table["wall_ms"] = round(synthetic._time_ms(step, 10, device), 2)
         log.info("%s: %.2f ms a step, %.2f ms of kernels in %d launches\n%s", name, table["wall_ms"],
                  table["kernel_us"] / 1e3, table["launches"],
                  "\n".join(f"  {k['us']:9.1f} us {k['launches']:6.1f}x  {k['name']}" for k in table["top"]))
-    enable_cuda_graphs(target, slots=4)
-    for name, step in {"decode graphed": run(one), "4 decode rows graphed": four_rows,
-                       "verify-16 graphed": run(block, rows)}.items():
+    graphed = StepRunner(target, graphs=cuda_step_graphs(target, slots=4))
+    for name, step in {"decode graphed": run(graphed, one), "4 decode rows graphed": four_rows(graphed),
+                       "verify-16 graphed": run(graphed, block, rows)}.items():
         wall = synthetic._time_ms(step, 10, device)
         out["kernels"][name] = table = kernel_table(step)
         table["wall_ms"] = round(wall, 2)

@@ -19,8 +19,8 @@ import torch
 
 from ..engine.load.tokenizer import Tokenizer
 from ..engine.load.weights import EMBEDDED, build_model, open_checkpoint, resolve_model_path
-from ..engine.model.gemma import GemmaModel
 from ..engine.model.packed import prefill_dtype
+from ..engine.runner import StepRunner
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def texts(tokenizer: Tokenizer, tokens: int) -> dict[str, list[int]]:
 
 
 @torch.inference_mode()
-def log_probs(model: GemmaModel, ids: list[int], step: int = CHUNK) -> torch.Tensor:
+def log_probs(model: StepRunner, ids: list[int], step: int = CHUNK) -> torch.Tensor:
     """[len(ids), vocab] float32 next-token log-probabilities, teacher-forced in windows of CHUNK tokens
     (each window starts a fresh cache, so no window outgrows the sliding layers' ring), fed `step` tokens per
     forward."""
@@ -69,12 +69,12 @@ def log_probs(model: GemmaModel, ids: list[int], step: int = CHUNK) -> torch.Ten
         cache = model.new_cache(CHUNK)
         for at in range(0, len(window), step):
             part = window[at:at + step]
-            logits = model(part, cache, logits_at=torch.arange(len(part))).logits
+            logits = model.forward(part, cache, logits_at=torch.arange(len(part))).logits
             out.append(torch.log_softmax(logits.float(), dim=-1))
     return torch.cat(out)
 
 
-def compare(exact: GemmaModel, packed: GemmaModel, ids: list[int], name: str, prefill: str) -> list[Fidelity]:
+def compare(exact: StepRunner, packed: StepRunner, ids: list[int], name: str, prefill: str) -> list[Fidelity]:
     """The packed model reads in steps of DECODE_STEP tokens, the rows a decode or verification step gives its
     kernels, then in whole windows, the rows of a prefill block (its GEMMs in `prefill`, the dtype they run in)."""
     steps = {"decode": DECODE_STEP, f"prompt {prefill}": CHUNK}
@@ -101,9 +101,9 @@ def run_fidelity(model: str = EMBEDDED, tokens: int = 1024, prefill: str = "auto
     if ckpt.format != "gguf":
         raise UserError(f"{path} is not a GGUF file: only GGUF weights have a packed CPU path")
     tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf)
-    exact = build_model(ckpt, "cpu", torch.float32, progress=False)
+    exact = StepRunner(build_model(ckpt, "cpu", torch.float32, progress=False))
     gemm = prefill_dtype(prefill)
-    packed = build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True, prefill=gemm)
+    packed = StepRunner.build(build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True, prefill=gemm))
     results = []
     for name, ids in texts(tokenizer, tokens).items():
         results += compare(exact, packed, ids, name, str(gemm).removeprefix("torch."))

@@ -80,7 +80,7 @@ class KernelConfig:
 
 def _phase_rows(drafter: DrafterConfig) -> dict[str, list[int]]:
     verify = [b for b in BUCKETS if 1 < b <= drafter.block_size]
-    # slots: concurrent requests' decode rows in one step (GemmaModel.forward_groups), in the 16-row tiles
+    # slots: concurrent requests' decode rows in one step (StepRunner.forward_groups), in the 16-row tiles
     return {"decode": [1], "slots": [4, 8], "verify": sorted({*verify, drafter.block_size}),
             "prefill": [PREFILL_CHUNK, PREFILL_CHUNK - 1]}
 

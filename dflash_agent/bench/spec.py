@@ -141,17 +141,17 @@ def verify_costs(engine: Engine, prompt: list[int], rows: tuple[int, ...] = (1, 
     row's pick, as greedy verification takes (GemmaModel.forward's `greedy`), after `prompt`, on a cache of its own,
     timed alternately (median of `repeats`) on whatever path the engine takes for that many rows. Rolled back after
     each; the rings may then miss keys, which changes no step's cost."""
-    model = engine.model
-    cache = model.new_cache(len(prompt) + max(rows) + 1)
-    model(torch.tensor(prompt, device=model.device), cache, logits_at=torch.arange(0))
+    runner = engine.runner
+    cache = runner.new_cache(len(prompt) + max(rows) + 1)
+    runner.forward(torch.tensor(prompt, device=runner.device), cache, logits_at=torch.arange(0))
     start = cache.length
-    block = torch.tensor((prompt * (max(rows) // len(prompt) + 1))[:max(rows)], device=model.device)
+    block = torch.tensor((prompt * (max(rows) // len(prompt) + 1))[:max(rows)], device=runner.device)
     times: dict[tuple[int, bool], list[float]] = {(n, greedy): [] for n in rows for greedy in (False, True)}
     for _ in range(repeats + 1):  # the first round warms up
         for n, greedy in times:
             cache.rollback(start)
             began = time.perf_counter()
-            model(block[:n], cache, logits_at=torch.arange(n, device=model.device), greedy=greedy)
+            runner.forward(block[:n], cache, logits_at=torch.arange(n, device=runner.device), greedy=greedy)
             times[n, greedy].append(time.perf_counter() - began)
     median = {key: statistics.median(t[1:]) * 1e3 for key, t in times.items()}
     one = {greedy: median[min(rows), greedy] / min(rows) for greedy in (False, True)}

@@ -214,7 +214,7 @@ class DecodeSpeed:
 
 @dataclass
 class StreamsSpeed:
-    """Decode steps of several requests at once (GemmaModel.forward_groups), through CUDA graphs as the engine runs
+    """Decode steps of several requests at once (StepRunner.forward_groups), through CUDA graphs as the engine runs
     them (one per combination of slots; one stream through its own cache's); and a step verifying a 16-token block of
     each, as speculating slots run it, through graphs and eagerly."""
 
@@ -378,9 +378,10 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
             contexts: tuple[int, ...] = CONTEXTS, reference: int = REFERENCE_CTX,
             copy_bytes: int = 1 << 30) -> SyntheticResult:
     """The measurements of the module doc for any config (the 31B on a GPU; the tests' tiny one on the CPU)."""
-    from ..engine.backends.cuda import DraftStepGraph, enable_cuda_graphs
+    from ..engine.backends.cuda import DraftStepGraph, cuda_step_graphs
     from ..engine.model.gemma import RowGroup
     from ..engine.model.packed import PackedWeight, choose_cuda_tiles
+    from ..engine.runner import StepRunner
 
     cuda, dtype = device.type == "cuda", torch.bfloat16
     block_size = 16
@@ -418,25 +419,26 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     block = torch.zeros(block_size, dtype=torch.long, device=device)
     rows = torch.arange(block_size, device=device)
 
-    def step_ms(ids: torch.Tensor, context: int, logits_at: torch.Tensor | None) -> float:
+    def step_ms(runner: StepRunner, ids: torch.Tensor, context: int, logits_at: torch.Tensor | None) -> float:
         # the step's last token sits at position context - 1; every call rolls back and repeats it
         cached = context - ids.shape[0]
         _fill_context(cache, cached)
 
         def step() -> None:
             cache.rollback(cached)
-            target(ids, cache, logits_at=logits_at)
+            runner.forward(ids, cache, logits_at=logits_at)
 
         return _time_ms(step, iters, device)
 
-    eager = {c: step_ms(one, c, None) for c in measured}
-    # as the engine runs decode on CUDA (a no-op elsewhere); one slot's logits buffer, as the plan the peak is read
+    eager_runner = StepRunner(target)
+    eager = {c: step_ms(eager_runner, one, c, None) for c in measured}
+    # as the engine runs decode on CUDA (no graphs elsewhere); one slot's logits buffer, as the plan the peak is read
     # against counts (the streams below grow it)
-    enable_cuda_graphs(target)
+    runner = StepRunner(target, graphs=cuda_step_graphs(target))
     decode: list[DecodeSpeed] = []
     graphed: dict[int, float] = {}
     for c in measured:
-        graphed[c] = step_ms(one, c, None)
+        graphed[c] = step_ms(runner, one, c, None)
         per_token = read + _kv_bytes_read(cache, c)
         roofline = bandwidth / per_token
         tok_s = 1e3 / graphed[c]
@@ -445,7 +447,7 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
                  100 * tok_s / roofline)
 
     ref = reference if reference in graphed else measured[-1]
-    verify = step_ms(block, ref, rows)
+    verify = step_ms(runner, block, ref, rows)
 
     # the drafter at the reference context: a block of 16 drafted after ref - 16 context tokens, then
     # the features of 8 committed tokens appended
@@ -476,23 +478,22 @@ def measure(model: str, config: ModelConfig, dconfig: DrafterConfig, quant: str,
     streams: list[StreamsSpeed] = []
     context = measured[0]
     for kv_cache, n in ((kv_cache, n) for kv_cache in STREAMS_KV for n in STREAMS):
-        enable_cuda_graphs(target)  # a fresh set: the last count's graphs go, and the caches they kept with them
+        # a fresh set of graphs: the last count's go, and the caches they kept with them
+        runner = StepRunner(target, graphs=cuda_step_graphs(target))
         caches = [target.new_cache(context, kv_cache) for _ in range(n)]
 
-        def batched_step(groups: list[RowGroup]) -> None:
+        def batched_step(on: StepRunner, groups: list[RowGroup]) -> None:
             for group in groups:
                 _fill_context(group.cache, context - group.ids.shape[0])
-            target.forward_groups(groups)
+            on.forward_groups(groups)
 
         decode_rows = [RowGroup(one, cache) for cache in caches]
-        tok_s = n * 1e3 / _time_ms(partial(batched_step, decode_rows), iters, device)
+        tok_s = n * 1e3 / _time_ms(partial(batched_step, runner, decode_rows), iters, device)
         one_tok_s = next((st.tok_s for st in streams if st.kv_cache == kv_cache), tok_s)
         roofline = n * bandwidth / (read + n * _kv_bytes_read(caches[0], context))
         blocks = [RowGroup(block, cache, rows) for cache in caches]
-        verify_n = _time_ms(partial(batched_step, blocks), iters, device)
-        graphs, target.step_graphs = target.step_graphs, None
-        verify_n_eager = _time_ms(partial(batched_step, blocks), iters, device)
-        target.step_graphs = graphs
+        verify_n = _time_ms(partial(batched_step, runner, blocks), iters, device)
+        verify_n_eager = _time_ms(partial(batched_step, eager_runner, blocks), iters, device)
         streams.append(StreamsSpeed(n, context, kv_cache, tok_s, tok_s / n, tok_s / one_tok_s, roofline, verify_n,
                                     verify_n_eager))
         log.info("%d streams at %d, %s KV: %.1f tok/s together, %.2fx one stream; verify-16 of each %.2f ms "

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from .backends.cuda import enable_cuda_graphs
 from .cache.kv_cache import check_kv_dtype
 from .cache.prefix_cache import PrefixCacheConfig, PrefixCacheStats
 from .decode.speculative import SpecConfig
@@ -28,6 +27,7 @@ from .model.gemma import ContextOverflowError, GemmaModel
 from .model.mtp import MtpDrafter, is_mtp_checkpoint, load_mtp_drafter
 from .model.packed import choose_cuda_tiles, cpu_dot, prefill_dtype, release_cpu_threads
 from .progress import PROGRESS_EVERY_S
+from .runner import StepRunner
 from .scheduler import Job, Scheduler
 from .types import (
     PREFILL,
@@ -62,10 +62,16 @@ class Engine:
         kv_dtype: str = "auto",
         sampling_defaults: SamplingDefaults | None = None,
         parallel: int = 1,
+        runner: StepRunner | None = None,
     ) -> None:
+        """runner: the model's step runner (StepRunner.build's, with every backend the model qualifies for, when
+        not given)."""
         if parallel < 1:
             raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
+        if runner is not None and runner.model is not model:
+            raise ValueError("the runner given runs another model")
         self.model = model
+        self.runner = runner if runner is not None else StepRunner.build(model, parallel)
         self.model_path = model_path  # where the checkpoint's own chat template is read from
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
@@ -78,7 +84,7 @@ class Engine:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._scheduler = Scheduler(model, tokenizer, n_ctx, parallel, kv_dtype, drafter, self.spec, prefix_cache,
+        self._scheduler = Scheduler(self.runner, tokenizer, n_ctx, parallel, kv_dtype, drafter, self.spec, prefix_cache,
                                     PROGRESS_EVERY_S)
         self._worker = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         release_cpu_threads(model.device)  # the worker runs the kernels from here on (kernels.cpu_dot)
@@ -178,7 +184,7 @@ class Engine:
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
         if torch_device.type == "cuda":
             choose_cuda_tiles(net.matmul_weights())  # before the graphs capture the launches
-        enable_cuda_graphs(net, parallel)  # decode / verify steps replay CUDA graphs (a no-op off CUDA)
+        runner = StepRunner.build(net, parallel)  # the C layers, CUDA graphs: whichever this model takes
         drafter: Drafter | MtpDrafter | None = None
         if draft_path is not None and mtp:
             drafter = load_mtp_drafter(draft_path, ckpt.config, torch_device, torch_dtype)
@@ -193,7 +199,7 @@ class Engine:
         name = Path(path).name if model == EMBEDDED else model
         return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec, model_path=path,
                    prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype,
-                   sampling_defaults=defaults, parallel=parallel)
+                   sampling_defaults=defaults, parallel=parallel, runner=runner)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Queue the request and yield its events; raises ContextOverflowError / RequestError for bad requests.

@@ -4,7 +4,7 @@ Each turn of the loop admits waiting requests into free slots, runs prompt work 
 quarter of one while others decode (PREFILL_BESIDE_DECODES), the request with the least prompt left first, so a
 short request is not stuck behind a long one (a long chunk runs a layer at a time, and a request that arrives
 meanwhile is admitted and goes first before its next layer); then one step for every decoding request: their decode
-rows and verification blocks go through the target in one forward (GemmaModel.forward_groups), which reads each
+rows and verification blocks go through the target in one forward (StepRunner.forward_groups), which reads each
 weight once for all of them. Every row is computed alone, so a request's output is what it would be alone. A
 running prefill stalls the decoding requests by about a quarter chunk at a time; a cancelled request leaves its
 slot at the next turn; requests past the slots wait in order.
@@ -35,10 +35,11 @@ from .decode.sampling import Sampler, StopStringFilter
 from .decode.speculative import CopyMemory, LengthController, PlannedStep, RequestDecoder, SpecConfig
 from .load.tokenizer import IncrementalDetokenizer, Tokenizer
 from .model.drafter import Drafter
-from .model.gemma import GemmaModel, RowGroup
+from .model.gemma import RowGroup
 from .model.mtp import MtpDrafter
 from .model.packed import cpu_dot, release_cpu_threads
 from .progress import ProgressLog
+from .runner import StepRunner
 from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, TokenEvent, Usage
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,10 @@ class Task:
     (`lender`, `until`), then takes them from its caches (PrefixCache.lend): the shared part is prefilled once."""
 
     def __init__(self, scheduler: Scheduler, job: Job, slot: Slot, lender: Task | None = None, until: int = 0) -> None:
-        req, model = job.request, scheduler.model
+        req, runner = job.request, scheduler.runner
         self.scheduler, self.job, self.slot = scheduler, job, slot
         self.decoder = RequestDecoder(
-            model, slot.cache, Sampler(req.sampling, model.device, model.argmax),
+            runner, slot.cache, Sampler(req.sampling, runner.device, runner.argmax),
             drafter=scheduler.drafter, drafter_cache=slot.drafter_cache,
             matcher=req.grammar.matcher() if req.grammar is not None else None,
             spec=scheduler.spec, controller=slot.controller, memory=scheduler.copy_memory,
@@ -369,17 +370,17 @@ class ThreadCount:
 class Scheduler:
     """The worker's loop (see the module doc). `submit` from any thread; `run` on the worker thread."""
 
-    def __init__(self, model: GemmaModel, tokenizer: Tokenizer, n_ctx: int, parallel: int, kv_dtype: str,
+    def __init__(self, runner: StepRunner, tokenizer: Tokenizer, n_ctx: int, parallel: int, kv_dtype: str,
                  drafter: Drafter | MtpDrafter | None, spec: SpecConfig, prefix_cache: PrefixCacheConfig | None,
                  progress_every_s: float) -> None:
-        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        self.runner, self.tokenizer, self.n_ctx = runner, tokenizer, n_ctx
         self.drafter, self.spec = drafter, spec
         self.progress_every_s = progress_every_s
         store = PrefixStore(prefix_cache) if prefix_cache is not None else None
         self.prefix_stats = store.stats if store is not None else None
         self.slots: list[Slot] = []
         for i in range(parallel):
-            cache = model.new_cache(n_ctx, kv_dtype)
+            cache = runner.new_cache(n_ctx, kv_dtype)
             drafter_cache = drafter.new_cache(n_ctx) if drafter is not None else None
             # The drafter's cache is fed (and so worth keeping) only while speculation is on.
             fed = drafter_cache if spec.enabled else None
@@ -388,7 +389,7 @@ class Scheduler:
         self.capture = drafter.capture_layers if drafter is not None and spec.enabled else ()
         self.batch_drafting = BatchDrafting()
         # the CPU kernels' thread count per step (None: not the CPU kernels, or a single core)
-        kernels = cpu_dot() if model.device.type == "cpu" else None
+        kernels = cpu_dot() if runner.device.type == "cpu" else None
         self.thread_count = ThreadCount(kernels, torch.get_num_threads()) \
             if kernels is not None and torch.get_num_threads() > 1 else None
         # what every slot's requests wrote, for copies across requests (the worker thread alone touches it)
@@ -433,7 +434,7 @@ class Scheduler:
     def _take(self, block: bool) -> None:
         """Move submitted jobs to the waiting line, waiting for one when there is nothing else to do."""
         if block:  # idle: this thread's OpenMP threads end rather than wait (kernels.cpu_dot)
-            release_cpu_threads(self.model.device)
+            release_cpu_threads(self.runner.device)
         while True:
             try:
                 job = self._inbox.get(block=block)
@@ -557,7 +558,7 @@ class Scheduler:
         committed = []
 
         def forward() -> None:
-            outs = self.model.forward_groups(groups, self.capture)
+            outs = self.runner.forward_groups(groups, self.capture)
             for (task, p), out in zip(planned, outs, strict=True):
                 self.guard([task], lambda t=task, p=p, o=out: committed.append(t.commit(p, o)))
 

@@ -33,7 +33,7 @@ KEYS_PER_CHUNK = 512
 # 144 programs a row; the ring's partials stay small, so the memory plan barely moves.
 RING_KEYS_PER_CHUNK = 128
 # The rows of kernels.quant_matmul's verification tile: steps of up to this many rows of several sequences share a
-# forward there (GemmaModel.batches)
+# forward there (StepRunner.batches)
 VERIFY_ROWS = 16
 # Packed matrices of at least this many weights get a decode / verification tile timed on their GPU
 # (kernels.quant_tuning); smaller ones cost a launch more than their bytes and keep the default.

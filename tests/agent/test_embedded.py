@@ -76,7 +76,8 @@ def test_three_forced_steps_in_process(engine, workspace):
 def test_a_forced_turn_through_the_http_server(engine, workspace):
     """The remote backend against `dflash-agent serve`'s app, sharing the loaded weights."""
     agent_tools = workspace_tools(workspace)
-    served = Engine(engine.model, engine.tokenizer, engine.n_ctx, model_name="embedded", model_path=engine.model_path)
+    served = Engine(engine.model, engine.tokenizer, engine.n_ctx, model_name="embedded", model_path=engine.model_path,
+                    runner=engine.runner)
     with live_server(lambda: served) as url:
         async def one_turn():
             backend = RemoteBackend(f"{url}/v1")

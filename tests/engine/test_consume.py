@@ -145,15 +145,15 @@ def test_close_waits_for_the_step_in_flight(monkeypatch):
     would abort: options.close_engine)."""
     eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=256, progress=False, weights="exact")
     entered, release = threading.Event(), threading.Event()
-    model = type(eng.model)
-    forward = model.forward_groups
+    runner = type(eng.runner)
+    forward = runner.forward_groups
 
     def held(self, *args, **kwargs):
         entered.set()
         release.wait(60)
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(model, "forward_groups", held)
+    monkeypatch.setattr(runner, "forward_groups", held)
     results = []
     worker = threading.Thread(target=lambda: results.append(asyncio.run(eng.complete(request(eng, max_tokens=50)))))
     worker.start()

@@ -17,6 +17,7 @@ from dflash_agent.engine.limits import MAX_ROWS
 from dflash_agent.engine.load.weights import build_model, open_checkpoint, resolve_model_path
 from dflash_agent.engine.model.gemma import RowGroup
 from dflash_agent.engine.model.packed import PackedWeight, cpu_dot
+from dflash_agent.engine.runner import StepRunner
 
 from .test_packed_linear import VOCAB, run_steps, tiny_family_config, tiny_packed_checkpoint
 
@@ -24,22 +25,23 @@ pytestmark = pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CP
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return build_model(tiny_packed_checkpoint(), "cpu", torch.float32, progress=False, repack_cpu=True)
+def tiny() -> StepRunner:
+    return _runner(tiny_packed_checkpoint())
 
 
-def _eager(model, cache_kind: str = "auto"):
-    """run_steps on the same model and weights with the C layers switched off."""
-    layers, model.cpu_layers = model.cpu_layers, None
-    try:
-        return run_steps(model, cache_kind)
-    finally:
-        model.cpu_layers = layers
+def _runner(ckpt) -> StepRunner:
+    """The step runner of a checkpoint repacked for the C layers, with them."""
+    return StepRunner.build(build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True))
+
+
+def _eager(runner: StepRunner, cache_kind: str = "auto"):
+    """run_steps on the same model and weights without the C layers."""
+    return run_steps(StepRunner(runner.model), cache_kind)
 
 
 def test_c_layers_match_the_eager_layers_on_gemma4_structure(tiny, monkeypatch):
     config = tiny.config
-    assert tiny.cpu_layers is not None
+    assert tiny.cpu is not None
     assert {s.head_dim for s in config.layers} == {64, 128} and any(s.k_eq_v for s in config.layers)
     assert config.v_norm and config.layer_scalar
     calls = []
@@ -63,7 +65,7 @@ def _family_model(kind: str, float_router: bool = False):
         for name, tensor in list(ckpt.tensors.items()):
             if name.endswith("router.proj.weight"):
                 ckpt.tensors[name] = dequantize(tensor.raw, tensor.qtype, tensor.shape).float()
-    return build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True)
+    return _runner(ckpt)
 
 
 @pytest.mark.parametrize(("kind", "float_router"), [("moe", False), ("moe", True), ("ple", False)],
@@ -73,11 +75,11 @@ def test_c_layers_match_the_eager_layers_on_the_gemma4_family(kind, float_router
     per-layer input, layers reading their owner's K / V, the double-wide MLPs) in the C call: every step of
     run_steps goes there and gives the eager layers' logits."""
     model = _family_model(kind, float_router)
-    assert model.cpu_layers is not None
+    assert model.cpu is not None
     if kind == "moe":
-        assert isinstance(model.layers[0].router.proj.weight, PackedWeight) != float_router
+        assert isinstance(model.model.layers[0].router.proj.weight, PackedWeight) != float_router
     else:
-        assert model.layers[3].self_attn.k_proj is None and model.config.per_layer_input
+        assert model.model.layers[3].self_attn.k_proj is None and model.config.per_layer_input
     calls = []
     forward = CpuDecodeLayers.forward
     monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
@@ -98,11 +100,11 @@ def test_a_verified_block_gives_what_token_by_token_decoding_gives(model_name, t
     torch.manual_seed(3)
     ids = torch.randint(0, VOCAB, (40,))
     block = model.new_cache(64)
-    model(ids[:12], block)
-    together = model(ids[12:40], block, logits_at=torch.arange(28)).logits
+    model.forward(ids[:12], block)
+    together = model.forward(ids[12:40], block, logits_at=torch.arange(28)).logits
     single = model.new_cache(64)
-    model(ids[:12], single)
-    alone = torch.cat([model(ids[i:i + 1], single).logits for i in range(12, 40)])
+    model.forward(ids[:12], single)
+    alone = torch.cat([model.forward(ids[i:i + 1], single).logits for i in range(12, 40)])
     assert torch.equal(together, alone)
 
 
@@ -112,19 +114,15 @@ def test_attention_over_many_key_chunks_matches_eager_and_any_block_size(tiny):
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (170,))
 
-    def logits(block: int) -> torch.Tensor:
-        cache = tiny.new_cache(256)
-        tiny(ids[:150], cache)
-        return torch.cat([tiny(ids[i:i + block], cache, logits_at=torch.arange(block)).logits
+    def logits(block: int, runner: StepRunner = tiny) -> torch.Tensor:
+        cache = runner.new_cache(256)
+        runner.forward(ids[:150], cache)
+        return torch.cat([runner.forward(ids[i:i + block], cache, logits_at=torch.arange(block)).logits
                           for i in range(150, 170, block)])
 
     one, four, five = logits(1), logits(4), logits(5)
     assert torch.equal(one, four) and torch.equal(one, five)
-    layers, tiny.cpu_layers = tiny.cpu_layers, None
-    try:
-        eager = logits(1)
-    finally:
-        tiny.cpu_layers = layers
+    eager = logits(1, StepRunner(tiny.model))
     assert (one - eager).norm() / eager.norm() < 1e-3
 
 
@@ -146,40 +144,38 @@ def test_an_int8_cache_and_long_blocks_stay_on_the_eager_layers(tiny, monkeypatc
 
 def test_the_final_norm_and_head_run_in_one_c_call_for_a_few_rows(tiny):
     hidden = torch.randn(5, tiny.config.hidden_size)
-    fused = tiny.cpu_layers.logits(hidden)
+    fused = tiny.cpu.logits(hidden)
     assert fused is not None and fused.shape == (5, tiny.config.vocab_size)
-    torch.testing.assert_close(fused, F.linear(tiny.norm(hidden), tiny.output_weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, F.linear(tiny.model.norm(hidden), tiny.model.output_weight), rtol=1e-5,
+                               atol=1e-5)
     for row in range(5):  # each row alone gives the same bits (verify steps give what decode steps give)
-        assert torch.equal(tiny.cpu_layers.logits(hidden[row:row + 1]), fused[row:row + 1])
-    assert tiny.cpu_layers.logits(torch.randn(MAX_ROWS + 1, tiny.config.hidden_size)) is None  # prefill: GEMM
+        assert torch.equal(tiny.cpu.logits(hidden[row:row + 1]), fused[row:row + 1])
+    assert tiny.cpu.logits(torch.randn(MAX_ROWS + 1, tiny.config.hidden_size)) is None  # prefill: GEMM
 
 
 def test_exact_weights_have_no_c_layers():
     ckpt = tiny_packed_checkpoint()
-    assert build_model(ckpt, "cpu", torch.float32, progress=False).cpu_layers is None
-    assert build_model(ckpt, "cpu", torch.bfloat16, progress=False, repack_cpu=True).cpu_layers is None
+    assert StepRunner.build(build_model(ckpt, "cpu", torch.float32, progress=False)).cpu is None
+    assert StepRunner.build(build_model(ckpt, "cpu", torch.bfloat16, progress=False, repack_cpu=True)).cpu is None
 
 
 def test_embedded_model_decodes_the_same_tokens_through_the_c_layers():
-    path = resolve_model_path("embedded")
-    model = build_model(open_checkpoint(path), "cpu", torch.float32, progress=False, repack_cpu=True)
-    assert model.cpu_layers is not None
+    model = _runner(open_checkpoint(resolve_model_path("embedded")))
+    assert model.cpu is not None
     prompt = torch.tensor([2, 818, 5279, 529, 506, 9893, 3298, 496, 236743] * 6)
 
-    def greedy(n: int) -> tuple[list[int], torch.Tensor]:
-        cache = model.new_cache(256)
-        logits = model(prompt, cache).logits
+    def greedy(runner: StepRunner, n: int) -> tuple[list[int], torch.Tensor]:
+        cache = runner.new_cache(256)
+        logits = runner.forward(prompt, cache).logits
         tokens, rows = [], []
         for _ in range(n):
             tokens.append(int(logits.argmax()))
-            logits = model(torch.tensor(tokens[-1:]), cache).logits
+            logits = runner.forward(torch.tensor(tokens[-1:]), cache).logits
             rows.append(logits)
         return tokens, torch.cat(rows)
 
-    c_tokens, c_logits = greedy(24)
-    layers, model.cpu_layers = model.cpu_layers, None
-    eager_tokens, eager_logits = greedy(24)
-    model.cpu_layers = layers
+    c_tokens, c_logits = greedy(model, 24)
+    eager_tokens, eager_logits = greedy(StepRunner(model.model), 24)
     assert c_tokens == eager_tokens
     assert (c_logits - eager_logits).abs().max() < 0.05  # logits of order 10-30; float rounding order differs
 
@@ -192,20 +188,16 @@ def test_a_cache_shorter_than_the_window_still_decodes_through_the_c_layers(tiny
     monkeypatch.setattr(CpuDecodeLayers, "forward", lambda self, *a: calls.append(a[0].shape[0]) or forward(self, *a))
     ids = torch.arange(20) % VOCAB
 
-    def steps() -> torch.Tensor:
-        cache = tiny.new_cache(20)  # shorter than window + slack: the ring is the whole cache
+    def steps(runner: StepRunner) -> torch.Tensor:
+        cache = runner.new_cache(20)  # shorter than window + slack: the ring is the whole cache
         assert cache.ring_slots == cache.max_len
-        rows = [tiny(ids[:12], cache).logits]
-        rows += [tiny(ids[i:i + 1], cache).logits for i in range(12, 20)]
+        rows = [runner.forward(ids[:12], cache).logits]
+        rows += [runner.forward(ids[i:i + 1], cache).logits for i in range(12, 20)]
         return torch.cat(rows)
 
-    c = steps()
+    c = steps(tiny)
     assert calls == [12] + [1] * 8
-    layers, tiny.cpu_layers = tiny.cpu_layers, None
-    try:
-        eager = steps()
-    finally:
-        tiny.cpu_layers = layers
+    eager = steps(StepRunner(tiny.model))
     assert (c - eager).norm() / eager.norm() < 1e-3 and torch.equal(c.argmax(-1), eager.argmax(-1))
 
 
@@ -218,16 +210,16 @@ def test_blocks_a_ring_cannot_take_stay_on_the_eager_plan(tiny, monkeypatch):
     T = cache.slack + 2
     assert cache.ring_slots < cache.max_len and CpuDecodeLayers.takes(T, cache.layers)
     assert tiny.step_rows(cache) == T - 1
-    plan = tiny._plan(cache, torch.arange(T), 0, T)
+    plan = tiny.model.plan(cache, torch.arange(T), 0, T, c_layers=True)
     assert (plan.full.mode, plan.sliding.mode) == ("cache", "prefill")
-    tiny(torch.arange(T) % VOCAB, tiny.new_cache(256))
+    tiny.forward(torch.arange(T) % VOCAB, tiny.new_cache(256))
     assert calls == []
 
 
 def test_the_c_layers_hold_every_tensor_they_point_into(tiny):
     """The structs keep bare pointers: a weight re-placed (an arena, a reloaded state dict) after build must not
     free memory C still reads."""
-    layers = tiny.cpu_layers
+    layers = tiny.cpu
     kept = {t.data_ptr() for t in layers._keep}
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")
     matrices = [getattr(weights, name) for weights in layers.layers for name in names] + [layers._head[1]]
@@ -238,7 +230,7 @@ def test_the_c_layers_hold_every_tensor_they_point_into(tiny):
 def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(tiny):
     from dflash_agent.kernels.cpu_dot import LayerCache
 
-    layers, lib = tiny.cpu_layers, tiny.cpu_layers.lib
+    layers, lib = tiny.cpu, tiny.cpu.lib
     n, slots = len(layers.layers), 4
     q_pos = torch.tensor([3])
     tables = [lib.rope_table(q_pos, f) for f in layers._inv_freqs]
@@ -264,7 +256,7 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(ti
 
 @pytest.mark.parametrize("model_name", ["tiny", "moe", "ple", "embedded"])
 def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_name, tiny, embedded_c):
-    """GemmaModel.forward_groups: decode rows and verification blocks of four sequences (different lengths, one
+    """StepRunner.forward_groups: decode rows and verification blocks of four sequences (different lengths, one
     past its sliding window) in one C call give bit for bit the logits and captures of each run alone."""
     from dflash_agent.engine.model.gemma import RowGroup
 
@@ -281,14 +273,14 @@ def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_
         for prompt in prompts:
             cache = model.new_cache(window + 64)
             for i in range(0, prompt.shape[0], 8):  # prefill in C-sized pieces, so rings wrap as decoding does
-                model(prompt[i:i + 8], cache)
+                model.forward(prompt[i:i + 8], cache)
             out.append(cache)
         return out
 
-    alone = [model(block, cache, logits_at=torch.arange(block.shape[0]), capture=capture)
+    alone = [model.forward(block, cache, logits_at=torch.arange(block.shape[0]), capture=capture)
              for block, cache in zip(blocks, caches(), strict=True)]
     calls = []
-    layers = model.cpu_layers
+    layers = model.cpu
     forward_groups = layers.forward_groups
     layers.forward_groups = lambda x, groups, *rest: calls.append(len(groups)) or forward_groups(x, groups, *rest)
     try:
@@ -306,35 +298,34 @@ def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_
     # and the caches hold what each sequence's own steps wrote: the next step agrees too
     nxt = torch.tensor([1])
     for cache, (block, ref) in zip(together_caches, zip(blocks, caches(), strict=True), strict=True):
-        model(block, ref)
-        assert torch.equal(model(nxt, cache).logits, model(nxt, ref).logits)
+        model.forward(block, ref)
+        assert torch.equal(model.forward(nxt, cache).logits, model.forward(nxt, ref).logits)
 
 
 @pytest.fixture(scope="module")
-def embedded_c():
-    path = resolve_model_path("embedded")
-    return build_model(open_checkpoint(path), "cpu", torch.float32, progress=False, repack_cpu=True)
+def embedded_c() -> StepRunner:
+    return _runner(open_checkpoint(resolve_model_path("embedded")))
 
 
 def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
-    """GemmaModel.forward(greedy=True): a verification block's picks through the head's screen (VNNI builds) are the
+    """StepRunner.forward(greedy=True): a verification block's picks through the head's screen (VNNI builds) are the
     argmax of each row's logits, alone and beside other sequences' rows (forward_groups, greedy and not)."""
     from dflash_agent.engine.model.gemma import RowGroup
 
     model = embedded_c
-    assert (model.cpu_layers._screen is not None) == (cpu_dot().simd == "avx512")
+    assert (model.cpu._screen is not None) == (cpu_dot().simd == "avx512")
     torch.manual_seed(11)
     prompt, block = torch.randint(0, 4096, (40,)), torch.randint(0, 4096, (24,))
 
     def cache():
         c = model.new_cache(128)
-        model(prompt, c)
+        model.forward(prompt, c)
         return c
 
-    logits = model(block, cache(), logits_at=torch.arange(24)).logits
-    picks = model(block, cache(), logits_at=torch.arange(24), greedy=True)
+    logits = model.forward(block, cache(), logits_at=torch.arange(24)).logits
+    picks = model.forward(block, cache(), logits_at=torch.arange(24), greedy=True)
     assert picks.logits is None and picks.tokens == [model.argmax(row) for row in logits]
-    assert model(block[:1], cache(), greedy=True).tokens == [model.argmax(logits[0])]
+    assert model.forward(block[:1], cache(), greedy=True).tokens == [model.argmax(logits[0])]
     outs = model.forward_groups([RowGroup(block, cache(), torch.arange(24), greedy=True),
                                  RowGroup(block[:5], cache(), torch.arange(5)),
                                  RowGroup(block[:9], cache(), torch.tensor([2, 8]), greedy=True)])
@@ -346,21 +337,21 @@ def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
     caches = [cache(), cache()]
     for bad in (torch.tensor([5]), torch.tensor([-1]), torch.tensor([0.0])):
         with pytest.raises(ValueError, match="outside the step's 5 new tokens"):
-            model(block[:5], caches[0], logits_at=bad)
+            model.forward(block[:5], caches[0], logits_at=bad)
         with pytest.raises(ValueError, match="outside the step's 5 new tokens"):
             model.forward_groups([RowGroup(block[:5], caches[0], bad), RowGroup(block[:3], caches[1])])
     assert [c.length for c in caches] == [40, 40]
 
 
 def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
-    """GemmaModel.draft_picks: a drafter's normed rows' picks over the LM head, as its logits' argmax gives them."""
+    """StepRunner.draft_picks: a drafter's normed rows' picks over the LM head, as its logits' argmax gives them."""
     model = embedded_c
     hidden = F.rms_norm(torch.randn(15, model.config.hidden_size), (model.config.hidden_size,))
     picks = model.draft_picks(hidden)
-    if model.cpu_layers._screen is None:
+    if model.cpu._screen is None:
         assert picks is None
         return
-    assert picks == [model.argmax(row) for row in F.linear(hidden, model.output_weight)]
+    assert picks == [model.argmax(row) for row in F.linear(hidden, model.model.output_weight)]
     assert model.draft_picks(hidden[:1]) is None  # one row: the whole head
 
 
@@ -369,12 +360,12 @@ def test_no_screen_where_it_would_crowd_the_ram(embedded_c, monkeypatch):
 
     if cpu_dot().simd != "avx512":
         pytest.skip("the screen is built for VNNI builds only")
-    head = embedded_c.output_weight.cpu.matrix
+    head = embedded_c.model.output_weight.cpu.matrix
     need = head.n * head.k * cpu_decode.SCREEN_BYTES_PER_WEIGHT / cpu_decode.SCREEN_SHARE
     monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 0.9))
-    assert CpuDecodeLayers.build(embedded_c)._screen is None
+    assert CpuDecodeLayers.build(embedded_c.model)._screen is None
     monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 1.1))
-    assert CpuDecodeLayers.build(embedded_c)._screen is not None
+    assert CpuDecodeLayers.build(embedded_c.model)._screen is not None
 
 
 def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_c):
@@ -387,11 +378,11 @@ def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_c):
 
     def cache(prompt):
         c = model.new_cache(160)
-        model(prompt, c)
+        model.forward(prompt, c)
         return c
 
-    alone = [model(b, cache(p), logits_at=torch.arange(65), greedy=True).tokens for p, b in zip(prompts, blocks)]
-    layers, asked = model.cpu_layers, []
+    alone = [model.forward(b, cache(p), logits_at=torch.arange(65), greedy=True).tokens for p, b in zip(prompts, blocks)]
+    layers, asked = model.cpu, []
     for name in ("greedy", "logits"):
         original = getattr(layers, name)
         setattr(layers, name, lambda hidden, *a, f=original, **k: asked.append(hidden.shape[0]) or f(hidden, *a, **k))
@@ -402,5 +393,5 @@ def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_c):
         del layers.greedy, layers.logits
     assert asked and max(asked) <= MAX_ROWS and sum(asked) >= 130, asked
     assert [o.tokens for o in together] == alone
-    logits = model(blocks[0], cache(prompts[0]), logits_at=torch.arange(65)).logits
+    logits = model.forward(blocks[0], cache(prompts[0]), logits_at=torch.arange(65)).logits
     assert alone[0] == [model.argmax(row) for row in logits]

@@ -266,7 +266,8 @@ def test_speculation_is_lossless_on_the_packed_path():
     spec = Engine.load("embedded", device="cpu", ctx_size=1024, progress=False, spec=SpecConfig(block=block),
                        weights="packed")
     assert isinstance(spec.model.embed_tokens.weight, PackedWeight) and spec.drafter is not None
-    plain = Engine(spec.model, spec.tokenizer, spec.n_ctx, spec.model_name, spec=SpecConfig(enabled=False))
+    plain = Engine(spec.model, spec.tokenizer, spec.n_ctx, spec.model_name, spec=SpecConfig(enabled=False),
+                   runner=spec.runner)
     try:
         for text in (inspect.getsource(json.decoder)[:1500], "The history of the printing press"):
             prompt = spec.tokenizer.encode(text, add_bos=True)
@@ -284,7 +285,8 @@ def test_long_copy_drafts_are_lossless_across_the_window_and_from_the_prefix_cac
 
     plain = Engine.load("embedded", device="cpu", ctx_size=1024, progress=False, spec=SpecConfig(enabled=False),
                         prefix_cache=False)
-    lookup = Engine(plain.model, plain.tokenizer, plain.n_ctx, plain.model_name, spec=SpecConfig())
+    lookup = Engine(plain.model, plain.tokenizer, plain.n_ctx, plain.model_name, spec=SpecConfig(),
+                    runner=plain.runner)
     try:
         prompt = module_prompt(plain, 460)
         assert 400 < len(prompt) < 512
@@ -294,8 +296,8 @@ def test_long_copy_drafts_are_lossless_across_the_window_and_from_the_prefix_cac
             assert events.ids == expected
             assert events.final.usage.cached_tokens == (0 if run == 0 else len(prompt))
         stats = events.final.spec
-        if plain.model.cpu_layers is not None:  # the C layers verify 65-row blocks
-            assert plain.model.step_rows(plain.model.new_cache(1024)) == 65
+        if plain.runner.cpu is not None:  # the C layers verify 65-row blocks
+            assert plain.runner.step_rows(plain.runner.new_cache(1024)) == 65
             assert max(stats.accept_lengths) > 16 and "copy" in stats.by_source
     finally:
         lookup.close()

@@ -17,6 +17,7 @@ from dflash_agent.engine.backends import cuda as cuda_graphs
 from dflash_agent.engine.backends.cuda import BUCKETS, DraftStepGraph, TargetStepGraphs
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.drafter import init_drafter_checkpoint, load_drafter
+from dflash_agent.engine.runner import StepRunner
 from tests.engine.test_packed_linear import VOCAB, tiny_family_config, tiny_packed_checkpoint
 
 
@@ -57,20 +58,20 @@ def eager_capture(monkeypatch):
 def test_target_steps_match_forward(layout) -> None:
     ckpt = tiny_packed_checkpoint(config=None if layout == "dense" else tiny_family_config(layout))
     eager = build_model(ckpt, "cpu", torch.float32, progress=False)
-    graphed = build_model(ckpt, "cpu", torch.float32, progress=False)
-    graphed.step_graphs = TargetStepGraphs(graphed)
+    model = build_model(ckpt, "cpu", torch.float32, progress=False)
+    graphed = StepRunner(model, graphs=TargetStepGraphs(model))
     torch.manual_seed(3)
     ids = torch.randint(0, VOCAB, (80,))
     caches = [eager.new_cache(64), graphed.new_cache(64)]
     for model, cache in zip((eager, graphed), caches):
-        model(ids[:5], cache)  # prefill stays eager (no bucket fits 5 here: logits of the last token only)
+        model.forward(ids[:5], cache)  # prefill stays eager (no bucket fits 5 here: logits of the last token only)
     # decode steps and verify blocks of every padding amount, with captured layers and rollbacks, past the
     # window (8) and around the ring (8 + 16 slots)
     pos, step, held = 5, 0, []
     while pos < 56:
         T = [1, 3, 5, 1, 7, 16, 2][step % 7]
         block = ids[pos : pos + T]
-        outs = [model(block, cache, logits_at=torch.arange(T), capture=(0, 1))
+        outs = [model.forward(block, cache, logits_at=torch.arange(T), capture=(0, 1))
                 for model, cache in zip((eager, graphed), caches)]
         # float32; the two attend through different SDPA calls (masks vs positions), so sums round differently
         close(outs[1].logits, outs[0].logits)
@@ -84,7 +85,7 @@ def test_target_steps_match_forward(layout) -> None:
     for got, want in held:  # what each step returned, after the later ones wrote the graphs' logits buffer
         close(got, want)
     assert caches[1].length == caches[0].length == pos
-    assert {bucket for _, bucket, _ in graphed.step_graphs.graphs} == set(BUCKETS)
+    assert {bucket for _, bucket, _ in graphed.graphs.graphs} == set(BUCKETS)
 
 
 def test_target_graphs_decline_what_they_cannot_replay() -> None:

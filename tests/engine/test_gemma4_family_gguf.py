@@ -9,6 +9,7 @@ import torch
 from dflash_agent.bench.random_gemma4 import convert, converter_script
 from dflash_agent.bench.random_gemma4 import save_byte_tokenizer as save_tokenizer
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
+from dflash_agent.engine.runner import StepRunner
 from tests.engine.test_gemma4_family import CONFIGS, VOCAB, save_reference
 
 
@@ -112,7 +113,8 @@ def test_q8_0_stays_packed_and_decodes_as_dequantized(converted, repack_cpu):
     packed = build_model(ckpt, "cpu", torch.float32, progress=False, packed=True, repack_cpu=repack_cpu)
     # the C layers take the MoE file whole (its router in float, as the converter keeps it); the E2B-like file's
     # 16-wide per-layer inputs and 48-wide MLP stay in float (Q8_0 rows are multiples of 32), so it runs in torch
-    assert (packed.cpu_layers is not None) == (repack_cpu and ref.config.enable_moe_block)
+    runner = StepRunner.build(packed)
+    assert (runner.cpu is not None) == (repack_cpu and ref.config.enable_moe_block)
     if ref.config.enable_moe_block:
         stack = packed.layers[0].experts.gate_up_proj
         assert isinstance(stack, PackedWeight) and stack.dim() == 3
@@ -120,7 +122,7 @@ def test_q8_0_stays_packed_and_decodes_as_dequantized(converted, repack_cpu):
         assert (stack.experts is not None and all(m.cpu is not None for m in stack.experts)) == repack_cpu
     ids = torch.randint(0, VOCAB, (21,))
     want = exact(ids, exact.new_cache(64), logits_at=torch.arange(21)).logits
-    got = packed(ids, packed.new_cache(64), logits_at=torch.arange(21)).logits
+    got = runner.forward(ids, runner.new_cache(64), logits_at=torch.arange(21)).logits
     # the C matmuls quantize activations to int16 per block of 32: a relative error near 1e-5 per product
     torch.testing.assert_close(got, want, atol=1e-3 if repack_cpu else 0, rtol=0)
 

@@ -21,6 +21,7 @@ from dflash_agent.engine.formats.quant import PackedTensor, dequantize
 from dflash_agent.engine.load.weights import Checkpoint, build_model
 from dflash_agent.engine.model.gemma import GemmaModel, Linear
 from dflash_agent.engine.model.packed import PACKED_TYPES, PackedWeight
+from dflash_agent.engine.runner import StepRunner
 
 T = GGMLQuantizationType
 VOCAB = 96
@@ -88,7 +89,7 @@ def tiny_packed_checkpoint(seed: int = 0, config: ModelConfig | None = None) -> 
     return Checkpoint(Path("tiny-packed.gguf"), "gguf", config, tensors)
 
 
-def run_steps(model: GemmaModel, cache_kind: str = "auto") -> list[torch.Tensor]:
+def run_steps(model: GemmaModel | StepRunner, cache_kind: str = "auto") -> list[torch.Tensor]:
     """Prefill past the sliding window, a decode step, a verify block, a rollback and another decode."""
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (30,)).to(model.device)
@@ -97,11 +98,11 @@ def run_steps(model: GemmaModel, cache_kind: str = "auto") -> list[torch.Tensor]
     def rows(n: int) -> torch.Tensor:
         return torch.arange(n, device=model.device)
 
-    out = [model(ids[:13], cache, logits_at=rows(13)).logits]
-    out.append(model(ids[13:14], cache).logits)
-    out.append(model(ids[14:19], cache, logits_at=rows(5)).logits)
+    out = [model.forward(ids[:13], cache, logits_at=rows(13)).logits]
+    out.append(model.forward(ids[13:14], cache).logits)
+    out.append(model.forward(ids[14:19], cache, logits_at=rows(5)).logits)
     cache.rollback(16)
-    out.append(model(ids[19:20], cache).logits)
+    out.append(model.forward(ids[19:20], cache).logits)
     return out
 
 

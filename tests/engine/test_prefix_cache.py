@@ -17,6 +17,7 @@ from dflash_agent.engine.decode.speculative import RequestDecoder, SpecConfig
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.model.drafter import load_drafter
+from dflash_agent.engine.runner import StepRunner
 
 from .dflash_pair import BLOCK, save_pair
 from .test_model_vs_transformers import VOCAB
@@ -253,12 +254,14 @@ def test_stop_inside_a_block_leaves_matching_keys(pair):
     drafts are scripted to be the target's own greedy tokens, so every block is accepted in full."""
     target, drafter = pair
     prompt = _tokens(20, seed=13)
-    plain = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()), spec=SpecConfig(enabled=False))
+    plain = RequestDecoder(StepRunner(target), target.new_cache(N_CTX), Sampler(SamplingParams()),
+                           spec=SpecConfig(enabled=False))
     plain.prefill(prompt)
     truth = list(plain.tokens(30))
 
     cache, drafter_cache = target.new_cache(N_CTX), drafter.new_cache(N_CTX)
-    decoder = RequestDecoder(target, cache, Sampler(SamplingParams()), drafter=drafter, drafter_cache=drafter_cache,
+    decoder = RequestDecoder(StepRunner(target), cache, Sampler(SamplingParams()), drafter=drafter,
+                             drafter_cache=drafter_cache,
                              spec=SpecConfig(block=BLOCK, ngram=False))
     decoder._propose = lambda source, anchor, k: speculative._Proposal(
         "dflash", truth[len(decoder.sequence) - len(prompt):][:k])
@@ -348,7 +351,7 @@ def test_embedded_session_past_the_window(embedded):
 
 
 def test_embedded_q8_greedy_matches(embedded):
-    q8 = Engine(embedded.model, embedded.tokenizer, 1024, kv_dtype="q8")
+    q8 = Engine(embedded.model, embedded.tokenizer, 1024, kv_dtype="q8", runner=embedded.runner)
     try:
         prompt = embedded.tokenizer.encode("def fibonacci(n):")
         assert _run(q8, prompt, 16)[0] == _run(embedded, prompt, 16, cache_prompt=False)[0]
@@ -366,7 +369,7 @@ def test_reused_logits_are_a_copy(pair):
     prompt = _tokens(30, seed=16)
     firsts, reused = [], []
     for _ in range(3):
-        decoder = RequestDecoder(target, cache, Sampler(SamplingParams()), spec=SpecConfig(enabled=False))
+        decoder = RequestDecoder(StepRunner(target), cache, Sampler(SamplingParams()), spec=SpecConfig(enabled=False))
         reuse = prefix.acquire(prompt)
         decoder.prefill(prompt, reuse.tokens, reuse.logits, on_chunk=prefix.prefilled)
         firsts.append(next(decoder.tokens(4)))

@@ -16,6 +16,7 @@ from dflash_agent.engine.decode.grammar import GrammarCompiler
 from dflash_agent.engine.engine import Engine
 from dflash_agent.engine.model.gemma import GemmaModel
 from dflash_agent.engine.model.packed import cpu_dot
+from dflash_agent.engine.runner import StepRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
@@ -72,8 +73,8 @@ def test_eight_concurrent_requests_each_give_what_they_give_alone(engines, monke
     assert all(expected) and len(expected[5]) > 3
 
     steps: list[int] = []
-    forward_groups = GemmaModel.forward_groups
-    monkeypatch.setattr(GemmaModel, "forward_groups",
+    forward_groups = StepRunner.forward_groups
+    monkeypatch.setattr(StepRunner, "forward_groups",
                         lambda self, groups, capture=(): steps.append(len(groups)) or forward_groups(self, groups,
                                                                                                      capture))
 

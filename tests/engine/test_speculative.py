@@ -16,6 +16,7 @@ from dflash_agent.engine.engine import Engine, GenerateRequest
 from dflash_agent.engine.load.tokenizer import SpecialTokens, Tokenizer
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.model.drafter import DrafterError, load_drafter
+from dflash_agent.engine.runner import StepRunner
 
 from .dflash_pair import BLOCK, MASK_ID, TARGET_LAYER_IDS, save_drafter, save_pair
 from .test_model_vs_transformers import VOCAB
@@ -36,7 +37,7 @@ def pair(tmp_path_factory):
 
 def _decode(target, drafter, prompt, max_new, spec, sampling=None):
     decoder = RequestDecoder(
-        target, target.new_cache(N_CTX), Sampler(sampling or SamplingParams()),
+        StepRunner(target), target.new_cache(N_CTX), Sampler(sampling or SamplingParams()),
         drafter=drafter, drafter_cache=drafter.new_cache(N_CTX) if drafter is not None else None, spec=spec,
     )
     decoder.prefill(prompt)
@@ -116,14 +117,14 @@ def test_prefill_stops_when_asked(pair, monkeypatch, inside):
             checks.append(1)
         return len(checks) > inside  # inside: one check later, which is after the third chunk's first layer
 
-    decoder = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()), drafter=drafter,
+    decoder = RequestDecoder(StepRunner(target), target.new_cache(N_CTX), Sampler(SamplingParams()), drafter=drafter,
                              drafter_cache=drafter.new_cache(N_CTX), spec=SpecConfig())
     assert decoder.prefill(prompt, on_chunk=lambda position, _: chunks_done.append(position), stop=stop) is False
     held = 24 if inside else 16
     assert chunks_done == [8, 16, 24][:held // 8]
     assert decoder.cache.length == decoder.drafter_cache.length == held
     assert list(decoder.tokens(0)) == [] and decoder.finish() == prompt[:held]
-    whole = RequestDecoder(target, target.new_cache(N_CTX), Sampler(SamplingParams()))
+    whole = RequestDecoder(StepRunner(target), target.new_cache(N_CTX), Sampler(SamplingParams()))
     assert whole.prefill(prompt, stop=lambda: False) is True and whole.cache.length == len(prompt)
     # a decoder stopped goes on from what its caches hold, as one given that prefix
     decoder.prefill(prompt, cached=held, on_chunk=lambda *_: None)

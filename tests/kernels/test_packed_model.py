@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_agent.engine.load.weights import build_model
+from dflash_agent.engine.runner import StepRunner
 from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 from tests.engine.test_packed_linear import run_steps, tiny_family_config, tiny_packed_checkpoint
 
@@ -85,10 +86,10 @@ def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind, kv_
         ids = [torch.randint(0, 64, (n,), device=kernels.device) for n, _, _ in step]
         groups = [RowGroup(i, cache, None if a is None else a.to(kernels.device), greedy)
                   for i, cache, (_, a, greedy) in zip(ids, batched, step, strict=True)]
-        assert model.batches(groups)
+        assert StepRunner(model).batches(groups)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(model_module, "rows_cache_attention", lambda q, *a: joint_rows.append(len(q)) or attend(q, *a))
-            together = model.forward_groups(groups)
+            together = StepRunner(model).forward_groups(groups)
         for got, i, cache, (_, a, greedy) in zip(together, ids, alone, step, strict=True):
             want = model(i, cache, None if a is None else a.to(kernels.device), greedy=greedy)
             assert got.tokens == want.tokens

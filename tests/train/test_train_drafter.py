@@ -21,6 +21,7 @@ from dflash_agent.engine.decode.speculative import RequestDecoder, SpecConfig
 from dflash_agent.engine.load.tokenizer import Tokenizer
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.model.drafter import load_drafter
+from dflash_agent.engine.runner import StepRunner
 from dflash_agent.train.blocks import forward_blocks, sample_anchors
 from dflash_agent.train.data import DataDir, DataError, DataSpec, checkpoint_bytes, corpus_files, prepare, prompts
 from dflash_agent.train.evaluate import replay_acceptance
@@ -248,7 +249,7 @@ def test_checkpoint_runs_on_raw_features(tiny, trained, tmp_path):
 
 
 def _decode(model, drafter, prompt, max_new):
-    decoder = RequestDecoder(model, model.new_cache(128), Sampler(SamplingParams()), drafter=drafter,
+    decoder = RequestDecoder(StepRunner(model), model.new_cache(128), Sampler(SamplingParams()), drafter=drafter,
                              drafter_cache=drafter.new_cache(128), spec=SpecConfig(block=BLOCK, ngram=False))
     decoder.prefill(prompt)
     return list(decoder.tokens(max_new)), decoder.stats

@@ -10,14 +10,14 @@ different plan:
 Padding tokens sit at positions just past the block, so their keys land where rejected drafts' would: in
 slots masked by position and overwritten later; buckets stop at the rings' slack + 1 so the window stays.
 
-Several requests' rows in one step (the server's slots: GemmaModel.forward_groups) replay a graph of their own, one
-per combination of slot caches, each taking part with a decode row or a verification block padded to its bucket as
-above. A block padded to 16 instead would make fewer combinations, but the attention kernel sizes its row tile by
-the step's rows, so its rows would no longer come out as the block's step alone gives them. Each group's plan is
-made on the device as above, and the decode rows attend in one launch a layer (model.JointAttention: the caches'
-offsets, KVCache.offsets_of, are found once per combination, as the graph is).
+Several requests' rows in one step (the server's slots: engine.runner.StepRunner.forward_groups) replay a graph of
+their own, one per combination of slot caches, each taking part with a decode row or a verification block padded
+to its bucket as above. A block padded to 16 instead would make fewer combinations, but the attention kernel sizes
+its row tile by the step's rows, so its rows would no longer come out as the block's step alone gives them. Each
+group's plan is made on the device as above, and the decode rows attend in one launch a layer
+(model.JointAttention: the caches' offsets, KVCache.offsets_of, are found once per combination, as the graph is).
 
-CUDA only: `enable_cuda_graphs` is a no-op elsewhere. Nothing here has run on a GPU in this repository
+CUDA only: `cuda_step_graphs` gives None elsewhere. Nothing here has run on a GPU in this repository
 (no GPU in CI); the interpreter tests cover the kernels and the position-masked attention it relies on.
 """
 
@@ -54,14 +54,15 @@ BUCKETS = (1, 2, 4, 8, VERIFY_ROWS)  # up to a verification tile, as the memory 
 MAX_GROUP_GRAPHS = 32
 
 
-def enable_cuda_graphs(model: GemmaModel, slots: int = 1) -> None:
-    """Route the model's decode / verify forwards (blocks of up to 16 tokens; of up to `slots` requests at once)
-    through captured graphs, where its steps can be captured: every layout's, but a MoE's experts only packed (the
-    others choose their rows on the host)."""
+def cuda_step_graphs(model: GemmaModel, slots: int = 1) -> TargetStepGraphs | None:
+    """The graphs of the model's decode / verify forwards (blocks of up to 16 tokens; of up to `slots` requests at
+    once), where its steps can be captured: on CUDA, every layout's, but a MoE's experts only packed (the others
+    choose their rows on the host). None elsewhere."""
     experts = [layer.experts for layer in model.layers if layer.experts is not None]
     if model.device.type == "cuda" and all(isinstance(e.gate_up_proj, PackedWeight) and
                                            isinstance(e.down_proj, PackedWeight) for e in experts):
-        model.step_graphs = TargetStepGraphs(model, slots)
+        return TargetStepGraphs(model, slots)
+    return None
 
 
 @dataclass
@@ -150,11 +151,12 @@ class TargetStepGraphs:
 
     @torch.inference_mode()
     def replay_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput] | None:
-        """GemmaModel.forward_groups of several requests' decode rows and verification blocks (each padded to a bucket,
+        """StepRunner.forward_groups of several requests' decode rows and verification blocks (each padded to a bucket,
         as `replay` pads one) through a graph, or None where none applies (one group, or a group `_bucket` declines)."""
         if len(groups) < 2:
             return None
-        order = sorted(range(len(groups)), key=lambda i: groups[i].ids.shape[0] > 1)  # as _kernel_groups orders them
+        # as StepRunner._triton_groups orders them
+        order = sorted(range(len(groups)), key=lambda i: groups[i].ids.shape[0] > 1)
         ordered = [groups[i] for i in order]
         buckets = [self._bucket(g.ids.shape[0], g.cache, 1 if g.logits_at is None else g.logits_at.numel())
                    for g in ordered]
@@ -228,7 +230,7 @@ class TargetStepGraphs:
         return self.logits[:n]
 
     def _groups_step(self, g: _GroupsGraph, capture: tuple[int, ...]) -> dict[int, torch.Tensor]:
-        # GemmaModel._kernel_groups with each group's plan made on the device, as _step makes one, and every row's
+        # StepRunner._triton_groups with each group's plan made on the device, as _step makes one, and every row's
         # logits (a block's padded rows ride in the head's tile with its asked ones)
         model = self.model
         rows = StepRows(g.sizes)

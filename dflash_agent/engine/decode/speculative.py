@@ -23,15 +23,16 @@ import torch
 from ..cache.drafter_cache import DrafterCache
 from ..cache.kv_cache import KVCache
 from ..model.drafter import Drafter
-from ..model.gemma import ForwardOutput, GemmaModel, run_to_end
+from ..model.gemma import ForwardOutput, run_to_end
 from ..model.mtp import MtpDrafter
+from ..runner import StepRunner
 from ..types import SpecStats
 from .sampling import Sampler
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
-# Prompt chunks shorter than this go through the C decode layers in blocks of GemmaModel.step_rows: the prefill
+# Prompt chunks shorter than this go through the C decode layers in blocks of StepRunner.step_rows: the prefill
 # GEMM dequantizes every weight per forward, a fixed ~150 ms for the embedded model on 2 cores (measured there:
 # 39 rows 376 ms as one GEMM forward, 173 ms as 16-row C pieces; even from about 150 rows).
 SHORT_PREFILL = 128
@@ -297,7 +298,7 @@ class RequestDecoder:
 
     def __init__(
         self,
-        target: GemmaModel,
+        target: StepRunner,
         cache: KVCache,
         sampler: Sampler,
         drafter: Drafter | MtpDrafter | None = None,
@@ -388,7 +389,7 @@ class RequestDecoder:
         on_chunk: Callable[[int, torch.Tensor | None], None] | None = None,
     ) -> Iterator[float]:
         """`prefill` a chunk at a time: yields the position after each chunk, and inside a chunk whose layers run
-        one at a time (GemmaModel.forward_steps) its fraction done after each layer, so a scheduler can run other
+        one at a time (StepRunner.forward_steps) its fraction done after each layer, so a scheduler can run other
         requests' steps between chunks and layers, or drop the rest (the caches then hold the chunks done, and
         `sequence` their ids; a chunk dropped between two of its layers first runs its other layers).
 
@@ -415,9 +416,8 @@ class RequestDecoder:
         layers = self.target.config.num_layers
         for start, end in itertools.pairwise(bounds):
             # a short chunk in pieces the C decode layers take: a prefill GEMM pays for dequantizing every weight
-            step = self.target.step_rows(self.cache) if end - start < SHORT_PREFILL and \
-                self.target.cpu_layers is not None and self.target.cpu_layers.takes(1, self.cache.layers) \
-                else end - start
+            short = end - start < SHORT_PREFILL and self.target.decodes_on_c(self.cache)
+            step = self.target.step_rows(self.cache) if short else end - start
             dropped = False
             for piece in range(start, end, step):
                 piece_end = min(piece + step, end)
@@ -496,12 +496,12 @@ class RequestDecoder:
     def step(self, anchor: int, budget: int) -> list[int]:
         """Commit the anchor and verify a drafted block after it; returns 1..k+1 new tokens."""
         planned = self.plan(anchor, budget)
-        return self.commit(planned, self.target(planned.ids, self.cache, logits_at=planned.logits_at,
+        return self.commit(planned, self.target.forward(planned.ids, self.cache, logits_at=planned.logits_at,
                                                 capture=self.capture, greedy=planned.greedy))
 
     def plan(self, anchor: int, budget: int, draft: bool = True) -> PlannedStep:
         """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone: `step`, or
-        beside other requests' blocks: GemmaModel.forward_groups); `commit` takes its output. budget: the most tokens
+        beside other requests' blocks: StepRunner.forward_groups); `commit` takes its output. budget: the most tokens
         the step may commit. draft False: a plain step, which the controller neither picks nor learns from (the
         scheduler's choice for a batch of requests)."""
         start = self.cache.length
@@ -584,13 +584,13 @@ class RequestDecoder:
         self._feed_drafter()
         config = self.drafter.config
         ids = torch.tensor([anchor] + [config.mask_token_id] * k, device=self.target.device)
-        embeds = self.target.embed_tokens.weight[ids] * config.input_embedding_scale
+        embeds = self.target.model.embed_tokens.weight[ids] * config.input_embedding_scale
         hidden = self.drafter.draft(embeds, self.drafter_cache)
         if self._greedy and self.drafter.config.output_multiplier > 0:
             picks = self.target.draft_picks(hidden[1:])
             if picks is not None:
                 return _Proposal("dflash", picks)
-        logits = self.drafter.logits(hidden[1:], self.target.output_weight)
+        logits = self.drafter.logits(hidden[1:], self.target.model.output_weight)
         tokens: list[int] = []
         probs = [] if not self.sampler.params.greedy else None
         for row in logits:
@@ -607,7 +607,7 @@ class RequestDecoder:
         if self._mtp_hidden is None:
             return _Proposal("mtp", [])
         keys = self.mtp.keys(self.cache)
-        hidden, token, position = self.target.norm(self._mtp_hidden), anchor, self.cache.length
+        hidden, token, position = self.target.model.norm(self._mtp_hidden), anchor, self.cache.length
         tokens: list[int] = []
         probs = [] if not self.sampler.params.greedy else None
         for _ in range(k):

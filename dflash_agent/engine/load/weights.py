@@ -14,7 +14,6 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...kernels.cpu_dot import HugePageArena
-from ..backends.cpu import CpuDecodeLayers
 from ..errors import ModelLoadError
 from ..formats.config import ConfigError, ModelConfig
 from ..formats.gguf import GGUFError, GGUFFile, read_gguf
@@ -214,8 +213,6 @@ def build_model(
         _into_huge_pages([m.cpu for m in matrices])
         _release_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
-    if repack_cpu:
-        model.cpu_layers = CpuDecodeLayers.build(model)
     return model.eval()
 
 

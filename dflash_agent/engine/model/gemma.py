@@ -18,11 +18,10 @@ from ...kernels.attention import (
     rows_cache_attention,
     triton_takes,
 )
-from ...kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
-from ..cache.kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
+from ...kernels.dispatch import triton_runs
+from ..cache.kv_cache import DEFAULT_SLACK, KVCache, LayerKV
 from ..errors import ContextOverflowError
 from ..formats.config import LayerSpec, ModelConfig, MoESpec
-from ..limits import MAX_ROWS
 from .packed import PackedWeight
 
 
@@ -35,7 +34,7 @@ class ForwardOutput:
 
 @dataclass(frozen=True)
 class StepRows:
-    """The rows of a step over several sequences on the Triton kernels (GemmaModel.forward_groups), as the matmuls
+    """The rows of a step over several sequences on the Triton kernels (StepRunner.forward_groups), as the matmuls
     must see them so each row comes out as its sequence's step alone gives it: `sizes` rows per group in step order,
     the one-token groups (decode rows) first, then blocks of at most VERIFY_ROWS: all in the 16-row tiles, as each
     step alone takes them (a MoE's decode rows take their experts as GEMV rows, as a decode step alone does).
@@ -337,7 +336,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class RowGroup:
-    """One sequence's new tokens in a step of several (GemmaModel.forward_groups)."""
+    """One sequence's new tokens in a step of several (engine.runner.StepRunner.forward_groups)."""
 
     ids: torch.Tensor  # [T] token ids at positions cache.length..
     cache: KVCache
@@ -491,10 +490,6 @@ class GemmaModel(nn.Module):
             key = _rope_key(spec)
             if key not in self._inv_freq:
                 self._inv_freq[key] = torch.tensor(spec.inv_freq(), dtype=torch.float32, device=device)
-        # engine.backends.cuda.TargetStepGraphs when decode / verify steps replay CUDA graphs (CUDA only)
-        self.step_graphs = None
-        # engine.backends.cpu.CpuDecodeLayers when decode / verify steps run the C layers (CPU, repacked weights)
-        self.cpu_layers = None
 
     @property
     def device(self) -> torch.device:
@@ -504,9 +499,7 @@ class GemmaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, max_len: int, kv_dtype: str = "auto") -> KVCache:
-        # the C layers verify prompt lookup's long drafts, so their rings keep room to roll such a block back
-        slack = LOOKUP_SLACK if self.cpu_layers is not None else DEFAULT_SLACK
+    def new_cache(self, max_len: int, kv_dtype: str = "auto", slack: int = DEFAULT_SLACK) -> KVCache:
         return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, slack=slack, kv_dtype=kv_dtype)
 
     def forward(
@@ -517,7 +510,8 @@ class GemmaModel(nn.Module):
         capture: tuple[int, ...] = (),
         greedy: bool = False,
     ) -> ForwardOutput:
-        """Run T new tokens at positions cache.length.. and commit them to the cache.
+        """Run T new tokens at positions cache.length.. and commit them to the cache: the eager reference every
+        other path of a step (engine.runner.StepRunner's) is held to.
 
         logits_at: indices into the T new tokens whose logits to return (default: the last one); an empty
         tensor returns none. capture: layer indices whose outputs to return (for the DFlash drafter). greedy: return
@@ -534,126 +528,20 @@ class GemmaModel(nn.Module):
         capture: tuple[int, ...] = (),
         greedy: bool = False,
     ) -> Generator[int, None, ForwardOutput]:
-        """`forward`, yielding after each layer where the layers run one at a time (layer_steps), so a scheduler
-        can serve other requests inside a long prompt chunk without changing what the chunk computes. The cache
-        commits the tokens after the last layer only: a forward dropped part-way leaves its length where it was."""
-        T, start = ids.shape[0], cache.length
-        end = start + T
-        if end > cache.max_len:
-            raise ContextOverflowError(end, cache.max_len)
-        _check_logits_at(logits_at, T)
-        if self.step_graphs is not None:
-            out = self.step_graphs.replay(ids, cache, logits_at, capture)
-            if out is not None:
-                if greedy and out.logits is not None:
-                    return ForwardOutput(None, out.captured, torch.argmax(out.logits, dim=-1).tolist())
-                return out
-        plan = self._plan(cache, torch.arange(start, end, device=ids.device), start, end)
+        """`forward`, yielding after each layer (layer_steps), so a scheduler can serve other requests inside a long
+        prompt chunk without changing what the chunk computes. The cache commits the tokens after the last layer
+        only: a forward dropped part-way leaves its length where it was."""
+        start, end = check_step(ids, cache, logits_at)
+        plan = self.plan(cache, torch.arange(start, end, device=ids.device), start, end)
         x = self.embed(ids)
         x, captured = yield from self.layer_steps(x, plan, cache.layers, capture, self.per_layer_inputs(ids, x))
         cache.length = end
-        if logits_at is not None and logits_at.numel() == 0:
+        rows = asked_rows(x, logits_at)
+        if rows is None:
             return ForwardOutput(None, captured)
-        rows = x[T - 1:] if logits_at is None else x[logits_at]
         if greedy:
             return ForwardOutput(None, captured, self.greedy_tokens(rows))
         return ForwardOutput(self.logits(rows), captured)
-
-    @torch.inference_mode()
-    def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
-        """`forward` of several sequences' new tokens (the slots of concurrent requests: decode rows, verification
-        blocks) in one step: where the C layers take them, one call reads each weight once for all rows and each row
-        attends to its own cache; likewise the Triton kernels (`batches`: the decode rows and the blocks in 16-row
-        tiles that load each weight once for all of them and whose rows never mix); else one forward per group.
-        Either way each output is what `forward` of its group alone gives: every row is computed as alone
-        (engine.backends.cpu; kernels.quant_matmul)."""
-        for group in groups:
-            if group.cache.length + group.ids.shape[0] > group.cache.max_len:
-                raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
-            _check_logits_at(group.logits_at, group.ids.shape[0])
-        if len(groups) > 1 and self.batches(groups):
-            graphed = None if self.step_graphs is None else self.step_graphs.replay_groups(groups, capture)
-            return self._kernel_groups(groups, capture) if graphed is None else graphed
-        if len(groups) < 2 or not all(self._cpu_kernel_plan(g.ids.shape[0], g.cache) for g in groups):
-            return [self.forward(g.ids, g.cache, g.logits_at, capture, g.greedy) for g in groups]
-        plans = []
-        for group in groups:
-            start = group.cache.length
-            end = start + group.ids.shape[0]
-            plans.append(self._plan(group.cache, torch.arange(start, end), start, end))
-            group.cache.length = end
-        ids = torch.cat([g.ids for g in groups])
-        x = self.embed(ids)
-        x, captured = self.cpu_layers.forward_groups(
-            x, [(p, g.cache.layers) for p, g in zip(plans, groups)], capture, self.per_layer_inputs(ids, x))
-        wanted, offset = [], 0
-        for group in groups:
-            wanted.append(group.asked_rows(offset))
-            offset += group.ids.shape[0]
-        # the greedy groups' rows in one pass over the head, the others' logits in another (each row alone: the
-        # split changes nothing), C's LM head taking MAX_ROWS rows a call
-        picked = [at for at, g in zip(wanted, groups) if g.greedy]
-        scored = [at for at, g in zip(wanted, groups) if not g.greedy]
-        tokens = self.greedy_tokens(x[torch.cat(picked)]) if picked and torch.cat(picked).numel() else []
-        rows = torch.cat(scored) if scored else torch.zeros(0, dtype=torch.int64)
-        logits = torch.cat([self.logits(x[chunk]) for chunk in rows.split(MAX_ROWS)]) if rows.numel() else None
-        outputs, offset, used_tokens, used_logits = [], 0, 0, 0
-        for group, at in zip(groups, wanted, strict=True):
-            T, n = group.ids.shape[0], at.numel()
-            views = {i: h[offset:offset + T] for i, h in captured.items()}
-            if group.greedy:
-                outputs.append(ForwardOutput(None, views, tokens[used_tokens:used_tokens + n]))
-                used_tokens += n
-            else:
-                outputs.append(ForwardOutput(None if n == 0 else logits[used_logits:used_logits + n], views))
-                used_logits += n
-            offset += T
-        return outputs
-
-    def batches(self, groups: list[RowGroup]) -> bool:
-        """Whether forward_groups runs these groups in one forward on the Triton kernels: there, for blocks of up to a
-        verification tile's VERIFY_ROWS (the packed matrices batch them: batched_linear)."""
-        return triton_runs(groups[0].ids) and all(0 < g.ids.shape[0] <= VERIFY_ROWS for g in groups)
-
-    def _kernel_groups(self, groups: list[RowGroup], capture: tuple[int, ...]) -> list[ForwardOutput]:
-        """forward_groups on the Triton kernels: one forward over every group's rows, the one-token groups' first
-        (StepRows), each group writing and attending its own cache; then one pass over the LM head."""
-        order = sorted(range(len(groups)), key=lambda i: groups[i].ids.shape[0] > 1)
-        ordered = [groups[i] for i in order]
-        rows = StepRows(tuple(g.ids.shape[0] for g in ordered))
-        plans = []
-        for group in ordered:
-            start = group.cache.length
-            end = start + group.ids.shape[0]
-            plans.append(self._plan(group.cache, torch.arange(start, end, device=group.ids.device), start, end))
-        joint = rows.one_token
-        offsets = self.joint_offsets([g.cache for g in ordered[:joint]], eager=True) if joint > 1 else None
-        if offsets is not None:
-            rows = StepRows(rows.sizes, JointAttention.join(plans[:joint], offsets))
-        ids = torch.cat([g.ids for g in ordered])
-        x = self.embed(ids)
-        x, captured = self.layers_forward(x, plans, [g.cache.layers for g in ordered], capture,
-                                          self.per_layer_inputs(ids, x, rows), rows)
-        spans = rows.spans()
-        for group, (a, b) in zip(ordered, spans, strict=True):
-            group.cache.length += b - a
-        # the head's rows likewise: the groups that want one row first
-        wanted = [g.asked_rows(a) for g, (a, _) in zip(ordered, spans, strict=True)]
-        head = sorted((i for i, at in enumerate(wanted) if at.numel()), key=lambda i: wanted[i].numel() > 1)
-        logits = {}
-        if head:
-            head_rows = StepRows(tuple(wanted[i].numel() for i in head))
-            out = self.logits(x[torch.cat([wanted[i] for i in head])], head_rows)
-            logits = {i: out[a:b] for i, (a, b) in zip(head, head_rows.spans(), strict=True)}
-        outputs: list[ForwardOutput | None] = [None] * len(groups)
-        for i, (group, (a, b)) in enumerate(zip(ordered, spans, strict=True)):
-            views = {layer: h[a:b] for layer, h in captured.items()}
-            scores = logits.get(i)
-            if scores is None or not group.greedy:  # no rows asked for: neither logits nor picks, as forward
-                outputs[order[i]] = ForwardOutput(scores, views)
-            else:
-                outputs[order[i]] = ForwardOutput(None, views, self._picks(scores))
-        return outputs
 
     def joint_offsets(self, caches: list[KVCache], eager: bool) -> torch.Tensor | None:
         """Where each cache's tensors lie from the first one's, per layer ([layers, caches, OFFSETS_PER_CACHE] on the
@@ -670,25 +558,8 @@ class GemmaModel(nn.Module):
                 return None
         return caches[0].offsets_of(caches)
 
-    def step_rows(self, cache: KVCache) -> int:
-        """The most new tokens one forward over `cache` computes as decode rows, each as a one-token step computes
-        it, so a verified block of that many gives what decoding it token by token gives: a block must fit in the
-        rings' slack; the C layers take up to MAX_ROWS; the Triton and eager paths keep to SPLIT_ROWS."""
-        fits = cache.slack + 1 if cache.ring_slots < cache.max_len else cache.max_len
-        on_c = self.cpu_layers is not None and self.cpu_layers.takes(1, cache.layers)
-        return min(MAX_ROWS if on_c else SPLIT_ROWS, fits)
-
-    def _cpu_kernel_plan(self, T: int, cache: KVCache) -> bool:
-        """Whether T new tokens over `cache` take the C layers with the "kernel" plan for both kinds of layer."""
-        fits = T <= cache.ring_slots - self.config.sliding_window + 1 or cache.ring_slots == cache.max_len
-        return T > 0 and fits and self._runs_cpu_layers(T, cache.layers)
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Scaled input embeddings of token ids [..., T] -> [..., T, hidden]."""
-        if self.cpu_layers is not None:
-            x = self.cpu_layers.embed(ids)
-            if x is not None:
-                return x
         return self.embed_tokens.weight[ids] * torch.tensor(self.config.embed_scale, dtype=self.dtype)
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor,
@@ -713,22 +584,18 @@ class GemmaModel(nn.Module):
         """The decoder layers over embeddings x [..., T, hidden]: what eager steps, CUDA-graph steps
         (engine.backends.cuda) and training-data generation (train.target) run. per_layer: PLE models' inputs
         (per_layer_inputs). rows: x [N, hidden] holds several sequences' steps, with a plan and a cache each
-        (forward_groups on the Triton kernels). Returns the last layer's output and the outputs of the layers in
-        `capture`."""
+        (StepRunner.forward_groups on the Triton kernels). Returns the last layer's output and the outputs of the
+        layers in `capture`."""
         return run_to_end(self.layer_steps(x, plan, kv, capture, per_layer, rows))
 
     def layer_steps(
         self, x: torch.Tensor, plan: StepPlan | list[StepPlan], kv: list[LayerKV] | list[list[LayerKV]],
         capture: tuple[int, ...] = (), per_layer: torch.Tensor | None = None, rows: StepRows | None = None,
     ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """The one layer loop (layers_forward's), yielding the layers done after each but the last; the C
-        layers (engine.backends.cpu) run all of them in one call and yield nothing."""
+        """The one layer loop (layers_forward's), yielding the layers done after each but the last."""
         if (per_layer is None) != (not self.config.per_layer_input):
             raise ValueError("per-layer inputs go with a PLE model, and only with one")
         if rows is None:
-            n = x.shape[0] if x.dim() == 2 else None
-            if plan.full.mode == "kernel" == plan.sliding.mode and self._runs_cpu_layers(n, kv):
-                return self.cpu_layers.forward(x, plan, kv, capture, per_layer)
             positions, plans, caches = plan.positions, [plan], [kv]
         else:
             positions, plans, caches = torch.cat([p.positions for p in plan]), plan, kv
@@ -763,63 +630,30 @@ class GemmaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
         """rows: hidden [n, hidden] holds several sequences' rows (StepRows), each computed as alone."""
-        logits = None if self.cpu_layers is None or rows is not None else self.cpu_layers.logits(hidden)
-        if logits is None and rows is not None:
-            logits = batched_linear(self.norm(hidden), self.output_weight, rows).float()
-        elif logits is None:
-            logits = F.linear(self.norm(hidden), self.output_weight).float()
-        if self.config.final_softcap is not None:
-            cap = self.config.final_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if rows is not None:
+            return self.softcap(batched_linear(self.norm(hidden), self.output_weight, rows).float())
+        return self.softcap(F.linear(self.norm(hidden), self.output_weight).float())
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final logit softcap of the configs that have one (logits as they are for the others)."""
+        if self.config.final_softcap is None:
+            return logits
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
-        """Each row's argmax of logits(hidden) [n, hidden] (greedy decoding's picks). The C head screens a block of
-        rows (CpuDecodeLayers.greedy: the same picks, bit for bit, without every logit); a softcap's tanh can tie
-        logits it would tell apart, so a softcapped head is computed whole."""
-        if hidden.shape[0] > MAX_ROWS:  # C's LM head takes MAX_ROWS rows a call; each row alone: no change
-            return [t for chunk in hidden.split(MAX_ROWS) for t in self.greedy_tokens(chunk)]
-        picks = None
-        if self.cpu_layers is not None and self.config.final_softcap is None:
-            picks = self.cpu_layers.greedy(hidden)
-        if picks is None:
-            return self._picks(self.logits(hidden))
-        return [self.argmax(self.logits(hidden[i:i + 1])[0]) if pick is None else pick
-                for i, pick in enumerate(picks)]
+        """Each row's argmax of logits(hidden) [n, hidden] (greedy decoding's picks)."""
+        return torch.argmax(self.logits(hidden), dim=-1).tolist()
 
-    def _picks(self, logits: torch.Tensor) -> list[int]:
-        """Each row's argmax of logits [n, V]."""
-        if logits.device.type != "cpu":  # one argmax, one synchronization for the block
-            return torch.argmax(logits, dim=-1).tolist()
-        return [self.argmax(row) for row in logits]
-
-    def draft_picks(self, hidden: torch.Tensor) -> list[int] | None:
-        """A drafter's greedy drafts from its normed rows [n, hidden] through this LM head, where the C head screens
-        them (None: take the drafter's logits): the argmax of hidden @ head^T up to near-ties, which a draft may
-        lose (verification decides), and which a positive output multiplier or a softcap does not move."""
-        picks = None if self.cpu_layers is None else self.cpu_layers.greedy(hidden, normed=True)
-        if picks is None:
-            return None
-        return [self.argmax(F.linear(hidden[i:i + 1], self.output_weight)[0]) if pick is None else pick
-                for i, pick in enumerate(picks)]
-
-    def argmax(self, logits: torch.Tensor) -> int:
-        """The index of the largest of logits [V] (greedy decoding's pick), through the C kernels on the CPU."""
-        if self.cpu_layers is not None and logits.device.type == "cpu":
-            return self.cpu_layers.lib.argmax(logits)
-        return int(torch.argmax(logits))
-
-    def _runs_cpu_layers(self, rows: int | None, kv: list[LayerKV]) -> bool:
-        """Whether a forward of `rows` new tokens of one sequence (None: a batch) runs engine.backends.cpu's layers."""
-        return self.cpu_layers is not None and rows is not None and self.cpu_layers.takes(rows, kv)
-
-    def _plan(self, cache: KVCache, pos: torch.Tensor, start: int, end: int) -> StepPlan:
-        """The eager plan of new tokens at positions pos = start..end-1; advances the rings' slot -> position map."""
+    def plan(self, cache: KVCache, pos: torch.Tensor, start: int, end: int, c_layers: bool = False) -> StepPlan:
+        """The plan of new tokens at positions pos = start..end-1; advances the rings' slot -> position map.
+        c_layers: the C layers (engine.backends.cpu) would take these rows, so they attend with the "kernel" plan
+        where the rings let them, as on the Triton kernels."""
         T = end - start
         window, slots = self.config.sliding_window, cache.ring_slots
         # A ring as long as the cache never wraps, so no new key can overwrite one its own queries still need.
         fits = T <= slots - window + 1 or slots == cache.max_len
-        kernel = triton_runs(pos) or (fits and self._runs_cpu_layers(T, cache.layers))
+        kernel = triton_runs(pos) or (fits and c_layers)
         q = None if kernel and fits else pos[:, None]
         if kernel:
             full = LayerPlan("kernel", pos, end, positions=KeyPositions(pos, None, None))
@@ -846,6 +680,24 @@ class GemmaModel(nn.Module):
             sliding = LayerPlan("prefill", ring, mask=torch.cat((old_mask, new_mask), dim=1), order=order)
         cache.ring_pos = new_pos
         return StepPlan(pos, full, sliding)
+
+
+def check_step(ids: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> tuple[int, int]:
+    """The [start, end) positions of a step of new tokens `ids` over `cache`; raises where they overflow the cache
+    or `logits_at` asks for rows outside them."""
+    start = cache.length
+    end = start + ids.shape[0]
+    if end > cache.max_len:
+        raise ContextOverflowError(end, cache.max_len)
+    _check_logits_at(logits_at, ids.shape[0])
+    return start, end
+
+
+def asked_rows(x: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows of a step's output x [T, hidden] whose logits `logits_at` asks for (None: none)."""
+    if logits_at is not None and logits_at.numel() == 0:
+        return None
+    return x[x.shape[0] - 1:] if logits_at is None else x[logits_at]
 
 
 def _rope_key(spec: LayerSpec) -> tuple:
