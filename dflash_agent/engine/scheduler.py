@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.cpu_dot import CpuDot
+from .backends.thread_count import ThreadCount
 from .cache.drafter_cache import DrafterCache
 from .cache.kv_cache import KVCache
-from .cache.prefix_cache import Conversation, PrefixCache, PrefixCacheConfig, PrefixStore, Reuse, common_prefix
+from .cache.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixKV, PrefixStore, Reuse, common_prefix
 from .decode import speculative
+from .decode.draft_policy import BatchDrafting, DraftPolicy
 from .decode.sampling import Sampler, StopStringFilter
-from .decode.speculative import CopyMemory, LengthController, PlannedStep, RequestDecoder, SpecConfig
+from .decode.speculative import CopyMemory, DraftBlock, RequestDecoder, SpecConfig
 from .load.tokenizer import IncrementalDetokenizer, Tokenizer
 from .model.drafter import Drafter
 from .model.gemma import RowGroup
@@ -63,7 +64,7 @@ class Slot:
     cache: KVCache
     drafter_cache: DrafterCache | None
     prefix: PrefixCache | None
-    controller: LengthController | None = None  # outlives requests: what it learnt carries to the next
+    controller: DraftPolicy | None = None  # outlives requests: what it learnt carries to the next
     task: Task | None = None
     last_used: float = 0.0
 
@@ -185,11 +186,11 @@ class Task:
         self.prefill = None
         return work
 
-    def plan(self, draft: bool) -> PlannedStep:
+    def plan(self, draft: bool) -> DraftBlock:
         assert self.anchor is not None
         return self.decoder.plan(self.anchor, self.max_tokens - len(self.generated), draft)
 
-    def commit(self, planned: PlannedStep, out) -> int:
+    def commit(self, planned: DraftBlock, out) -> int:
         """Verify the step's output; returns the tokens it committed."""
         new = self.decoder.commit(planned, out)
         self.push(new)
@@ -250,121 +251,6 @@ class Task:
         finish = self.finish or "length"
         context_full = finish == "length" and (req.max_tokens is None or req.max_tokens > self.budget)
         return FinalEvent(finish, usage, timings, self.matched, stats, context_full)
-
-
-class BatchDrafting:
-    """Whether a step of several requests drafts (each request's own controller then picks its source and length)
-    or decodes plainly, by the tokens per second each gives the whole batch, measured per batch size: on a CPU a
-    verified row costs about half a decode step, and a draft that pays for its own request can cost the others
-    more (the aim: batched speculation never below plain batched decoding). Both are measured MIN_SAMPLES times,
-    then the better is played and the other re-measured from an exploration budget, as LengthController does."""
-
-    ALPHA = 0.15
-    MIN_SAMPLES = 3
-    EXPLORE_BUDGET = 0.01
-
-    def __init__(self) -> None:
-        self.rate: dict[tuple[int, bool], float] = {}  # (requests, drafting) -> tokens per second, EWMA
-        self.seconds: dict[tuple[int, bool], float] = {}  # -> seconds per step, EWMA
-        self.samples: dict[tuple[int, bool], int] = {}
-        self.credit = 0.0
-
-    def choose(self, n: int) -> bool:
-        arms = [(n, False), (n, True)]
-        fresh = [a for a in arms if self.samples.get(a, 0) < self.MIN_SAMPLES]
-        if fresh:
-            return fresh[0][1]
-        best = max(arms, key=lambda a: self.rate[a])
-        other = arms[0] if best == arms[1] else arms[1]
-        loss = self.seconds[other] * max(0.0, 1 - self.rate[other] / self.rate[best]) if self.rate[best] else 0.0
-        if self.credit >= loss:
-            self.credit -= loss
-            return other[1]
-        return best[1]
-
-    def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        arm, rate = (n, drafting), tokens / seconds
-        old = self.rate.get(arm)
-        self.rate[arm] = rate if old is None else (1 - self.ALPHA) * old + self.ALPHA * rate
-        old = self.seconds.get(arm)
-        self.seconds[arm] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
-        self.samples[arm] = self.samples.get(arm, 0) + 1
-        self.credit += self.EXPLORE_BUDGET * seconds
-
-
-class ThreadCount:
-    """How many threads a step runs on: all the engine was given, or half of them, by the seconds per row each gives,
-    measured per size of step (one row, up to 16, more). A coding agent runs its tools (tests, builds) on the same
-    cores: with one of two cores busy, a step's parallel regions wait for the thread that is not running, and two
-    threads decoded at a quarter of their quiet speed where one kept 60% of it. Each count is measured MIN_SAMPLES
-    times, then the faster one plays and the other is re-measured from an exploration budget (1% of the time), so a
-    core that gets busy is left at once (the count in play slows down) and one that gets free is taken back within
-    seconds. The CPU kernels and torch's own ops (a prompt chunk's attention, norms and activations; the count is
-    the worker thread's, which alone runs torch in the engine): with torch's at two threads beside a busy core, a
-    1.4K-token prompt took 10 s where one thread took 2.4. Results do not depend on the count: the kernels compute
-    each output on one thread (CpuDot.using), and torch's ops on a prompt gave the same bits at one and two threads
-    (tests/engine/test_scheduler.py checks it)."""
-
-    ALPHA = 0.2
-    MIN_SAMPLES = 2
-    EXPLORE_BUDGET = 0.01
-
-    def __init__(self, kernels: CpuDot, most: int) -> None:
-        self.kernels = kernels
-        self.counts = sorted({most, max(1, most // 2)}, reverse=True)
-        self.cost: dict[tuple[int, int], float] = {}  # (size bucket, threads) -> seconds per row, EWMA
-        self.samples: dict[tuple[int, int], int] = {}
-        self.credit = 0.0
-
-    @staticmethod
-    def _bucket(rows: int) -> int:
-        return 0 if rows == 1 else 1 if rows <= 16 else 2
-
-    def choose(self, rows: int) -> int:
-        size = self._bucket(rows)
-        fresh = [n for n in self.counts if self.samples.get((size, n), 0) < self.MIN_SAMPLES]
-        if fresh:
-            return fresh[0]
-        best = min(self.counts, key=lambda n: self.cost[size, n])
-        for other in self.counts:  # a re-measure spends the step's expected time from the budget
-            spend = rows * self.cost[size, other]
-            if other != best and self.credit >= spend:
-                self.credit -= spend
-                return other
-        return best
-
-    def record(self, rows: int, threads: int, seconds: float) -> None:
-        if seconds <= 0 or rows < 1:
-            return
-        arm, cost = (self._bucket(rows), threads), seconds / rows
-        old = self.cost.get(arm)
-        self.cost[arm] = cost if old is None else (1 - self.ALPHA) * old + self.ALPHA * cost
-        self.samples[arm] = self.samples.get(arm, 0) + 1
-        self.credit += self.EXPLORE_BUDGET * seconds
-
-    def run(self, rows: int, step: Callable[[], object]) -> None:
-        """Run a step of `rows` rows with the kernels on the count chosen for it, and learn from its time."""
-        threads = self.choose(rows)
-        started = time.perf_counter()
-        self.on(threads, step)
-        self.record(rows, threads, time.perf_counter() - started)
-
-    def preferred(self) -> int:
-        """The count the steps measured most favour: a prompt chunk's (not measured itself: it may be one layer of
-        a chunk, and a busy core is as busy for it); all the threads before both counts are measured."""
-        measured = [size for size in (0, 1, 2) if all((size, n) in self.cost for n in self.counts)]
-        if not measured:
-            return self.counts[0]
-        size = max(measured, key=lambda s: sum(self.samples[s, n] for n in self.counts))
-        return min(self.counts, key=lambda n: self.cost[size, n])
-
-    def on(self, threads: int, work: Callable[[], object]) -> None:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        with self.kernels.using(threads):
-            work()
 
 
 class Scheduler:
@@ -472,7 +358,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - surfaced to the caller; the others keep running
                 self._fail(job, slot, exc)
 
-    def lent(self, slot: Slot) -> list[Conversation]:
+    def lent(self, slot: Slot) -> list[PrefixKV]:
         """The other slots' requests in flight whose caches `slot` may restore from now (PrefixCache.lend)."""
         return [task.slot.prefix.lend(task.job.request.prompt_ids[:task.prefilled])
                 for task in self._tasks() if task.slot is not slot and task.lendable]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dflash_agent.engine.cache.kv_cache import dequantize_q8, quantize_q8
-from dflash_agent.engine.cache.prefix_cache import Conversation, PrefixCacheConfig, PrefixStore, common_prefix
+from dflash_agent.engine.cache.prefix_cache import PrefixCacheConfig, PrefixKV, PrefixStore, common_prefix
 from dflash_agent.engine.decode import speculative
+from dflash_agent.engine.decode.draft_policy import Source
 from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
 from dflash_agent.engine.decode.speculative import RequestDecoder, SpecConfig
 from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
@@ -264,7 +265,7 @@ def test_stop_inside_a_block_leaves_matching_keys(pair):
                              drafter_cache=drafter_cache,
                              spec=SpecConfig(block=BLOCK, ngram=False))
     decoder._propose = lambda source, anchor, k: speculative._Proposal(
-        "dflash", truth[len(decoder.sequence) - len(prompt):][:k])
+        Source.DFLASH, truth[len(decoder.sequence) - len(prompt):][:k])
     decoder.prefill(prompt)
     stream = decoder.tokens(30)
     taken = [next(stream) for _ in range(3)]  # the third is inside the first verified block
@@ -412,8 +413,8 @@ def test_stored_conversations_are_told_apart_by_identity() -> None:
     field by field would ask their tensors for a truth value (a 500 on every later request, once)."""
     store = PrefixStore(PrefixCacheConfig(max_entries=1))
     ids = [1, 2, 3]
-    newer, older = Conversation(ids, [], [torch.ones(3, 4)], last_used=2), Conversation(list(ids), [], [torch.ones(3, 4)],
-                                                                             last_used=1)
+    newer, older = PrefixKV(ids, [], [torch.ones(3, 4)], last_used=2), PrefixKV(list(ids), [], [torch.ones(3, 4)],
+                                                                         last_used=1)
     store.entries += [newer, older]
     store.fit()
     assert store.entries == [newer] and store.entries[0] is newer and store.stats.evicted == 1

@@ -334,7 +334,7 @@ def test_the_loading_thread_and_an_idle_worker_give_back_their_openmp_threads(mo
 def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_it_pays():
     """Quiet, two threads decode faster; with a core taken by another process, one thread does; the count follows
     within a few steps when its own count slows down, and by exploring when the other would pay again."""
-    from dflash_agent.engine.scheduler import ThreadCount
+    from dflash_agent.engine.backends.thread_count import ThreadArm, ThreadCount
 
     counts = ThreadCount(None, 2)  # choose / record only: no kernels called
     seconds = {2: 0.010, 1: 0.016}
@@ -356,7 +356,7 @@ def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_
     back = play(1000)
     assert back[-100:].count(2) > 95
     # verification blocks are learnt apart from decode steps
-    assert counts.choose(65) == 2 and (2, 2) not in counts.cost
+    assert counts.choose(65) == 2 and counts.bandit.samples(ThreadArm(2, 2)) == 0
     # a prompt chunk takes the count the steps measured most favour: all the threads until both are measured
     assert ThreadCount(None, 2).preferred() == 2
     seconds[2] = 0.040
@@ -366,7 +366,7 @@ def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_
 
 @pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
 def test_torch_runs_on_the_count_chosen():
-    from dflash_agent.engine.scheduler import ThreadCount
+    from dflash_agent.engine.backends.thread_count import ThreadCount
 
     seen, threads = [], torch.get_num_threads()
     try:
@@ -380,7 +380,7 @@ def test_torch_runs_on_the_count_chosen():
 def test_a_prompt_gives_the_same_bits_on_the_counts_a_step_may_take():
     """ThreadCount runs a prompt chunk's torch ops (attention, norms) on the count it picks: a request's output must
     not depend on how busy the cores were."""
-    from dflash_agent.engine.scheduler import ThreadCount
+    from dflash_agent.engine.backends.thread_count import ThreadCount
 
     engine = Engine.load(ctx_size=1024, progress=False, device="cpu")
     engine.close()

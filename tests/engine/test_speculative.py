@@ -10,8 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
+from dflash_agent.engine.decode.draft_policy import Arm, DraftPolicy, Source
 from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
-from dflash_agent.engine.decode.speculative import CopyMemory, LengthController, NgramIndex, RequestDecoder, SpecConfig
+from dflash_agent.engine.decode.speculative import CopyMemory, NgramIndex, RequestDecoder, SpecConfig
 from dflash_agent.engine.engine import Engine, GenerateRequest
 from dflash_agent.engine.load.tokenizer import SpecialTokens, Tokenizer
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
@@ -224,21 +225,22 @@ def test_a_repeat_drafts_past_the_end_of_the_sequence():
 
 
 def test_controller_plays_copies_only_where_a_long_match_is():
-    controller = LengthController(7, drafter=True, ngram=True, fixed=None, max_lookup=64, copy=True)
-    assert controller.arms == [("ar", 0), ("copy", 32), ("copy", 64), ("dflash", 2), ("dflash", 4), ("dflash", 7),
-                               ("ngram", 4), ("ngram", 8), ("ngram", 16)]
-    seconds = {arm: 0.02 + 0.01 * arm[1] for arm in controller.arms}
+    controller = DraftPolicy(7, drafter=True, ngram=True, fixed=None, max_lookup=64, copy=True)
+    assert controller.arms == [Arm(Source.AR, 0), Arm(Source.COPY, 32), Arm(Source.COPY, 64), Arm(Source.DFLASH, 2),
+                               Arm(Source.DFLASH, 4), Arm(Source.DFLASH, 7), Arm(Source.NGRAM, 4), Arm(Source.NGRAM, 8),
+                               Arm(Source.NGRAM, 16)]
+    seconds = {arm: 0.02 + 0.01 * arm.k for arm in controller.arms}
     # long matches are copies under way and land; short ones (records sharing a layout) go wrong, as the rest
-    tokens = {arm: 65 if arm == ("copy", 64) else 1 for arm in controller.arms}
+    tokens = {arm: 65 if arm == Arm(Source.COPY, 64) else 1 for arm in controller.arms}
     for step in range(300):
         copy = (0, 20, 64)[step % 3]
         arm = controller.choose(ngram_available=True, copy_available=copy)
-        assert arm[0] != "copy" or arm == ("copy", 64 if copy >= 32 else 32)
-        assert copy or arm[0] != "copy"
+        assert arm.source is not Source.COPY or arm == Arm(Source.COPY, 64 if copy >= 32 else 32)
+        assert copy or arm.source is not Source.COPY
         controller.record(arm, tokens[arm], seconds[arm])
-    assert controller.choose(ngram_available=True, copy_available=40) == ("copy", 64)
-    assert controller.choose(ngram_available=True, copy_available=20) == ("ar", 0)  # learnt apart
-    assert controller.choose(ngram_available=True, copy_available=0) == ("ar", 0)
+    assert controller.choose(ngram_available=True, copy_available=40) == Arm(Source.COPY, 64)
+    assert controller.choose(ngram_available=True, copy_available=20) == Arm(Source.AR, 0)  # learnt apart
+    assert controller.choose(ngram_available=True, copy_available=0) == Arm(Source.AR, 0)
 
 
 def test_copy_memory_drafts_what_an_earlier_request_wrote():
@@ -384,7 +386,7 @@ def _text(events):
     return "".join(e.text_delta for e in events[:-1])
 
 
-def _simulate(controller: LengthController, seconds: dict, tokens: dict, steps: int) -> dict:
+def _simulate(controller: DraftPolicy, seconds: dict, tokens: dict, steps: int) -> dict:
     """Play `steps` steps with fixed per-arm step times and committed tokens; returns seconds spent per arm."""
     spent: Counter = Counter()
     for _ in range(steps):
@@ -397,35 +399,38 @@ def _simulate(controller: LengthController, seconds: dict, tokens: dict, steps: 
 def test_controller_stops_drafting_that_does_not_pay_and_bounds_exploration():
     """On a CPU a verified block costs several decode steps: with drafts that rarely land, the controller
     settles on plain decoding, and re-measuring the other arms costs at most its exploration budget."""
-    controller = LengthController(15, drafter=True, ngram=True, fixed=None)
+    controller = DraftPolicy(15, drafter=True, ngram=True, fixed=None)
     arms = controller.arms
-    assert arms == [("ar", 0), ("dflash", 2), ("dflash", 4), ("dflash", 8), ("dflash", 15), ("ngram", 4),
-                    ("ngram", 8), ("ngram", 15)]
-    seconds = {("ar", 0): 0.02, ("dflash", 2): 0.05, ("dflash", 4): 0.06, ("dflash", 8): 0.1,
-               ("dflash", 15): 0.2, ("ngram", 4): 0.05, ("ngram", 8): 0.08, ("ngram", 15): 0.2}
-    tokens = {arm: 1 if arm[0] == "ar" else 2 for arm in arms}
+    assert arms == [Arm(Source.AR, 0), Arm(Source.DFLASH, 2), Arm(Source.DFLASH, 4), Arm(Source.DFLASH, 8),
+                    Arm(Source.DFLASH, 15), Arm(Source.NGRAM, 4), Arm(Source.NGRAM, 8), Arm(Source.NGRAM, 15)]
+    seconds = {Arm(Source.AR, 0): 0.02, Arm(Source.DFLASH, 2): 0.05, Arm(Source.DFLASH, 4): 0.06,
+               Arm(Source.DFLASH, 8): 0.1, Arm(Source.DFLASH, 15): 0.2, Arm(Source.NGRAM, 4): 0.05,
+               Arm(Source.NGRAM, 8): 0.08, Arm(Source.NGRAM, 15): 0.2}
+    tokens = {arm: 1 if arm.source is Source.AR else 2 for arm in arms}
     spent = _simulate(controller, seconds, tokens, 4000)
-    assert controller.samples[("dflash", 15)] < 10  # measured once, then rarely
-    assert spent[("ar", 0)] / sum(spent.values()) > 0.95
+    assert controller.bandit.samples(Arm(Source.DFLASH, 15)) < 10  # measured once, then rarely
+    assert spent[Arm(Source.AR, 0)] / sum(spent.values()) > 0.95
     # time an arm spent, less what plain decoding would have taken for the tokens it committed
-    wasted = sum(spent[a] * (1 - tokens[a] / seconds[a] * seconds[("ar", 0)]) for a in arms)
+    wasted = sum(spent[a] * (1 - tokens[a] / seconds[a] * seconds[Arm(Source.AR, 0)]) for a in arms)
     # the exploration budget, plus measuring each of the 7 other arms at first
-    assert wasted / sum(spent.values()) < LengthController.EXPLORE_BUDGET + 0.015
+    assert wasted / sum(spent.values()) < DraftPolicy.EXPLORE_BUDGET + 0.015
 
 
 def test_controller_returns_to_an_arm_that_starts_to_pay():
-    controller = LengthController(8, drafter=False, ngram=True, fixed=None)
-    assert controller.arms == [("ar", 0), ("ngram", 4), ("ngram", 8)]
-    seconds = {("ar", 0): 0.02, ("ngram", 4): 0.04, ("ngram", 8): 0.05}
-    _simulate(controller, seconds, {("ar", 0): 1, ("ngram", 4): 1, ("ngram", 8): 1}, 200)  # prompt lookup misses
-    assert controller.choose(ngram_available=True) == ("ar", 0)
-    spent = _simulate(controller, seconds, {("ar", 0): 1, ("ngram", 4): 4, ("ngram", 8): 8}, 400)  # copying
-    assert spent[("ngram", 8)] > spent[("ar", 0)] + spent[("ngram", 4)]
+    controller = DraftPolicy(8, drafter=False, ngram=True, fixed=None)
+    assert controller.arms == [Arm(Source.AR, 0), Arm(Source.NGRAM, 4), Arm(Source.NGRAM, 8)]
+    seconds = {Arm(Source.AR, 0): 0.02, Arm(Source.NGRAM, 4): 0.04, Arm(Source.NGRAM, 8): 0.05}
+    misses = {Arm(Source.AR, 0): 1, Arm(Source.NGRAM, 4): 1, Arm(Source.NGRAM, 8): 1}
+    _simulate(controller, seconds, misses, 200)  # prompt lookup misses
+    assert controller.choose(ngram_available=True) == Arm(Source.AR, 0)
+    copying = {Arm(Source.AR, 0): 1, Arm(Source.NGRAM, 4): 4, Arm(Source.NGRAM, 8): 8}
+    spent = _simulate(controller, seconds, copying, 400)
+    assert spent[Arm(Source.NGRAM, 8)] > spent[Arm(Source.AR, 0)] + spent[Arm(Source.NGRAM, 4)]
 
 
 def test_controller_measures_close_arms_more_than_once():
-    controller = LengthController(8, drafter=False, ngram=True, fixed=None)
-    seconds = {("ar", 0): 0.02, ("ngram", 4): 0.03, ("ngram", 8): 0.1}
+    controller = DraftPolicy(8, drafter=False, ngram=True, fixed=None)
+    seconds = {Arm(Source.AR, 0): 0.02, Arm(Source.NGRAM, 4): 0.03, Arm(Source.NGRAM, 8): 0.1}
     _simulate(controller, seconds, {arm: 1 for arm in seconds}, 8)
-    assert controller.samples[("ngram", 4)] >= LengthController.MIN_SAMPLES  # 0.67x of the best: a closer look
-    assert controller.samples[("ngram", 8)] == 1  # 0.2x: once is enough
+    assert controller.bandit.samples(Arm(Source.NGRAM, 4)) >= DraftPolicy.MIN_SAMPLES  # 0.67x of the best: a closer look
+    assert controller.bandit.samples(Arm(Source.NGRAM, 8)) == 1  # 0.2x: once is enough

@@ -89,7 +89,10 @@ class Reuse:
 # eq=False: checkpoints and stored conversations are told apart by identity (list.remove, `in`); field equality
 # would compare their tensors, which have no truth value
 @dataclass(eq=False)
-class Checkpoint:
+class RingCheckpoint:
+    """A copy of the sliding-window rings at a position (and the last token's logits, at a prompt end): restores a
+    prefix that ends there where the working rings cannot roll back that far."""
+
     position: int
     ring: RingSnapshot
     logits: torch.Tensor | None = None  # at prompt ends
@@ -100,12 +103,12 @@ class Checkpoint:
 
 
 @dataclass(eq=False)
-class Conversation:
-    """A conversation's tokens and the state that holds their keys: stored, in a slot's working caches (its `live`
-    one between requests) or lent from another slot's."""
+class PrefixKV:
+    """A prefix of tokens (a conversation so far) and the K/V state that holds their keys: stored, in a slot's
+    working caches (its `live` one between requests) or lent from another slot's."""
 
     ids: list[int]  # the tokens whose keys this state holds
-    checkpoints: list[Checkpoint]  # ascending positions, all <= len(ids)
+    checkpoints: list[RingCheckpoint]  # ascending positions, all <= len(ids)
     full: list[torch.Tensor] | None = None  # full-layer state [:len(ids)]; None while in the working cache
     drafter: list[torch.Tensor] | None = None
     on_device: bool = False
@@ -138,12 +141,12 @@ class PrefixStore:
     def __init__(self, config: PrefixCacheConfig) -> None:
         self.config = config
         self.stats = PrefixCacheStats()
-        self.entries: list[Conversation] = []
+        self.entries: list[PrefixKV] = []
         self.slots: list[PrefixCache] = []
         self.clock = itertools.count(1)
         self.host = torch.device("cpu")
 
-    def thin(self, checkpoints: list[Checkpoint]) -> None:
+    def thin(self, checkpoints: list[RingCheckpoint]) -> None:
         """Keep at most max_checkpoints: the newest always, then drop those closest to the one before, so
         the rest stay spread over the context."""
         while len(checkpoints) > max(1, self.config.max_checkpoints):
@@ -211,25 +214,25 @@ class PrefixCache:
         self.cache = cache
         self.drafter_cache = drafter_cache
         self.stats = self.store.stats
-        self._live: Conversation | None = None
-        self._pending: list[Checkpoint] = []  # the request in flight's checkpoints
+        self._live: PrefixKV | None = None
+        self._pending: list[RingCheckpoint] = []  # the request in flight's checkpoints
         self._caching = False  # whether the request in flight stores its state
         self._last_checkpoint = 0  # of the request in flight
         self._host = self.store.host
 
-    def own_checkpoints(self) -> list[Checkpoint]:
+    def own_checkpoints(self) -> list[RingCheckpoint]:
         """The checkpoints of the conversation in this slot's working caches (the list itself)."""
         return self._pending if self._caching else (self._live.checkpoints if self._live is not None else [])
 
-    def lend(self, ids: list[int]) -> Conversation:
+    def lend(self, ids: list[int]) -> PrefixKV:
         """This slot's working caches as a source another slot may restore from while this slot's request runs:
         `ids` the tokens they hold for sure (its prompt's chunks done). Read in place, between steps: the full
         layers up to len(ids), the rings at any position they still hold, and the checkpoints taken so far."""
         drafter = self.drafter_cache.state() if self.drafter_cache is not None else None
-        return Conversation(list(ids), [c for c in self.own_checkpoints() if c.position <= len(ids)],
-                            self.cache.full_state(), drafter, lender=self.cache)
+        return PrefixKV(list(ids), [c for c in self.own_checkpoints() if c.position <= len(ids)],
+                        self.cache.full_state(), drafter, lender=self.cache)
 
-    def reusable(self, prompt: list[int], lent: Sequence[Conversation] = ()) -> int:
+    def reusable(self, prompt: list[int], lent: Sequence[PrefixKV] = ()) -> int:
         """How many of prompt's tokens `acquire` would reuse now."""
         return self._best(prompt, self._live, lent)[0]
 
@@ -240,7 +243,7 @@ class PrefixCache:
 
     # --- per request ------------------------------------------------------------------------------
 
-    def acquire(self, prompt: list[int], enabled: bool = True, lent: Sequence[Conversation] = ()) -> Reuse:
+    def acquire(self, prompt: list[int], enabled: bool = True, lent: Sequence[PrefixKV] = ()) -> Reuse:
         """Set the working caches to the longest reusable prefix of `prompt`: of this slot's conversation, a stored
         one, or `lent` (other slots' requests in flight: `lend`). Not `enabled`: the request neither reuses nor
         stores, and starts from empty caches."""
@@ -291,7 +294,7 @@ class PrefixCache:
             return
         self._last_checkpoint = position
         self._pending = [c for c in self._pending if c.position != position]
-        self._pending.append(Checkpoint(
+        self._pending.append(RingCheckpoint(
             position, self.cache.ring_snapshot(self._host),
             logits.to(self._host, copy=True) if logits is not None else None,
         ))
@@ -304,19 +307,19 @@ class PrefixCache:
             return
         if self.cache.length != len(ids) or (self.drafter_cache is not None and self.drafter_cache.length != len(ids)):
             raise RuntimeError(f"the caches hold {self.cache.length} tokens, not the {len(ids)} recorded")
-        self._live = Conversation(list(ids), [c for c in self._pending if c.position <= len(ids)],
-                                  last_used=next(self.store.clock))
+        self._live = PrefixKV(list(ids), [c for c in self._pending if c.position <= len(ids)],
+                              last_used=next(self.store.clock))
         self._pending, self._caching = [], False
         self.store.fit()
 
     # --- choosing and loading a prefix ------------------------------------------------------------
 
-    def _best(self, prompt: list[int], live: Conversation | None,
-              lent: Sequence[Conversation] = ()) -> tuple[int, Conversation | None, Checkpoint | None]:
+    def _best(self, prompt: list[int], live: PrefixKV | None,
+              lent: Sequence[PrefixKV] = ()) -> tuple[int, PrefixKV | None, RingCheckpoint | None]:
         """(position, source, checkpoint): the most tokens any state can serve. The last prompt token is
         run again for its logits unless a prompt-end checkpoint kept them. Ties go to the live state, then to
         stored ones. A checkpoint of None: the source's rings as they are (rolled back within their reach)."""
-        best: tuple[int, Conversation | None, Checkpoint | None] = (0, None, None)
+        best: tuple[int, PrefixKV | None, RingCheckpoint | None] = (0, None, None)
         for entry in ([live] if live is not None else []) + self.store.entries + list(lent):
             common = common_prefix(entry.ids, prompt)
             if common <= best[0]:
@@ -334,14 +337,14 @@ class PrefixCache:
                     break
         return best
 
-    def _truncate(self, position: int, checkpoint: Checkpoint | None) -> None:
+    def _truncate(self, position: int, checkpoint: RingCheckpoint | None) -> None:
         rollback = self.cache.rings_hold(position)
         assert rollback or checkpoint is not None
         self.cache.restore(position, None, None if rollback else checkpoint.ring)
         if self.drafter_cache is not None:
             self.drafter_cache.restore(position, None)
 
-    def _load(self, entry: Conversation, position: int, checkpoint: Checkpoint | None) -> None:
+    def _load(self, entry: PrefixKV, position: int, checkpoint: RingCheckpoint | None) -> None:
         self.cache.restore(position, entry.full, entry.lender.ring_state() if checkpoint is None else checkpoint.ring)
         if self.drafter_cache is not None:
             if entry.drafter is None:
@@ -367,7 +370,7 @@ class PrefixCache:
         lost = length - position
         return length >= self.config.min_tokens and lost >= max(self.config.min_tokens, length // 4)
 
-    def _keep(self, live: Conversation, position: int) -> None:
+    def _keep(self, live: PrefixKV, position: int) -> None:
         """Store a copy of the live conversation before the working caches drop what follows `position`,
         when that is a large part of it."""
         n = len(live.ids)
@@ -386,9 +389,9 @@ class PrefixCache:
         where = self.cache.device if on_device else self._host
         checkpoints = list(live.checkpoints)
         if not checkpoints or checkpoints[-1].position != n:
-            checkpoints.append(Checkpoint(n, self.cache.ring_snapshot(self._host)))
+            checkpoints.append(RingCheckpoint(n, self.cache.ring_snapshot(self._host)))
             self.store.thin(checkpoints)
-        entry = Conversation(
+        entry = PrefixKV(
             list(live.ids), checkpoints, self.cache.full_snapshot(n, where),
             self.drafter_cache.snapshot(n, where) if self.drafter_cache is not None else None,
             on_device, live.last_used,

@@ -27,6 +27,7 @@ from ..model.gemma import ForwardOutput, run_to_end
 from ..model.mtp import MtpDrafter
 from ..runner import StepRunner
 from ..types import SpecStats
+from .draft_policy import PLAIN, Arm, DraftPolicy, Source
 from .sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -182,112 +183,21 @@ class CopyMemory:
         return seq[at:at + min(k, matched)]
 
 
-class LengthController:
-    """Picks each step's proposal source and draft length by measured throughput.
-
-    Arms are ("ar", 0), ("dflash", k) (or ("mtp", k): a Gemma 4 assistant) for a few k, and ("ngram", k). Each keeps
-    an EWMA of committed tokens per second of step time and of seconds per step. Every arm is measured once; those
-    within half of the best rate get MIN_SAMPLES; then the best arm is played, and the others are re-measured from
-    an exploration budget: each step adds EXPLORE_BUDGET of its time to a credit, and re-measuring an arm spends
-    what it is expected to lose against the best (its step time times its rate deficit). So an arm as good as the
-    best is re-checked every few steps, one four times slower every several hundred, and exploring never costs more
-    than EXPLORE_BUDGET of the time: speculation turns itself off when drafting does not pay (verifying a block
-    costs several decode steps on a CPU) and back on when it starts to (as beellama's profit controller does). 1%:
-    with 2%, re-checking the bundled drafter on code it cannot draft cost the default 2-3% against plain decoding.
-    """
-
-    ALPHA = 0.15
-    MIN_SAMPLES = 3
-    EXPLORE_BUDGET = 0.01
-
-    def __init__(self, max_draft: int, drafter: bool, ngram: bool, fixed: int | None,
-                 max_lookup: int | None = None, copy: bool = False, drafter_source: str = "dflash") -> None:
-        self.fixed = fixed
-        self.drafter = drafter
-        self.drafter_source = drafter_source  # "dflash", or "mtp" for a Gemma 4 assistant
-        self.max_draft = max_draft
-        lengths = sorted({k for k in (2, 4, 8, max_draft) if 0 < k <= max_draft})
-        longest = max_draft if max_lookup is None else max_lookup
-        self.arms: list[tuple[str, int]] = [("ar", 0)]
-        if ngram and copy:  # a long match: the copy likely goes on, and a long block is one step for many tokens
-            self.arms += [("copy", k) for k in sorted({min(32, longest), longest}) if k > 0]
-        if drafter:
-            self.arms += [(drafter_source, k) for k in lengths]
-        if ngram:  # a short match is often wrong, and verifying a long block costs several steps on a CPU
-            self.arms += [("ngram", k) for k in sorted({min(k, longest) for k in (4, 8, 16)}) if k > 0]
-        self.rate: dict[tuple[str, int], float] = {}
-        self.step_seconds: dict[tuple[str, int], float] = {}
-        self.samples: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
-        self.last_played: dict[tuple[str, int], int] = {arm: 0 for arm in self.arms}
-        self.steps = 0
-        self.credit = 0.0  # seconds of exploration the budget has earned
-
-    def choose(self, ngram_available: bool, copy_available: int = 0) -> tuple[str, int]:
-        """copy_available: how long a copy the sequence's match supports (0: none)."""
-        copies = [a for a in self.arms if a[0] == "copy"]
-        if self.fixed is not None:
-            if self.drafter:
-                return (self.drafter_source, self.fixed)
-            if copy_available and copies:
-                return ("copy", self.fixed)
-            return ("ngram", self.fixed) if ngram_available else ("ar", 0)
-        if copy_available and copies:
-            # where a copy is under way it is measured against plain decoding only: the other sources' rates,
-            # learnt mostly where nothing is copied, say little here, and they would draft what the copy drafts.
-            # A match at least as long as the short arm's draft plays the long arm, a shorter one the short arm:
-            # records that share a layout match a little past copy_n and often go wrong, where a long match is a
-            # copy under way, and each is learnt apart.
-            arm = copies[-1] if copy_available >= copies[0][1] else copies[0]
-            arms = [("ar", 0), arm]
-        else:
-            arms = [a for a in self.arms if a[0] != "copy" and (a[0] != "ngram" or ngram_available)]
-        self.steps += 1
-        best_rate = max((self.rate[a] for a in arms if a in self.rate), default=0.0)
-        fresh = [a for a in arms if self.samples[a] == 0
-                 or (self.samples[a] < self.MIN_SAMPLES and self.rate[a] >= best_rate / 2)]
-        if fresh:
-            return fresh[0]
-        best = max(arms, key=lambda a: self.rate[a])
-        others = [a for a in arms if a != best]
-        if others:
-            stalest = min(others, key=lambda a: self.last_played[a])
-            if self.credit >= self.expected_loss(stalest, best):
-                self.credit -= self.expected_loss(stalest, best)
-                return stalest
-        return best
-
-    def expected_loss(self, arm: tuple[str, int], best: tuple[str, int]) -> float:
-        """Seconds a step of `arm` is expected to lose against playing `best` for as long."""
-        return self.step_seconds[arm] * max(0.0, 1 - self.rate[arm] / self.rate[best])
-
-    def record(self, arm: tuple[str, int], committed: int, seconds: float) -> None:
-        if arm not in self.samples or seconds <= 0:
-            return
-        rate = committed / seconds
-        old = self.rate.get(arm)
-        self.rate[arm] = rate if old is None else (1 - self.ALPHA) * old + self.ALPHA * rate
-        old = self.step_seconds.get(arm)
-        self.step_seconds[arm] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
-        self.samples[arm] += 1
-        self.last_played[arm] = self.steps
-        self.credit += self.EXPLORE_BUDGET * seconds
-
-
 @dataclass
 class _Proposal:
-    source: str
+    source: Source
     tokens: list[int]
     probs: torch.Tensor | None = None  # [k, V] draft distributions when sampling; None = one-hot drafts
 
 
 @dataclass
-class PlannedStep:
-    """A planned decode / verification step of one request (RequestDecoder.plan)."""
+class DraftBlock:
+    """One request's anchor and drafts, planned for the target to verify (RequestDecoder.plan)."""
 
     ids: torch.Tensor  # [1 + k]: the anchor and the drafts
     logits_at: torch.Tensor  # every row's logits are verified
     proposal: _Proposal
-    arm: tuple[str, int] | None  # the controller's choice, to credit with the step's time (None: not its choice)
+    arm: Arm | None  # the controller's choice, to credit with the step's time (None: not its choice)
     start: int  # the cache's length before the step
     started: float  # perf_counter when it was planned
     greedy: bool = False  # greedy without a grammar: the target's picks suffice (GemmaModel.forward's `greedy`)
@@ -305,7 +215,7 @@ class RequestDecoder:
         drafter_cache: DrafterCache | None = None,
         matcher: Matcher | None = None,
         spec: SpecConfig | None = None,
-        controller: LengthController | None = None,
+        controller: DraftPolicy | None = None,
         memory: CopyMemory | None = None,
     ) -> None:
         """memory: earlier requests' outputs to draft copies from (and this one's to remember when it finishes)."""
@@ -332,14 +242,14 @@ class RequestDecoder:
             max_draft = max_lookup = self.spec.block - 1
         use_ngram = self.spec.enabled and self.spec.ngram
         # The adaptive controller outlives the request: the engine passes it to the next one.
-        self.shared_controller = controller or LengthController(
+        self.shared_controller = controller or DraftPolicy(
             min(max_draft, longest),
             drafter=model_drafter is not None,
             ngram=use_ngram,
             fixed=None if self.spec.block is None else min(max_draft, longest),
             max_lookup=min(max_lookup, longest),
             copy=bool(self.spec.copy_match),
-            drafter_source="mtp" if self.mtp is not None else "dflash",
+            drafter_source=Source.MTP if self.mtp is not None else Source.DFLASH,
         )
         self.controller = self.shared_controller
         if sampler.params.seed is not None and not sampler.params.greedy and self.spec.block is None:
@@ -347,7 +257,7 @@ class RequestDecoder:
             # (each verification draws from the generator) depends on the adaptive controller's timings;
             # so such a request decodes plainly (a fixed block is deterministic and keeps drafting).
             # The drafter is still fed, for the requests after it.
-            self.controller = LengthController(0, drafter=False, ngram=False, fixed=None)
+            self.controller = DraftPolicy(0, drafter=False, ngram=False, fixed=None)
         self.ngram = NgramIndex(self.spec.ngram_min, self.spec.ngram_max, self.spec.copy_match,
                                 memory if self.spec.copy_match else None) if use_ngram else None
         self.sequence: list[int] = []  # the prompt and every token committed so far
@@ -499,7 +409,7 @@ class RequestDecoder:
         return self.commit(planned, self.target.forward(planned.ids, self.cache, logits_at=planned.logits_at,
                                                 capture=self.capture, greedy=planned.greedy))
 
-    def plan(self, anchor: int, budget: int, draft: bool = True) -> PlannedStep:
+    def plan(self, anchor: int, budget: int, draft: bool = True) -> DraftBlock:
         """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone: `step`, or
         beside other requests' blocks: StepRunner.forward_groups); `commit` takes its output. budget: the most tokens
         the step may commit. draft False: a plain step, which the controller neither picks nor learns from (the
@@ -511,20 +421,20 @@ class RequestDecoder:
         arm = self.controller.choose(self._ngram_ready(room), self._copy_ready(room)) if draft else None
         if arm is None:
             ids = torch.tensor([anchor], device=self.target.device)
-            return PlannedStep(ids, torch.arange(1, device=ids.device), _Proposal("ar", []), None, start,
-                               time.perf_counter(), self._greedy)
-        if arm[0] == "dflash":
+            return DraftBlock(ids, torch.arange(1, device=ids.device), _Proposal(Source.AR, []), None, start,
+                              time.perf_counter(), self._greedy)
+        if arm.source is Source.DFLASH:
             self._feed_drafter()  # the backlog of plain steps, not this step's cost
         started = time.perf_counter()
-        k = min(arm[1], room)
+        k = min(arm.k, room)
         if k == 0:
-            arm = ("ar", 0)  # no room left to draft: this step measures plain decoding
-        proposal = self._propose(arm[0], anchor, k) if k > 0 else _Proposal("ar", [])
+            arm = PLAIN  # no room left to draft: this step measures plain decoding
+        proposal = self._propose(arm.source, anchor, k) if k > 0 else _Proposal(Source.AR, [])
         ids = torch.tensor([anchor, *proposal.tokens], device=self.target.device)
-        return PlannedStep(ids, torch.arange(ids.shape[0], device=ids.device), proposal, arm, start, started,
-                           self._greedy)
+        return DraftBlock(ids, torch.arange(ids.shape[0], device=ids.device), proposal, arm, start, started,
+                          self._greedy)
 
-    def commit(self, planned: PlannedStep, out: ForwardOutput) -> list[int]:
+    def commit(self, planned: DraftBlock, out: ForwardOutput) -> list[int]:
         """Verify the planned block against the target's output over it; returns the 1..k+1 tokens committed."""
         proposal = planned.proposal
         accepted, bonus = self._verify(proposal, out)
@@ -535,7 +445,7 @@ class RequestDecoder:
         if self.ngram is not None:
             self.ngram.extend(new[:-1])
         self.sequence.extend(new)
-        self.stats.record(proposal.source, len(proposal.tokens), accepted)
+        self.stats.record(proposal.source.value, len(proposal.tokens), accepted)
         if planned.arm is not None:
             self.controller.record(planned.arm, len(new), time.perf_counter() - planned.started)
         return new
@@ -552,7 +462,7 @@ class RequestDecoder:
         """How long a copy the match supports, up to the longest copy arm's draft (0: none)."""
         if self.ngram is None or room <= 0:
             return 0
-        return len(self.ngram.copy(max((a[1] for a in self.controller.arms if a[0] == "copy"), default=0)))
+        return len(self.ngram.copy(self.controller.longest_copy))
 
     def _queue_features(self, captured: dict[int, torch.Tensor], n: int) -> None:
         if self.mtp is not None and n > 0:
@@ -574,11 +484,11 @@ class RequestDecoder:
 
     # --- proposals --------------------------------------------------------------------------------
 
-    def _propose(self, source: str, anchor: int, k: int) -> _Proposal:
-        if source in ("ngram", "copy"):
+    def _propose(self, source: Source, anchor: int, k: int) -> _Proposal:
+        if source in (Source.NGRAM, Source.COPY):
             assert self.ngram is not None
-            return _Proposal(source, self.ngram.propose(k) if source == "ngram" else self.ngram.copy(k))
-        if source == "mtp":
+            return _Proposal(source, self.ngram.propose(k) if source is Source.NGRAM else self.ngram.copy(k))
+        if source is Source.MTP:
             return self._propose_mtp(anchor, k)
         assert self.drafter is not None and self.drafter_cache is not None
         self._feed_drafter()
@@ -589,7 +499,7 @@ class RequestDecoder:
         if self._greedy and self.drafter.config.output_multiplier > 0:
             picks = self.target.draft_picks(hidden[1:])
             if picks is not None:
-                return _Proposal("dflash", picks)
+                return _Proposal(Source.DFLASH, picks)
         logits = self.drafter.logits(hidden[1:], self.target.model.output_weight)
         tokens: list[int] = []
         probs = [] if not self.sampler.params.greedy else None
@@ -598,14 +508,14 @@ class RequestDecoder:
             if token is None:
                 break
             tokens.append(token)
-        return self._proposal("dflash", tokens, probs)
+        return self._proposal(Source.DFLASH, tokens, probs)
 
     def _propose_mtp(self, anchor: int, k: int) -> _Proposal:
         """k steps of the assistant, each fed the token the last one drafted (no drafts before the target has a
         committed row of its own this request: a prompt wholly from the prefix cache)."""
         assert self.mtp is not None
         if self._mtp_hidden is None:
-            return _Proposal("mtp", [])
+            return _Proposal(Source.MTP, [])
         keys = self.mtp.keys(self.cache)
         hidden, token, position = self.target.model.norm(self._mtp_hidden), anchor, self.cache.length
         tokens: list[int] = []
@@ -617,7 +527,7 @@ class RequestDecoder:
             if token is None:
                 break
             tokens.append(token)
-        return self._proposal("mtp", tokens, probs)
+        return self._proposal(Source.MTP, tokens, probs)
 
     def _draft_token(self, row: torch.Tensor, probs: list[torch.Tensor] | None) -> int | None:
         """A draft from a drafter's logits row [vocab] (its distribution appended to `probs` when sampling), under
@@ -637,7 +547,7 @@ class RequestDecoder:
             return None
         return token
 
-    def _proposal(self, source: str, tokens: list[int], probs: list[torch.Tensor] | None) -> _Proposal:
+    def _proposal(self, source: Source, tokens: list[int], probs: list[torch.Tensor] | None) -> _Proposal:
         """The drafts, with the grammar put back to before them (verification advances it again)."""
         if self.matcher is not None and tokens:
             self.matcher.rollback(len(tokens))
