@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.cpu_dot import CpuDot
+from ..kernels.cpu.cpu_dot import CpuDot
 from .cache.drafter_cache import DrafterCache
 from .cache.kv_cache import KVCache
 from .cache.prefix_cache import Conversation, PrefixCache, PrefixCacheConfig, PrefixStore, Reuse, common_prefix
@@ -432,7 +432,7 @@ class Scheduler:
 
     def _take(self, block: bool) -> None:
         """Move submitted jobs to the waiting line, waiting for one when there is nothing else to do."""
-        if block:  # idle: this thread's OpenMP threads end rather than wait (kernels.cpu_dot)
+        if block:  # idle: this thread's OpenMP threads end rather than wait (kernels.cpu.cpu_dot)
             release_cpu_threads(self.model.device)
         while True:
             try:
