@@ -51,7 +51,7 @@ run | probe)
     timeout -k 10 "$limit" python3 -m dflash_agent bench --gpu-check --out "$OUT/gpu-check.json" 2>&1 \
         | tee "$OUT/gpu-check.log" || status=$?
     cp bench-results/synthetic-*.json "$OUT/" 2>/dev/null || true
-    # the tiles timed on this GPU (kernels.quant_tuning): each shape's fastest beside the default
+    # the tiles timed on this GPU (kernels.triton.quant_tuning): each shape's fastest beside the default
     cp "${DFLASH_AGENT_CACHE:-$HOME/.cache/dflash-agent}/kernel-tuning.json" "$OUT/" 2>/dev/null || true
     exit "$status"
     ;;

@@ -7,9 +7,9 @@ Run on a GPU machine from a checkout (the lent one: `scripts/device-gpu-check.sh
 It writes OUT_DIR/probe.json (after each part, so a run stopped at its limit keeps what it measured) and logs:
 - kernels: the CUDA kernels of one step (eager decode, 4 requests' decode rows, a 16-token verification, a graphed
   decode, a DFlash drafter's step), by total time per step, from torch.profiler;
-- gemv: kernels.quant_tuning's timing of every candidate tile (a decode row plus a 16-row verification block) over
-  the 31B's MLP shapes and a K projection's, beside cuBLAS multiplying the same matrix in bf16, timed in CUDA graphs
-  (a Triton launch's host cost is more than a GEMV's time).
+- gemv: kernels.triton.quant_tuning's timing of every candidate tile (a decode row plus a 16-row verification block)
+  over the 31B's MLP shapes and a K projection's, beside cuBLAS multiplying the same matrix in bf16, timed in CUDA
+  graphs (a Triton launch's host cost is more than a GEMV's time).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dflash_agent.engine.backends.cuda import DraftStepGraph, cuda_step_graphs
 from dflash_agent.engine.model.gemma import RowGroup
 from dflash_agent.engine.model.packed import choose_cuda_tiles
 from dflash_agent.engine.runner import StepRunner
-from dflash_agent.kernels import quant_matmul as qm
 from dflash_agent.kernels.dispatch import VERIFY_ROWS
-from dflash_agent.kernels.quant_tuning import choose_tile, graphed_cost, graphed_ms
+from dflash_agent.kernels.triton import quant_matmul as qm
+from dflash_agent.kernels.triton.quant_tuning import choose_tile, graphed_cost, graphed_ms
 
 log = logging.getLogger("gpu_probe")
 T = GGMLQuantizationType

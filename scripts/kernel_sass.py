@@ -18,9 +18,9 @@ import sys
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from dflash_agent.kernels import compile_check
-from dflash_agent.kernels import quant_matmul as qm
-from dflash_agent.kernels.triton_support import Launch
+from dflash_agent.bench import compile_check
+from dflash_agent.kernels.triton import quant_matmul as qm
+from dflash_agent.kernels.triton.triton_support import Launch
 
 T = GGMLQuantizationType
 FORMATS = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)

@@ -178,6 +178,59 @@ def test_planted_room_violations_are_flagged():
     ]
 
 
+# kernels/'s rooms: the C library (cpu) and the Triton kernels (triton) know nothing of each other; the modules at
+# kernels/'s top (attention, dispatch, capture) choose where work runs and may reach the Triton kernels. None of
+# them imports the engine, nor anything else of ours but errors.
+KERNELS = f"{PACKAGE}.kernels"
+KERNEL_ROOMS = {"cpu": {"cpu"}, "triton": {"triton", "top"}, "top": {"top", "triton"}}
+
+
+def kernel_room_of(module: str) -> str | None:
+    """`dflash_agent.kernels.cpu.cpu_dot` -> `cpu`; `dflash_agent.kernels.dispatch` -> `top`; None outside."""
+    if module == KERNELS:
+        return "top"
+    if not module.startswith(KERNELS + "."):
+        return None
+    first = module.split(".")[2]
+    return first if first in KERNEL_ROOMS else "top"
+
+
+def kernel_violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
+    """One line per import of a kernels module that leaves its room's reach (the engine included)."""
+    bad = []
+    for module, imported in graph.items():
+        room = kernel_room_of(module)
+        if room is None:
+            continue
+        for target, line in imported:
+            into = kernel_room_of(target)
+            if layer_of(target) != "errors" and into not in KERNEL_ROOMS[room]:
+                bad.append(f"{module}:{line} imports {target} ({room} -> {into or layer_of(target)})")
+    return bad
+
+
+def test_kernels_import_nothing_of_the_engine_and_their_rooms_keep_apart():
+    graph = import_graph()
+    assert kernel_violations(graph) == []
+    edges = {(kernel_room_of(m), kernel_room_of(t)) for m, imported in graph.items() for t, _ in imported}
+    assert {("top", "triton"), ("triton", "top"), ("cpu", "cpu"), ("triton", "triton")} <= edges
+
+
+def test_planted_kernel_violations_are_flagged():
+    graph = {
+        f"{KERNELS}.cpu.cpu_dot": [(f"{KERNELS}.cpu.build", 1), (f"{ENGINE}.types", 2), (f"{KERNELS}.dispatch", 3)],
+        f"{KERNELS}.triton.quant_matmul": [(f"{KERNELS}.dispatch", 4), (f"{KERNELS}.cpu.cpu_dot", 5)],
+        f"{KERNELS}.attention": [(f"{KERNELS}.triton.attention_triton", 6), (f"{ENGINE}.model.gemma", 7)],
+        f"{KERNELS}.triton.rms_norm": [(f"{PACKAGE}.errors", 8)],
+    }
+    assert kernel_violations(graph) == [
+        f"{KERNELS}.cpu.cpu_dot:2 imports {ENGINE}.types (cpu -> engine)",
+        f"{KERNELS}.cpu.cpu_dot:3 imports {KERNELS}.dispatch (cpu -> top)",
+        f"{KERNELS}.triton.quant_matmul:5 imports {KERNELS}.cpu.cpu_dot (triton -> cpu)",
+        f"{KERNELS}.attention:7 imports {ENGINE}.model.gemma (top -> engine)",
+    ]
+
+
 def test_every_package_import_goes_down():
     graph = import_graph()
     assert violations(graph) == []

@@ -3,10 +3,10 @@ compiled for RTX 3090 / 4090 / 5090 and H100 (sm_86 / 89 / 120 / 90) without a G
 shared memory per launch, checked against the budgets below.
 
 The launches are not a hand-kept list: they come from the same functions the engine launches through
-(kernels.quant_matmul.quant_matmul_launch, kernels.attention_triton.cache_attention_launch), called with meta
-tensors of the shapes the engine passes them:
+(kernels.triton.quant_matmul.quant_matmul_launch, kernels.triton.attention_triton.cache_attention_launch), called
+with meta tensors of the shapes the engine passes them:
 - matmuls: every packed weight of `bench --synthetic gemma4-31b` and `gemma4-26b-a4b` (the routed experts' stacks
-  through kernels.quant_matmul.grouped_launch, as the model launches them) at each quantization
+  through kernels.triton.quant_matmul.grouped_launch, as the model launches them) at each quantization
   (bench.synthetic.quant_types, plus Q8_0: every matrix Q8_0, as llama.cpp writes it; and Q5_K_M: Q4_K_M's mix
   with Q5_K for Q4_K), at M = 1 (decode), 4 and 8
   decode rows of as many requests (slots: quant_matmul_launch's several_sequences), the CUDA-graph buckets up to
@@ -17,8 +17,8 @@ tensors of the shapes the engine passes them:
   cache) with bf16 and q8 KV, at the same rows, where the engine routes them to the kernel (model._plan: sliding
   layers only for blocks within the ring's slack), at contexts within one key chunk of a ring, within one of a
   full cache, and a long one (so both the single-pass and the split-keys kernels, and the latter's combination);
-  the slots' rows each over its own cache in one launch (kernels.attention_triton.rows_attention_launch) and their
-  keys' write; the drafter's CUDA-graph step attends its cache through the kernel too.
+  the slots' rows each over its own cache in one launch (kernels.triton.attention_triton.rows_attention_launch) and
+  their keys' write; the drafter's CUDA-graph step attends its cache through the kernel too.
 Launches that compile to the same kernel (same constexprs, dtypes and integer specializations) are merged.
 
 Budgets (`violations`): no spilled bytes for decode / slots / verify on any target; decode and slots launches (the
@@ -100,7 +100,7 @@ def _weight_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantization
 
 def _matmul_launches(model: str, config: ModelConfig,
                      drafter: DrafterConfig) -> Iterator[tuple[str, str, str, str, object]]:
-    from ..kernels.quant_matmul import decode_shape, grouped_launch, launch_shape, quant_matmul_launch
+    from ..kernels.triton.quant_matmul import decode_shape, grouped_launch, launch_shape, quant_matmul_launch
 
     shapes = {name: tuple(t.shape) for name, t in GemmaModel(config).state_dict().items()}
     rows = _phase_rows(drafter)
@@ -141,7 +141,7 @@ def _matmul_launches(model: str, config: ModelConfig,
 
 def _attention_launches(model: str, config: ModelConfig,
                         drafter: DrafterConfig) -> Iterator[tuple[str, str, str, str, object]]:
-    from ..kernels.attention_triton import cache_attention_launch, rows_attention_launch, write_rows_launch
+    from ..kernels.triton.attention_triton import cache_attention_launch, rows_attention_launch, write_rows_launch
 
     meta = torch.device("meta")
     rows = _phase_rows(drafter)
@@ -193,7 +193,7 @@ def _attention_launches(model: str, config: ModelConfig,
 def kernel_configs() -> list[tuple[KernelConfig, object]]:
     """Every distinct compiled kernel the engine launches for the synthetic targets and their drafters, with one
     launch each."""
-    from ..kernels.compile_check import compile_key
+    from .compile_check import compile_key
 
     merged: dict[str, tuple[KernelConfig, object]] = {}
     launches = []
@@ -218,7 +218,7 @@ _LAUNCHES: list = []
 
 
 def _compile(job: tuple[int, str]) -> tuple[int, str, dict]:
-    from ..kernels.compile_check import resource_usage
+    from .compile_check import resource_usage
 
     index, target = job
     return index, target, asdict(resource_usage(_LAUNCHES[index], target))
@@ -249,7 +249,7 @@ def compile_all(targets: list[str], workers: int | None = None) -> list[KernelCo
 
 def violations(configs: list[KernelConfig]) -> list[str]:
     """Every budget of the module doc a config breaks, one line each."""
-    from ..kernels.compile_check import SHARED_LIMIT
+    from .compile_check import SHARED_LIMIT
 
     out = []
     for c in configs:
@@ -282,7 +282,7 @@ def command(out: Path | None, as_json: bool, targets: list[str] | None = None) -
     """`bench --kernels`: compile, write JSON, return (what to print, whether every budget holds)."""
     import triton
 
-    from ..kernels.compile_check import TARGETS
+    from .compile_check import TARGETS
 
     targets = targets or list(TARGETS)
     configs = compile_all(targets)

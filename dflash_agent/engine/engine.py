@@ -87,7 +87,7 @@ class Engine:
         self._scheduler = Scheduler(self.runner, tokenizer, n_ctx, parallel, kv_dtype, drafter, self.spec, prefix_cache,
                                     PROGRESS_EVERY_S)
         self._worker = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
-        release_cpu_threads(model.device)  # the worker runs the kernels from here on (kernels.cpu_dot)
+        release_cpu_threads(model.device)  # the worker runs the kernels from here on (kernels.cpu.cpu_dot)
         self._worker.start()
 
     @property
@@ -123,7 +123,7 @@ class Engine:
         prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
         conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
         kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
-        weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu_dot on the CPU where a
+        weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu.cpu_dot on the CPU where a
         vector build of it runs, else dequantized where that fits in RAM, else packed: memory_plan.cpu_weights),
         "packed" (also on the CPU without the C kernels, through torch's int4 / int8 kernels;
         engine.model.packed) or "exact"

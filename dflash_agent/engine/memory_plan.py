@@ -319,7 +319,7 @@ CPU_SHARE = 0.5  # of the available RAM: the rest is left to the prefix cache's 
 def cpu_weights(tensors: dict[str, torch.Tensor | PackedTensor], dtype: torch.dtype, c_kernels: bool,
                 available_bytes: int | None = None) -> str:
     """What weights="auto" loads on the CPU, said in the log: "packed" (the GGUF's blocks) where a vector build of
-    the C kernels runs (kernels.cpu_dot); without one, "exact" (dequantized to `dtype`: its GEMMs prefill faster
+    the C kernels runs (kernels.cpu.cpu_dot); without one, "exact" (dequantized to `dtype`: its GEMMs prefill faster
     than torch's int4 / int8 kernels, and the scalar C is slower than both) where that fits in the RAM share,
     else "packed" through torch's kernels, which a 31B model needs (~124 GB dequantized)."""
     if c_kernels:

@@ -102,8 +102,8 @@ class StepRunner:
     def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
         """`forward` of several sequences' new tokens (the slots of concurrent requests: decode rows, verification
         blocks) in one step, each output what `forward` of its group alone gives (every row is computed as alone:
-        engine.backends.cpu; kernels.quant_matmul). The path: on the Triton kernels, the groups' CUDA graph or one
-        eager forward over all their rows (`batches`); where the C layers take every group, one call of them that
+        engine.backends.cpu; kernels.triton.quant_matmul). The path: on the Triton kernels, the groups' CUDA graph or
+        one eager forward over all their rows (`batches`); where the C layers take every group, one call of them that
         reads each weight once for all rows; else one `forward` per group."""
         for group in groups:
             if group.cache.length + group.ids.shape[0] > group.cache.max_len:

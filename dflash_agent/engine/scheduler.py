@@ -319,7 +319,7 @@ class Scheduler:
 
     def _take(self, block: bool) -> None:
         """Move submitted jobs to the waiting line, waiting for one when there is nothing else to do."""
-        if block:  # idle: this thread's OpenMP threads end rather than wait (kernels.cpu_dot)
+        if block:  # idle: this thread's OpenMP threads end rather than wait (kernels.cpu.cpu_dot)
             release_cpu_threads(self.runner.device)
         while True:
             try:

@@ -8,7 +8,7 @@ head h reads KV head h // (heads / kv_heads). Softmax in float32, scores `scale 
 - `cache_attention_reference`: plain PyTorch (SDPA with K/V repeated per query head, which keeps
   head_dim 512 on SDPA's memory-efficient kernel; with enable_gqa it falls back to the O(S^2) math one).
 - `cache_attention`: flash-attn where it applies (installed with the `gpu` extra; head_dim <= 256, the
-  cache in position order ending at the last query), else the Triton kernel (kernels.attention_triton,
+  cache in position order ending at the last query), else the Triton kernel (kernels.triton.attention_triton,
   imported only where it runs), else the reference.
 - `rows_cache_attention` / `write_rows`: several sequences' decode rows, each over its own cache, in one launch
   (Triton only): the caches are read at element offsets from the first one's (`cache_offsets`).
@@ -174,7 +174,7 @@ def cache_attention(
                               window_size=(window - 1, 0) if window else (-1, -1))
         return out[0]
     if triton_runs(q) and triton_takes(q.shape[-1]):
-        from .attention_triton import triton_cache_attention
+        from .triton.attention_triton import triton_cache_attention
 
         return triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
     return cache_attention_reference(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
@@ -196,7 +196,7 @@ def rows_cache_attention(
     are the first row's, the others' lie offsets[t] elements further (cache_offsets, as a [T, OFFSETS_PER_CACHE]
     tensor); k_pos [T, slots] each row's slot -> position map, None where slot = position. Each row comes out as
     `cache_attention` of it alone over its cache gives it on the Triton kernel. Triton only."""
-    from .attention_triton import rows_attention_launch
+    from .triton.attention_triton import rows_attention_launch
 
     q = q.contiguous() if q.stride(-1) != 1 else q
     return rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale, v_scale).run()
@@ -207,7 +207,7 @@ def write_rows(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: tor
     """Row t's new key and value [T, kv_heads, d] into slot slots[t] of its own cache (k / v the first row's, as
     rows_cache_attention's), in one launch: the values as given (an int8 cache's quantized ones, or its scales with
     the offsets' scale columns: engine.cache.kv_cache.LayerKV.write_rows). Triton only."""
-    from .attention_triton import write_rows_launch
+    from .triton.attention_triton import write_rows_launch
 
     write_rows_launch(k_new.contiguous(), v_new.contiguous(), k, v, slots, offsets)()
 

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 _T = GGMLQuantizationType
-# The GGUF block types kernels.quant_matmul reads: the matrices the engine keeps packed.
+# The GGUF block types kernels.triton.quant_matmul reads: the matrices the engine keeps packed.
 PACKED_TYPES: frozenset[GGMLQuantizationType] = frozenset({_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
 
 # Set (with TRITON_INTERPRET=1) to run the kernels on CPU tensors through Triton's interpreter: how the tests
@@ -32,9 +32,9 @@ KEYS_PER_CHUNK = 512
 # ~0.4 TB/s of the H200's 4.25 (2.3 ms a step at 1K context, 50 of its 60 layers sliding). 128-key chunks make
 # 144 programs a row; the ring's partials stay small, so the memory plan barely moves.
 RING_KEYS_PER_CHUNK = 128
-# The rows of kernels.quant_matmul's verification tile: steps of up to this many rows of several sequences share a
-# forward there (StepRunner.batches)
+# The rows of kernels.triton.quant_matmul's verification tile: steps of up to this many rows of several sequences
+# share a forward there (engine.runner.StepRunner.batches)
 VERIFY_ROWS = 16
 # Packed matrices of at least this many weights get a decode / verification tile timed on their GPU
-# (kernels.quant_tuning); smaller ones cost a launch more than their bytes and keep the default.
+# (kernels.triton.quant_tuning); smaller ones cost a launch more than their bytes and keep the default.
 TUNED_WEIGHTS = 1 << 22

@@ -1,4 +1,4 @@
-"""engine.backends.cpu: decode and verify steps through the C decoder layer (kernels/cpu_layer.c) give what the
+"""engine.backends.cpu: decode and verify steps through the C decoder layer (kernels/cpu/cpu_layer.c) give what the
 eager layers give on the same repacked weights, row for row, on Gemma 4's structure (two head sizes, shared
 keys and values, value norms, layer scalars, a sliding ring), on 26B-A4B's routed experts, on E2B / E4B's per-layer
 inputs and shared K / V, and on the embedded Gemma 3."""
@@ -228,7 +228,7 @@ def test_the_c_layers_hold_every_tensor_they_point_into(tiny):
 
 
 def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(tiny):
-    from dflash_agent.kernels.cpu_dot import LayerCache
+    from dflash_agent.kernels.cpu.cpu_dot import LayerCache
 
     layers, lib = tiny.cpu, tiny.cpu.lib
     n, slots = len(layers.layers), 4
@@ -241,8 +241,9 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(ti
 
     def run(write: int, n_keys: int = slots) -> torch.Tensor:
         where = torch.tensor([write])
-        structs = (LayerCache * n)(*(LayerCache(c[0].data_ptr(), c[1].data_ptr(), slots, where.data_ptr(), None,
-                                                n_keys, 0) for c in caches))
+        structs = (LayerCache * n)(*(LayerCache(k=c[0].data_ptr(), v=c[1].data_ptr(), slots=slots,
+                                                write_slots=where.data_ptr(), key_pos=None, n_keys=n_keys, window=0)
+                                     for c in caches))
         x = torch.randn(1, tiny.config.hidden_size)
         lib.layers_forward(layers.layers, structs, x, q_pos, cos, sin, pointers())
         return x

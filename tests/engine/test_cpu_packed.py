@@ -35,8 +35,8 @@ from dflash_agent.engine.model.packed import (
     cpu_dot,
     prefill_dtype,
 )
-from dflash_agent.kernels import cpu_dot as cpu_dot_module
-from dflash_agent.kernels.cpu_dot import DISABLE_ENV
+from dflash_agent.kernels.cpu import cpu_dot as cpu_dot_module
+from dflash_agent.kernels.cpu.cpu_dot import DISABLE_ENV
 
 from .test_packed_linear import TYPES, pack
 

@@ -103,9 +103,9 @@ def test_step_graphs_captured_features_are_planned() -> None:
 
 @pytest.mark.parametrize("ctx", [1024, 32768])
 def test_attention_partials_hold_what_a_verify_step_allocates(ctx) -> None:
-    """The attention kernel's float32 partials (kernels.attention_triton) for a verified block over each layer kind's
+    """The attention kernel's float32 partials (kernels.triton.attention_triton) for a verified block over each layer kind's
     cache: a ring's shorter chunks are the most at a short context, the full layers' at a long one."""
-    from dflash_agent.kernels.attention_triton import cache_attention_launch
+    from dflash_agent.kernels.triton.attention_triton import cache_attention_launch
 
     config, meta = gemma4_31b_config(), torch.device("meta")
     planned = plan_memory(config, 10 * GiB, ctx).items["workspace: attention partials"]

@@ -254,7 +254,7 @@ static float from_half(uint16_t h) {
     return h & 0x8000 ? -v : v;
 }
 
-/* A Q8_0 head's screen as kernels.cpu_dot.HeadScreen.of builds it: its own integers + 128 in panels of 16 rows, its
+/* A Q8_0 head's screen as kernels.cpu.cpu_dot.HeadScreen.of builds it: its own integers + 128 in panels of 16 rows, its
  * scales, each block's sum of |w| rounded up; err NULL. */
 static dfa_screen screen_of(const dfa_matrix *w) {
     const int64_t N = w->n, K = w->k, B = K / 32, padded = (N + 31) / 32 * 32;

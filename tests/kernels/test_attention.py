@@ -177,7 +177,7 @@ def test_rows_of_several_caches_come_out_as_each_alone(kernels, layer, cache) ->
     cache tensors: bit for bit what the row's own launch gives, a full layer's over its cache up to its position (as an
     eager step passes it: one pass, or chunks where it is long) and a ring's over the whole ring; and the new keys
     written by one launch land where each cache's own write puts them."""
-    attn, at = kernels.load("attention"), kernels.load("attention_triton")
+    attn, at = kernels.load("attention"), kernels.load("triton.attention_triton")
     torch.manual_seed(5)
     dtype = torch.float32 if cache == "float32" else torch.bfloat16
     heads, kv_heads, d, window = 4, 2, 256, (None if layer == "full" else 200)
@@ -236,7 +236,7 @@ def test_a_ring_splits_into_shorter_chunks_than_a_full_cache(kernels) -> None:
     """Decode programs: a sliding ring of the 31B's shape (1040 slots, 16 KV heads) splits at RING_KEYS_PER_CHUNK, so
     one row makes more programs than an H200 has SMs; a full cache keeps KEYS_PER_CHUNK, whose partials the memory
     plan sizes by the context."""
-    at, dispatch = kernels.load("attention_triton"), kernels.load("dispatch")
+    at, dispatch = kernels.load("triton.attention_triton"), kernels.load("dispatch")
     meta = torch.device("meta")
     q, q_pos = torch.empty(1, 32, 256, device=meta), torch.empty(1, dtype=torch.long, device=meta)
     kv = torch.empty(1040, 16, 256, device=meta)

@@ -1,11 +1,12 @@
 """The ctypes mirror of cpu_dot.h's structs is held to the C layout field by field (names, offsets, sizes), so a field
-moved, renamed, retyped or added on one side only is refused at load, not called with misread memory."""
+moved, renamed, retyped or added on one side only is refused at load, not called with misread memory; and the
+mirror's structs are filled by field name only, so a field moved on both sides cannot take another's value."""
 
 import ctypes
 
 import pytest
 
-from dflash_agent.kernels import cpu_dot
+from dflash_agent.kernels.cpu import cpu_dot
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +64,14 @@ def test_a_library_whose_layout_disagrees_is_not_loaded(monkeypatch, caplog):
     monkeypatch.setattr(cpu_dot, "ABI_STRUCTS", (*cpu_dot.ABI_STRUCTS[:2], reordered, cpu_dot.ABI_STRUCTS[3]))
     assert cpu_dot.open_library(path) is None
     assert "LayerCache.n_keys" in caplog.text and "LayerCache.window" in caplog.text
+
+
+def test_the_structs_are_filled_by_field_name_only():
+    with pytest.raises(TypeError):
+        cpu_dot.Matrix(1, 0, 2)  # a positional q, qh, d binds by place, not by name
+    with pytest.raises(AttributeError):
+        cpu_dot.LayerCache(n_key=3)
+    layer = cpu_dot.LayerWeights(hidden=8, eps=0.5)
+    assert (layer.hidden, layer.eps, layer.heads) == (8, 0.5, 0)
+    with pytest.raises(AttributeError):
+        layer.hiden = 9  # a misspelt field: C would never see it

@@ -1,11 +1,9 @@
-"""kernels.cpu_dot: built once per machine into the cache (the run-time build; test_cpu_dot_build.py has the
-variants the install builds), refused cleanly without a compiler, and its
-activation quantization and matmuls against plain float32 arithmetic (tests/engine/test_cpu_packed.py checks
+"""kernels.cpu.cpu_dot: the library the install built (test_cpu_dot_build.py has its variants and the builder),
+its activation quantization and matmuls against plain float32 arithmetic (tests/engine/test_cpu_packed.py checks
 them on every GGUF format)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -15,42 +13,22 @@ import pytest
 import torch
 from gguf.quants import Q4_K
 
-from dflash_agent.kernels import cpu_dot
+from dflash_agent.kernels.cpu import cpu_dot
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
 
 
 @pytest.fixture
-def lib(tmp_path):
-    built = cpu_dot.load(tmp_path)
-    assert built is not None
+def lib():
+    built = cpu_dot.load()
+    assert built is not None, "pip install -e . builds the kernels (setup.py)"
     return built
 
 
-def test_built_once_into_the_cache_and_reused(tmp_path):
-    first = cpu_dot.build(tmp_path)
-    assert first is not None and first.parent == tmp_path / "kernels"
-    stamp = first.stat().st_mtime_ns
-    assert cpu_dot.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    # the library, its digest and the lock file: no temporary left behind
-    assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, f"{first.name}.sha256", "build.lock"])
-    assert cpu_dot.open_library(first) is not None
-
-
-@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
-def test_no_working_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog, compiler):
-    monkeypatch.setenv("CC", compiler)
-    monkeypatch.setenv(cpu_dot.DISABLE_ENV, "native")
-    with caplog.at_level(logging.WARNING, logger="dflash_agent.kernels.cpu_dot"):
-        assert cpu_dot.load(tmp_path) is None
-    assert "torch's kernels" in caplog.text
-    assert not list((tmp_path / "kernels").glob("*.so"))
-
-
-def test_disabled_by_the_environment(tmp_path, monkeypatch):
+def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_dot.DISABLE_ENV, "0")
-    assert cpu_dot.load(tmp_path) is None
+    assert cpu_dot.load() is None
 
 
 def test_activations_are_int16_per_block_of_32(lib):
@@ -239,10 +217,10 @@ def test_matrices_move_into_a_huge_page_arena_intact():
 
 
 @pytest.fixture(params=["best", "generic"])
-def each_build(request, tmp_path):
+def each_build(request):
     """The build this machine loads, and the scalar C build (the vector and scalar quantizers differ in code)."""
     if request.param == "best":
-        return cpu_dot.load(tmp_path)
+        return cpu_dot.load()
     path = cpu_dot.prebuilt("generic")
     if path is None:
         pytest.skip("no generic build installed")

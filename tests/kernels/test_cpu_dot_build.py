@@ -1,24 +1,20 @@
-"""The CPU kernels as users get them: built at install in ISA variants (setup.py), the best one the CPU runs picked
-at load after an ABI and source check, torch's kernels where only scalar C would run, and a run-time build that a
-damaged, shared or read-only cache cannot break."""
+"""The CPU kernels as users get them: built at install in ISA variants (setup.py, through kernels/cpu/build.py),
+the best one the CPU runs picked at load after an ABI and source check, and torch's kernels where only scalar C
+would run or no build is installed."""
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from dflash_agent.kernels import cpu_dot
+from dflash_agent.kernels.cpu import build, cpu_dot
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
-LOGGER = "dflash_agent.kernels.cpu_dot"
+LOGGER = "dflash_agent.kernels.cpu.cpu_dot"
 VECTOR = cpu_dot.supports("x86_64_v3")
 BEST = next((variant for variant in cpu_dot.MACHINES if cpu_dot.supports(variant)), None)  # what auto loads
 
@@ -28,24 +24,56 @@ def auto_mode(monkeypatch):
     monkeypatch.delenv(cpu_dot.DISABLE_ENV, raising=False)
 
 
-def test_the_install_built_every_variant_and_auto_loads_the_best_without_compiling(tmp_path, monkeypatch):
+def test_the_install_built_every_variant_and_auto_loads_the_best_without_compiling(monkeypatch):
     assert cpu_dot.prebuilt("generic") is not None, "pip install -e . builds the kernels (setup.py)"
     monkeypatch.setenv("CC", "/nonexistent/cc")  # no compiler is needed at run time
-    lib = cpu_dot.load(tmp_path)
+    lib = cpu_dot.load()
     if VECTOR:
         assert lib is not None and lib.path == cpu_dot.prebuilt(BEST)
         assert lib.simd == ("avx512" if BEST == "x86_64_v4_vnni" else "avx2")
     else:
         assert lib is None
-    assert not (tmp_path / "kernels").exists()
 
 
-def test_a_cpu_without_a_vector_variant_gets_torchs_kernels_and_says_so(tmp_path, monkeypatch, caplog):
+def test_a_cpu_without_a_vector_variant_gets_torchs_kernels_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(cpu_dot, "cpu_flags", lambda: frozenset({"sse2", "sse4_2"}))
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        assert cpu_dot.load(tmp_path) is None
+        assert cpu_dot.load() is None
     assert "no vector build of the CPU kernels for this CPU" in caplog.text and "torch's kernels" in caplog.text
-    assert not (tmp_path / "kernels").exists()  # nor did it compile a scalar build
+
+
+def test_without_its_installed_builds_a_cpu_gets_torchs_kernels_and_says_so(monkeypatch, caplog):
+    """A source tree never installed: no build at run time, a warning that says how to get one."""
+    monkeypatch.setattr(cpu_dot, "prebuilt", lambda variant: None)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert cpu_dot.load() is None
+    if VECTOR:
+        assert "pip install -e ." in caplog.text and "torch's kernels" in caplog.text
+    monkeypatch.setenv(cpu_dot.DISABLE_ENV, "native")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert cpu_dot.load() is None
+    assert "an install with DFLASH_AGENT_CPU_DOT=native builds it" in caplog.text
+
+
+def test_an_install_builds_the_variants_of_its_machine_and_native_when_asked():
+    assert build.variants("x86_64", "") == ["generic", "x86_64_v4_vnni", "x86_64_v3"]
+    assert build.variants("AMD64", "auto") == ["generic", "x86_64_v4_vnni", "x86_64_v3"]
+    assert build.variants("aarch64", "native") == ["generic", "aarch64_neon", "native"]
+    assert build.variants("riscv64", "") == ["generic"]
+    assert set(build.TARGETS) == set(cpu_dot.VARIANTS) and set(build.MACHINES) < set(cpu_dot.VARIANTS)
+
+
+def test_the_builder_makes_a_library_the_loader_takes(tmp_path):
+    """What setup.py runs for each variant: here the generic one, into a folder of its own."""
+    lib = cpu_dot.open_library(build.compile_kernels(tmp_path / "_cpu_dot_generic.so", build.TARGETS["generic"]))
+    assert lib is not None and lib.simd == "scalar"
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_a_compiler_that_fails_or_is_missing_is_a_build_error(tmp_path, compiler):
+    with pytest.raises(build.BuildError, match=compiler):
+        build.compile_kernels(tmp_path / "lib.so", (), cc=[compiler])
+    assert not list(tmp_path.iterdir())
 
 
 def test_variants_need_what_they_use():
@@ -65,17 +93,16 @@ def test_variants_need_what_they_use():
 
 
 @pytest.mark.skipif(not VECTOR, reason="this CPU runs no vector variant")
-def test_every_build_agrees_vector_ones_bit_for_bit(tmp_path, monkeypatch):
-    """The installed x86-64-v3 build, and the AVX-512 one where the CPU runs it, give the bits of the build for this
-    machine (-march=native); the generic build (scalar C, another summation order) agrees to float rounding: ggml
-    tests each arch against its generic."""
+def test_every_build_agrees_vector_ones_bit_for_bit(monkeypatch):
+    """The installed x86-64-v4 VNNI build, where the CPU runs it, gives the bits of the x86-64-v3 one; the generic
+    build (scalar C, another summation order) agrees to float rounding: ggml tests each arch against its generic."""
     libs = {}
     vector = [variant for variant in ("x86_64_v3", "x86_64_v4_vnni") if cpu_dot.supports(variant)]
-    for mode in (*vector, "native", "generic"):
+    for mode in (*vector, "generic"):
         monkeypatch.setenv(cpu_dot.DISABLE_ENV, mode)
-        libs[mode] = cpu_dot.load(tmp_path)
+        libs[mode] = cpu_dot.load()
         assert libs[mode] is not None, mode
-    assert libs["generic"].simd == "scalar" and libs["native"].path.parent == tmp_path / "kernels"
+    assert libs["generic"].simd == "scalar" and libs["x86_64_v3"].simd == "avx2"
     gen = torch.Generator().manual_seed(7)
     # (bits, group, offsets m, offset, scales): float32, float16 or K-quant super-block headers
     for bits, group, with_m, offset, scales in ((4, 32, True, 0, "f32"), (4, 32, False, 8, "f16"),
@@ -96,9 +123,10 @@ def test_every_build_agrees_vector_ones_bit_for_bit(tmp_path, monkeypatch):
         for rows in (1, 4, 9, 19):
             x = torch.randn(rows, k, generator=gen)
             y = {mode: lib.matmul(lib.quantize(x), w) for mode, lib in libs.items()}
+            reference = y["x86_64_v3"]
             for variant in vector:
-                assert torch.equal(y[variant], y["native"]), (variant, bits, group, scales, rows)
-            torch.testing.assert_close(y["generic"], y["native"], rtol=1e-5, atol=1e-5 * float(y["native"].abs().max()))
+                assert torch.equal(y[variant], reference), (variant, bits, group, scales, rows)
+            torch.testing.assert_close(y["generic"], reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
 def test_a_library_from_other_sources_is_refused(monkeypatch, caplog):
@@ -114,59 +142,3 @@ def test_a_library_from_other_sources_is_refused(monkeypatch, caplog):
         assert "built from other sources" in caplog.text
     not_a_library = path.parent / "__init__.py"
     assert cpu_dot.open_library(not_a_library) is None
-
-
-def test_a_damaged_cached_build_is_rebuilt(tmp_path, caplog):
-    path = cpu_dot.build(tmp_path)
-    assert path is not None
-    whole = path.read_bytes()
-    path.write_bytes(whole[: len(whole) // 2])  # what a crash before the data reached the disk would leave
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert cpu_dot.build(tmp_path) == path
-    assert "damaged" in caplog.text
-    assert path.read_bytes() == whole and cpu_dot.open_library(path) is not None
-
-
-def test_a_cache_that_cannot_be_written_never_breaks_startup(tmp_path, monkeypatch, caplog):
-    good = cpu_dot.build(tmp_path / "good")
-    assert good is not None
-
-    def read_only(*args, **kwargs):
-        raise OSError(30, "Read-only file system")
-
-    monkeypatch.setattr(Path, "mkdir", read_only)
-    assert cpu_dot.build(tmp_path / "good") == good  # a read-only cache holding a good build serves
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert cpu_dot.build(tmp_path / "empty") is None
-    assert "Read-only file system" in caplog.text and "torch's kernels" in caplog.text
-    monkeypatch.undo()
-    a_file = tmp_path / "file"
-    a_file.write_text("")
-    assert cpu_dot.build(a_file) is None  # a cache path that is not a folder
-
-
-def test_a_compiler_command_of_several_words(tmp_path, monkeypatch):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    monkeypatch.setenv("CC", f"env {compiler}")  # as `ccache gcc` is written
-    path = cpu_dot.build(tmp_path)
-    assert path is not None and cpu_dot.open_library(path) is not None
-
-
-def test_a_killed_builds_leftovers_are_removed(tmp_path):
-    leftover = tmp_path / "kernels" / "building-abc123"
-    leftover.mkdir(parents=True)
-    (leftover / "cpu_dot-x.so").write_bytes(b"half")
-    assert cpu_dot.build(tmp_path) is not None
-    assert not leftover.exists()
-
-
-def test_builders_started_together_compile_once(tmp_path):
-    script = ("import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.INFO); "
-              "from dflash_agent.kernels import cpu_dot; print(cpu_dot.build(Path(sys.argv[1])))")
-    env = {**os.environ, "PYTHONPATH": str(Path(cpu_dot.__file__).parents[2])}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
-    results = [proc.communicate(timeout=300) for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), [err for _, err in results]
-    assert len({out.strip() for out, _ in results}) == 1 and results[0][0].strip().endswith(".so")
-    assert sum(err.count("compiling the CPU matmul kernels") for _, err in results) == 1

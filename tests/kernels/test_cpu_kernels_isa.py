@@ -15,20 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_agent.kernels import cpu_dot
+from dflash_agent.kernels.cpu import build as builder
+from dflash_agent.kernels.cpu import cpu_dot
 
-KERNELS = Path(cpu_dot.__file__).parent
 CHECK = Path(__file__).with_name("cpu_kernels_check.c")
-FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c11", "-Wall", "-Werror", f"-I{KERNELS}"]
-SOURCES = [str(CHECK), str(KERNELS / "cpu_dot.c"), str(KERNELS / "cpu_layer.c")]
-# -O1 (after FLAGS' -O3): the sanitized -O3 build of every inlined kernel variant took 77 s to compile, -O1 15 s
+WARNINGS = ("-Wall", "-Werror")
+# -O1 (after the builder's -O3): the sanitized -O3 build of every inlined kernel variant is several times slower to
+# compile
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 CC = shutil.which("gcc") or shutil.which("cc")
 CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
 X86 = cpu_dot.supports("x86_64_v3")
 AVX512 = cpu_dot.supports("x86_64_v4_vnni")
-V4 = ["-march=x86-64-v4", "-mavx512vnni"]
+# the install's target flags (setup.py): the code checked here is the code users run
+AVX2, V4, SCALAR = (builder.TARGETS[name] for name in ("x86_64_v3", "x86_64_v4_vnni", "generic"))
 # integer results and single roundings, or (the int8 GEMM) the same operations in the same order: the same bits
 EXACT = ("quantize.", "dequantize.", "argmax", "gemm_i8.")
 
@@ -44,12 +45,7 @@ def read_records(path: Path) -> dict[str, np.ndarray]:
 
 
 def build(tmp: Path, name: str, cc: str, *flags: str) -> Path:
-    exe = tmp / name
-    done = subprocess.run([cc, *FLAGS, *flags, *SOURCES, "-lm", "-o", str(exe)], capture_output=True, text=True,
-                          timeout=300)
-    # a static libgomp warns that dlopen needs the build's glibc at run time: not an error of ours
-    assert done.returncode == 0, done.stderr
-    return exe
+    return builder.compile_kernels(tmp / name, [*WARNINGS, *flags], cc=[cc], program=[CHECK])
 
 
 def run(exe: Path, *launcher: str, env: dict[str, str] | None = None) -> dict[str, np.ndarray]:
@@ -76,8 +72,8 @@ def assert_matches_scalar(vector: dict[str, np.ndarray], scalar: dict[str, np.nd
 
 @pytest.mark.skipif(CC is None or not X86, reason="needs gcc and an x86-64-v3 CPU")
 def test_avx2_matches_the_scalar_code(tmp_path):
-    vector = run(build(tmp_path, "avx2", CC, "-march=x86-64-v3"))
-    scalar = run(build(tmp_path, "scalar", CC, "-DDFA_SCALAR"))
+    vector = run(build(tmp_path, "avx2", CC, *AVX2))
+    scalar = run(build(tmp_path, "scalar", CC, *SCALAR))
     assert vector["simd"][0] == 2 and scalar["simd"][0] == 0
     assert_matches_scalar(vector, scalar)
 
@@ -88,9 +84,9 @@ def test_avx512_gives_the_avx2_bits(tmp_path):
     time: the same integers and the same float operations per row, so the same bits. So do both with Q4_K's
     activations shuffled as they are read (-DDFA_Q4_ORDER=0), the path taken where no memory is left to reorder
     them first."""
-    avx2 = run(build(tmp_path, "avx2", CC, "-march=x86-64-v3"))
+    avx2 = run(build(tmp_path, "avx2", CC, *AVX2))
     for name, flags in (("avx512", V4), ("avx512-unordered", [*V4, "-DDFA_Q4_ORDER=0"]),
-                        ("avx2-unordered", ["-march=x86-64-v3", "-DDFA_Q4_ORDER=0"])):
+                        ("avx2-unordered", [*AVX2, "-DDFA_Q4_ORDER=0"])):
         other = run(build(tmp_path, name, CC, *flags))
         assert other["simd"][0] == (3 if "avx512" in name else 2)
         assert other.keys() == avx2.keys()
@@ -104,8 +100,8 @@ def test_avx512_gives_the_avx2_bits(tmp_path):
                            "qemu-user)")
 def test_neon_matches_the_scalar_code_under_qemu(tmp_path):
     # static, so qemu-user needs no aarch64 root file system
-    neon = run(build(tmp_path, "neon", CROSS, "-static"), QEMU)
-    scalar = run(build(tmp_path, "scalar", CROSS, "-static", "-DDFA_SCALAR"), QEMU)
+    neon = run(build(tmp_path, "neon", CROSS, *builder.TARGETS["aarch64_neon"], "-static"), QEMU)
+    scalar = run(build(tmp_path, "scalar", CROSS, *SCALAR, "-static"), QEMU)
     assert neon["simd"][0] == 1 and scalar["simd"][0] == 0
     assert_matches_scalar(neon, scalar)
 
@@ -115,10 +111,10 @@ def test_neon_matches_the_scalar_code_under_qemu(tmp_path):
 def test_the_kernels_are_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path, isa):
     if isa != "scalar" and not (AVX512 if isa == "x86-64-v4" else X86):
         pytest.skip(f"this CPU runs no {isa} code")
-    flags = {"scalar": ["-DDFA_SCALAR"], "x86-64-v4": V4}.get(isa, [f"-march={isa}"])
+    flags = {"scalar": SCALAR, "x86-64-v4": V4, "x86-64-v3": AVX2}[isa]
     probe = subprocess.run([CC, *SANITIZE, "-x", "c", "-", "-o", str(tmp_path / "probe")], input="int main(void){}",
                            capture_output=True, text=True)
     if probe.returncode:
         pytest.skip(f"{CC} has no sanitizer runtimes: {probe.stderr.strip()[:200]}")
-    run(build(tmp_path, isa, CC, *SANITIZE, *flags),
+    run(build(tmp_path, isa, CC, *flags, *SANITIZE),
         env={"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS": "print_stacktrace=1"})

@@ -1,5 +1,5 @@
 """The CUDA code path of the model, run on the CPU through Triton's interpreter: packed GGUF weights through
-kernels.quant_matmul and attention through kernels.attention (model.Attention's kernel dispatch, by
+kernels.triton.quant_matmul and attention through kernels.attention (model.Attention's kernel dispatch, by
 positions), against the plain CPU model (dequantized weights, SDPA with masks)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
     E2B / E4B's per-layer inputs and shared KV on the kernel path, against the plain CPU model."""
     ckpt = tiny_packed_checkpoint(config=tiny_family_config(kind))
     packed = build_model(ckpt, kernels.device, torch.float32, progress=False, packed=True)
-    qm, grouped = kernels.load("quant_matmul"), []
+    qm, grouped = kernels.load("triton.quant_matmul"), []
     launch = qm.grouped_quant_matmul
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(qm, "grouped_quant_matmul", lambda *a: grouped.append(a[-1]) or launch(*a))

@@ -33,7 +33,7 @@ def random_weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> tor
 
 def run(kernels, x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int) -> torch.Tensor:
     """The kernel on the fixture's device, result back on the CPU."""
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     return qm.quant_matmul(x.to(kernels.device), raw.to(kernels.device), qtype, n).cpu()
 
 
@@ -78,7 +78,7 @@ def test_leading_dims_and_wider_k(kernels) -> None:
 
 
 def test_bad_inputs(kernels) -> None:
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     raw = random_weight(T.Q4_0, N, K, seed=0)
     with pytest.raises(ValueError, match="no packed matmul kernel for Q4_1"):
         qm.quant_matmul(torch.randn(1, K), raw, T.Q4_1, N)
@@ -91,7 +91,7 @@ def test_bad_inputs(kernels) -> None:
 
 
 def test_split_k_fills_the_sms_with_splits_that_divide_k(kernels) -> None:
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     assert qm.split_k(programs=2688, steps=21, sms=132) == 1  # a gate projection fills an H200 as it is
     assert qm.split_k(programs=672, steps=84, sms=132) == 4  # a down projection: 4 x 672 programs
     assert qm.split_k(programs=6, steps=21, sms=132) == 1  # 21 steps split no way evenly
@@ -108,10 +108,10 @@ def test_split_k_fills_the_sms_with_splits_that_divide_k(kernels) -> None:
 def test_split_partials_add_in_split_order_and_round_once(kernels, dtype) -> None:
     """The split K's sum: float32 partials added in split order, whatever the rows, rounded once to y's dtype, into
     a y whose rows are strided (a view), past one program's outputs."""
-    qm, dev = kernels.load("quant_matmul"), kernels.device
+    qm, dev = kernels.load("triton.quant_matmul"), kernels.device
     if dtype == torch.bfloat16 and dev.type != "cuda":
         pytest.skip("Triton's interpreter converts to bfloat16 by truncating")
-    from dflash_agent.kernels.triton_support import Launch
+    from dflash_agent.kernels.triton.triton_support import Launch
 
     partials = (torch.randn(8, 3, 1500, generator=torch.Generator().manual_seed(3)) * 1e3).to(dev)
     y = torch.full((3, 1600), -1.0, dtype=dtype, device=dev)[:, :1500]
@@ -123,7 +123,7 @@ def test_split_partials_add_in_split_order_and_round_once(kernels, dtype) -> Non
 
 
 def test_launch_shapes(kernels) -> None:
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     for qtype in TYPES:
         # a decode row takes the verification tile: one shape (so one rounding) for every step of <= 16 rows
         assert qm.launch_shape(1, qtype) == qm.launch_shape(16, qtype) and qm.launch_shape(1, qtype).block_m == 16
@@ -141,7 +141,7 @@ def test_decode_rows_of_several_sequences_come_out_as_each_alone(kernels, qtype,
     11 decode rows, and past one tile (3 + 9 rows beside 5 + 4 + 16), K split the same way (four ways at N = 48)
     whatever the rows. On a GPU (bench --gpu-check) this is the check that bfloat16 tensor-core tiles keep their rows
     apart."""
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     dev = kernels.device
     raw = random_weight(qtype, N, K, seed=7).to(dev)
     x = torch.randn(11 + 25, K, device=dev).to(dtype)
@@ -192,7 +192,7 @@ def test_grouped_experts_match_each_expert_alone(kernels, qtype, tokens, per_pai
     verification block's and a prompt's grouped by expert into padded 16- and 64-row tiles (24 tokens of 4 experts,
     top 2: some expert has more than 16 rows). Every pair is x's row times its expert's matrix: a token's row for
     each of its experts (the gate and up projection), or a row of its own (the down projection)."""
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     experts, top = 4, 2
     raw = torch.cat([random_weight(qtype, N, K, seed=e) for e in range(experts)])
     chosen = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top]

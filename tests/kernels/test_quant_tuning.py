@@ -1,4 +1,4 @@
-"""kernels.quant_tuning: every tile it may choose computes the product (and keeps rows apart), the choice is the
+"""kernels.triton.quant_tuning: every tile it may choose computes the product (and keeps rows apart), the choice is the
 cheapest timed, and choices are kept per GPU. Timing itself needs CUDA (the last test)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _candidates(qt, qtype, device: torch.device) -> list:
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_every_candidate_tile_computes_the_product_and_keeps_rows_apart(kernels, qtype) -> None:
-    qm, qt = kernels.load("quant_matmul"), kernels.load("quant_tuning")
+    qm, qt = kernels.load("triton.quant_matmul"), kernels.load("triton.quant_tuning")
     dev = kernels.device
     raw = random_weight(qtype, N, K, seed=11).to(dev)
     w = dequantize(raw.cpu(), qtype, (N, K))
@@ -49,7 +49,7 @@ def test_every_candidate_tile_computes_the_product_and_keeps_rows_apart(kernels,
 
 
 def test_a_tile_that_does_not_fit_k_is_refused(kernels) -> None:
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     raw = random_weight(T.Q4_K, N, K, seed=0).to(kernels.device)
     x = torch.randn(1, K, device=kernels.device)
     with pytest.raises(ValueError, match="K of 2 steps does not split 4 ways"):
@@ -59,7 +59,7 @@ def test_a_tile_that_does_not_fit_k_is_refused(kernels) -> None:
 
 
 def test_choose_tile_takes_the_cheapest_shape_then_split(kernels) -> None:
-    qm, qt = kernels.load("quant_matmul"), kernels.load("quant_tuning")
+    qm, qt = kernels.load("triton.quant_matmul"), kernels.load("triton.quant_tuning")
     n, k, sms = 5376, 21504, 132  # a down projection: 84 tiles of 64 columns, 168 steps of 128 values
     shapes = qt.tile_shapes(T.Q4_0)
     default = qm.launch_shape(16, T.Q4_0)
@@ -99,7 +99,7 @@ def test_choose_tile_takes_the_cheapest_shape_then_split(kernels) -> None:
 
 
 def test_tile_choices_are_kept_per_gpu(kernels, tmp_path, caplog) -> None:
-    qm, qt = kernels.load("quant_matmul"), kernels.load("quant_tuning")
+    qm, qt = kernels.load("triton.quant_matmul"), kernels.load("triton.quant_tuning")
     path = tmp_path / "tuning" / "kernel-tuning.json"
     raw = torch.empty(0, dtype=torch.uint8)  # the cost stands in for timing: no kernel runs here
     fastest = qm.LaunchShape(16, 128, 4, qm.launch_shape(16, T.Q4_K).blocks, num_stages=2)
@@ -157,7 +157,7 @@ def test_tile_choices_are_kept_per_gpu(kernels, tmp_path, caplog) -> None:
 def test_a_packed_weight_multiplies_with_its_tile(kernels, monkeypatch) -> None:
     from dflash_agent.engine.model.packed import PackedWeight
 
-    qm = kernels.load("quant_matmul")
+    qm = kernels.load("triton.quant_matmul")
     raw = random_weight(T.Q4_0, N, K, seed=5)
     weight = PackedWeight(PackedTensor(raw, T.Q4_0, (N, K)), torch.float32)
     weight.tile = qm.TileChoice(qm.LaunchShape(16, 32, 8, 8, num_stages=3), 2)
@@ -173,8 +173,8 @@ def test_a_packed_weight_multiplies_with_its_tile(kernels, monkeypatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="timing a tile needs CUDA")
 def test_tiles_are_timed_on_the_gpu(tmp_path) -> None:
     from dflash_agent.engine.model.packed import TILE_TUNING_FILE, PackedWeight, choose_cuda_tiles
-    from dflash_agent.kernels import quant_matmul as qm
-    from dflash_agent.kernels.quant_tuning import tile_shapes
+    from dflash_agent.kernels.triton import quant_matmul as qm
+    from dflash_agent.kernels.triton.quant_tuning import tile_shapes
 
     n, k = 2048, 4096  # TUNED_WEIGHTS: the smallest that is timed
     raw = random_weight(T.Q4_K, n, k, seed=2).cuda()

@@ -27,7 +27,7 @@ def check(y, ref, dtype, ulps):
 
 def run(kernels, *args):
     moved = [a.to(kernels.device) if isinstance(a, torch.Tensor) else a for a in args]
-    return kernels.load("rms_norm").rms_norm(*moved).cpu()
+    return kernels.load("triton.rms_norm").rms_norm(*moved).cpu()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -59,7 +59,7 @@ def test_module_takes_the_kernel_and_agrees_with_pytorch(kernels, monkeypatch) -
     norm.weight = torch.randn(32)
     x = torch.randn(2, 4, 32)
     cos, sin = rope_tables(torch.rand(16), torch.arange(2), torch.float32)
-    module = kernels.load("rms_norm")
+    module = kernels.load("triton.rms_norm")
     calls = []
     kernel = module.rms_norm
     monkeypatch.setattr(module, "rms_norm", lambda *a: calls.append(1) or kernel(*a))
@@ -71,7 +71,7 @@ def test_module_takes_the_kernel_and_agrees_with_pytorch(kernels, monkeypatch) -
 
 
 def test_bad_shapes(kernels) -> None:
-    rms_norm = kernels.load("rms_norm").rms_norm
+    rms_norm = kernels.load("triton.rms_norm").rms_norm
     with pytest.raises(ValueError, match="weight of shape"):
         rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6, 0.0)
     with pytest.raises(ValueError, match="RoPE tables"):

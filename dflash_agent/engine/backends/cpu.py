@@ -1,4 +1,4 @@
-"""Decode and verification steps on the CPU: the decoder layers in one call into kernels.cpu_dot's C layer,
+"""Decode and verification steps on the CPU: the decoder layers in one call into kernels.cpu.cpu_dot's C layer,
 the final norm and LM head in another, the embedding rows read by id in C.
 
 With every matrix repacked for the C matmuls (engine.model.packed), a decode step of the eager model spends
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ...kernels.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
+from ...kernels.cpu.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
 from ..cache.kv_cache import LayerKV
 from ..host_memory import available_ram_bytes
 from ..limits import MAX_ROWS
@@ -119,20 +119,21 @@ class CpuDecodeLayers:
 
         for index, (layer, spec) in enumerate(zip(model.layers, config.layers, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            found = [None if m is None else _int_matrix(m.weight) for m in linears]
-            if any(f is None and m is not None for f, m in zip(found, linears, strict=True)):
+            linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
+                       "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+            found = {name: None if m is None else _int_matrix(m.weight) for name, m in linears.items()}
+            if any(found[name] is None and m is not None for name, m in linears.items()):
                 return None
-            matrices = [Matrix() if f is None else _struct(f, keep) for f in found]
+            matrices = {name: Matrix() if f is None else _struct(f, keep) for name, f in found.items()}
             scalar = 1.0 if layer.layer_scalar is None else float(layer.layer_scalar)
             weights = LayerWeights(
-                *matrices,
-                norm(layer.input_layernorm), norm(layer.post_attention_layernorm),
-                norm(layer.pre_feedforward_layernorm), norm(layer.post_feedforward_layernorm),
-                norm(attn.q_norm), norm(attn.k_norm),
-                config.hidden_size, config.num_heads, spec.num_kv_heads, spec.head_dim,
-                config.layer_intermediate_size(index), int(attn.v_norm is not None), config.rms_norm_eps,
-                attn.scale, scalar,
+                **matrices,
+                input_norm=norm(layer.input_layernorm), post_attn_norm=norm(layer.post_attention_layernorm),
+                pre_ff_norm=norm(layer.pre_feedforward_layernorm), post_ff_norm=norm(layer.post_feedforward_layernorm),
+                q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
+                hidden=config.hidden_size, heads=config.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                intermediate=config.layer_intermediate_size(index), v_norm=int(attn.v_norm is not None),
+                eps=config.rms_norm_eps, scale=attn.scale, layer_scalar=scalar,
             )
             if layer.experts is not None and not _add_experts(weights, layer, config, keep, norm):
                 return None
@@ -234,8 +235,9 @@ class CpuDecodeLayers:
                         k.is_contiguous() and v.is_contiguous()):
                     raise ValueError(f"layer {i}'s cache is {tuple(k.shape)} / {tuple(v.shape)}, not contiguous "
                                      f"[slots, {weights.kv_heads}, {weights.head_dim}]")
-                caches[i * g + j] = LayerCache(k.data_ptr(), v.data_ptr(), k.shape[0], slots, key_pos,
-                                               k.shape[0] if end is None else end, window)
+                caches[i * g + j] = LayerCache(k=k.data_ptr(), v=v.data_ptr(), slots=k.shape[0], write_slots=slots,
+                                               key_pos=key_pos, n_keys=k.shape[0] if end is None else end,
+                                               window=window)
         captured = {i: torch.empty_like(x) for i in capture if 0 <= i < n}
         pointers = ctypes.c_void_p * n
         cos = pointers(*(tables[r][0].data_ptr() for r in self._rope_of_layer))

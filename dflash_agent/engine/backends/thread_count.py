@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...kernels.cpu_dot import CpuDot
+from ...kernels.cpu.cpu_dot import CpuDot
 from ..bandit import Bandit
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from gguf import GGMLQuantizationType
 
-from ...kernels.cpu_dot import HugePageArena
+from ...kernels.cpu.cpu_dot import HugePageArena
 from ..errors import ModelLoadError
 from ..formats.config import ConfigError, ModelConfig
 from ..formats.gguf import GGUFError, GGUFFile, read_gguf
@@ -226,7 +226,7 @@ def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device, pa
 
 
 def _into_huge_pages(kernels: list) -> None:
-    """The repacked matrices moved into one huge-page arena (kernels.cpu_dot.HugePageArena), one at a time, each
+    """The repacked matrices moved into one huge-page arena (kernels.cpu.cpu_dot.HugePageArena), one at a time, each
     copy's source freed (and handed back to the system) as it goes, so peak memory stays near one copy."""
     weights = [k for k in kernels if isinstance(k, CpuDotWeight)]
     arena = HugePageArena.sized_for([t for w in weights for t in w.matrix.tensors()])

@@ -68,8 +68,8 @@ class Linear(nn.Module):
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, rows: StepRows) -> torch.Tensor:
     """x [N, in] @ weight^T over several sequences' rows, each row as its sequence's step alone computes it: packed
-    weights in one set of launches that keep it so (kernels.quant_matmul), others one matmul per sequence (a dense
-    GEMM may choose its kernel, and so its sums, by the number of rows)."""
+    weights in one set of launches that keep it so (kernels.triton.quant_matmul), others one matmul per sequence (a
+    dense GEMM may choose its kernel, and so its sums, by the number of rows)."""
     if isinstance(weight, PackedWeight):
         return weight.linear(x, rows.one_token)
     return torch.cat([F.linear(x[a:b], weight) for a, b in rows.spans()])
@@ -91,7 +91,7 @@ class RMSNorm(nn.Module):
         # the kernel has no backward: training (the drafter trainer trains its norms) stays in PyTorch
         if triton_runs(x) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight is not None
                                                                  and self.weight.requires_grad)):
-            from ...kernels.rms_norm import rms_norm
+            from ...kernels.triton.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, self.offset, cos, sin, residual, scale)
         weight = None if self.weight is None else self.offset + self.weight.float()

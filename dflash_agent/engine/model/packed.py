@@ -2,7 +2,7 @@
 
 A `PackedWeight` stands where the model expects a [out, in] weight matrix of the compute dtype
 (Linear.weight, the tied embedding / LM head) and supports exactly what the model does with one:
-- `F.linear(x, w)`: kernels.quant_matmul's Triton kernel on CUDA; on the CPU, packed kernels when the
+- `F.linear(x, w)`: kernels.triton.quant_matmul's Triton kernel on CUDA; on the CPU, packed kernels when the
   weight was repacked for them at load (`repack_for_cpu`, below), else the
   reference (dequantize to the compute dtype, then F.linear), which is bit-identical to dequantizing at load;
 - `w[ids]`: the embedding rows of `ids`, dequantized from the GGUF blocks, exactly (blocks never straddle rows);
@@ -12,7 +12,7 @@ Anything else that would need the data (`.float()`, `.to()`, arithmetic) raises 
 silently expanding gigabytes.
 
 CPU repacking (the fast default on the CPU), once at load:
-- `CpuDotWeight`, kernels.cpu_dot's C kernels (built when the package installs): every format is rewritten
+- `CpuDotWeight`, kernels.cpu.cpu_dot's C kernels (built when the package installs): every format is rewritten
   as the integers it stores (`_int_groups`: w = d q + m per group of 32, or 16 for Q6_K), bit for bit; Q4_0 /
   Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8. The scales stay as the file has them
   where the kernels read that (HALF_SCALE_TYPES' float16 ones, HEADER_TYPES' super-block headers, Q6_K's
@@ -23,7 +23,7 @@ CPU repacking (the fast default on the CPU), once at load:
   GEMM_ROWS rows and more take GEMMs instead (Engine.load's `prefill`, see prefill_dtype): int8 activations
   against the file's integers (CpuDot.gemm_int8, VNNI's byte dots), or on the rows dequantized exactly in float32
   (exact) or bfloat16; `bench --fidelity` measures what int8 and bfloat16 cost.
-- Without a C compiler, torch's own weight-only kernels, both fast only with bfloat16 activations:
+- Without the C kernels (no compiler at install), torch's weight-only kernels, both fast only with bf16 activations:
   `_weight_int4pack_mm_for_cpu` (tinygemm's layout: 4-bit quants q in groups of 32, each with a bf16 scale and
   zero, w = (q - 8) * scale + zero; Q4_0 and Q4_K map onto it exactly up to bf16 scales, 5- and 8-bit formats
   onto two planes) and `_weight_int8pack_mm` (int8 rows with one scale each, requantized from the exact
@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ...kernels.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
-from ...kernels.cpu_dot import load as load_cpu_dot
+from ...kernels.cpu.cpu_dot import CpuDot, IntMatrix, cpu_flags, supports
+from ...kernels.cpu.cpu_dot import load as load_cpu_dot
 from ...kernels.dispatch import PACKED_TYPES, TUNED_WEIGHTS, triton_runs
 from ..formats.quant import (
     PackedTensor,
@@ -62,7 +62,7 @@ from ..formats.quant import (
 from ..paths import default_cache_root
 
 if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only install may lack it
-    from ...kernels.quant_matmul import TileChoice
+    from ...kernels.triton.quant_matmul import TileChoice
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
@@ -80,8 +80,8 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def cpu_dot() -> CpuDot | None:
-    """The CPU dot kernels, built and loaded once per process (None: no compiler; torch's kernels serve)."""
-    return load_cpu_dot(default_cache_root())
+    """The CPU dot kernels the install built, loaded once per process (None: none loads; torch's kernels serve)."""
+    return load_cpu_dot()
 
 
 def prefill_dtype(choice: str) -> torch.dtype:
@@ -209,11 +209,11 @@ class PackedWeight(torch.Tensor):
 
     def linear(self, x: torch.Tensor, one_token_rows: int | None = None) -> torch.Tensor:
         """x @ W^T. one_token_rows: x holds several sequences' steps, this many one-token ones first (Triton only:
-        kernels.quant_matmul's, which computes each row as its sequence's step alone does)."""
+        kernels.triton.quant_matmul's, which computes each row as its sequence's step alone does)."""
         if self.cpu is not None and x.device.type == "cpu" and one_token_rows is None:
             return self._cpu_linear(x)
         if triton_runs(x):
-            from ...kernels.quant_matmul import quant_matmul
+            from ...kernels.triton.quant_matmul import quant_matmul
 
             return quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], one_token_rows, self.tile)
         if one_token_rows is not None:
@@ -223,11 +223,11 @@ class PackedWeight(torch.Tensor):
     def expert_linear(self, x: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
                       single: bool) -> torch.Tensor | None:
         """y [P, out] with y[p] = x[rows[p]] @ W[chosen[p]]^T for a stack W [experts, out, in], every pair in one
-        grouped launch (kernels.quant_matmul.grouped_quant_matmul; single: no expert twice in `chosen`), where the
-        Triton kernels run; None elsewhere, where the caller takes the experts one at a time."""
+        grouped launch (kernels.triton.quant_matmul.grouped_quant_matmul; single: no expert twice in `chosen`), where
+        the Triton kernels run; None elsewhere, where the caller takes the experts one at a time."""
         if self.dim() != 3 or not triton_runs(x):
             return None
-        from ...kernels.quant_matmul import grouped_quant_matmul
+        from ...kernels.triton.quant_matmul import grouped_quant_matmul
 
         return grouped_quant_matmul(x, self.packed.raw, self.packed.qtype, self.shape[0], self.shape[1], rows,
                                     chosen, single)
@@ -264,19 +264,19 @@ class PackedWeight(torch.Tensor):
         raise TypeError(f"{func} on a packed GGUF weight: only F.linear(x, w) and w[ids] are supported")
 
 
-TILE_TUNING_FILE = "kernel-tuning.json"  # under the cache root: kernels.quant_tuning's choices, by GPU
+TILE_TUNING_FILE = "kernel-tuning.json"  # under the cache root: kernels.triton.quant_tuning's choices, by GPU
 
 
 def choose_cuda_tiles(matrices: Iterable[torch.Tensor], path: Path | None = None) -> None:
     """Give each packed CUDA matrix of `matrices` (those steps multiply by: GemmaModel.matmul_weights) of at least
-    TUNED_WEIGHTS weights the decode / verification tile timed fastest on its GPU (kernels.quant_tuning): each shape
-    timed once, then read from `path` (default: TILE_TUNING_FILE under the cache root). A shape the GPU has no memory
-    left to time keeps the default."""
+    TUNED_WEIGHTS weights the decode / verification tile timed fastest on its GPU (kernels.triton.quant_tuning): each
+    shape timed once, then read from `path` (default: TILE_TUNING_FILE under the cache root). A shape the GPU has no
+    memory left to time keeps the default."""
     weights = [w for w in matrices if isinstance(w, PackedWeight) and w.dim() == 2 and w.is_cuda
                and w.shape.numel() >= TUNED_WEIGHTS]
     if not weights:
         return
-    from ...kernels.quant_tuning import TileTuning
+    from ...kernels.triton.quant_tuning import TileTuning
 
     tuning = TileTuning.for_device(weights[0].device, path or default_cache_root() / TILE_TUNING_FILE)
     shapes = {(w.packed.qtype, *w.shape, w.dtype) for w in weights}
@@ -389,7 +389,7 @@ class CpuInt4:
 
 
 class CpuDotWeight:
-    """A matrix repacked for kernels.cpu_dot (an IntMatrix): the integers and scales of its GGUF format
+    """A matrix repacked for kernels.cpu.cpu_dot (an IntMatrix): the integers and scales of its GGUF format
     (`_int_groups`), exactly; Q4_0 / Q4_K at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8. Blocks of GEMM_ROWS
     rows and more (prefill) take GEMMs in `prefill`: float32 or bfloat16 on the rows dequantized exactly, or int8
     (the activations quantized to int8 per block of 32 against the weight's own integers, CpuDot.gemm_int8)."""

@@ -56,7 +56,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "q4" and self.in_features % GROUP == 0 and triton_runs(x):
-            from ...kernels.quant_matmul import quant_matmul
+            from ...kernels.triton.quant_matmul import quant_matmul
 
             return quant_matmul(x, self.qweight.view(-1), GGMLQuantizationType.Q4_0, self.out_features)
         return F.linear(x, self.dequantize())

@@ -18,7 +18,7 @@ COMPILE_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch, built by the function that also runs it, so a compile report (kernels.compile_check)
+    """One kernel launch, built by the function that also runs it, so a compile report (bench.compile_check)
     sees exactly the arguments, constexprs and warps the engine's launches use."""
 
     kernel: Any  # a @triton.jit function

@@ -3,7 +3,7 @@
  * a CPU fast here: AVX2 multiplies 16 pairs of int16 per instruction, where float32 does 8; NEON 8 pairs per
  * multiply-accumulate pair where float32 does 4). Each vector path has the scalar code as its reference (DFA_SCALAR).
  *
- * Weights (kernels.cpu_dot repacks GGUF blocks into these, exactly):
+ * Weights (kernels.cpu.cpu_dot repacks GGUF blocks into these, exactly):
  *   u4: w = d (q - offset) (+ m), q in 0..15, groups of 32 in 16 bytes: the group's runs of 8 values R0..R3 as
  *       bytes 0-7 holding R0 in their low nibbles and R1 in their high ones, bytes 8-15 holding R2 and R3 likewise
  *       (one broadcast, shift and two in-lane unpacks give the values in order). (Q4_0: offset 8; Q4_K: m.)

@@ -34,7 +34,7 @@ scalars; Q6_K one 16-value run, one scale), so only a [BLOCK_N, 32] tile of dequ
 256-value super-block at once needed 255 registers for the Q6_K GEMV and spilled 824 bytes per thread in the verify
 tile (sm_89).
 `dflash-agent bench --kernels` compiles every launch the engine makes for sm_86 / 89 / 90 / 120 and checks
-registers, spills and shared memory against launch_shape's budgets. On a GPU, kernels.quant_tuning replaces
+registers, spills and shared memory against launch_shape's budgets. On a GPU, kernels.triton.quant_tuning replaces
 launch_shape's decode tile and split_k's split by the fastest it times for each large matrix (a `TileChoice`).
 """
 
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .dispatch import PACKED_TYPES, VERIFY_ROWS
+from ..dispatch import PACKED_TYPES, VERIFY_ROWS
 from .triton_support import Launch, dot_dtype
 
 _T = GGMLQuantizationType
@@ -74,7 +74,7 @@ class LaunchShape:
 class TileChoice:
     """One matrix's launch for every step of up to VERIFY_ROWS rows (a decode row, a verification block, several
     sequences' steps): the tile shape and the ways K splits, fixed per matrix, so every such step rounds alike.
-    kernels.quant_tuning chooses it by timing on the GPU that runs it; without one, `launch_shape` and
+    kernels.triton.quant_tuning chooses it by timing on the GPU that runs it; without one, `launch_shape` and
     `default_split`."""
 
     shape: LaunchShape

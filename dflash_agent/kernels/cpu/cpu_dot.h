@@ -1,5 +1,5 @@
 /* Every entry point of the CPU kernels library (cpu_dot.c: quantized matmuls, see there for the layouts; cpu_layer.c:
- * decoder layers), the structs kernels/cpu_dot.py mirrors with ctypes, and the vector ISA a build uses. */
+ * decoder layers), the structs kernels/cpu/cpu_dot.py mirrors with ctypes, and the vector ISA a build uses. */
 #ifndef DFA_CPU_DOT_H
 #define DFA_CPU_DOT_H
 #include <stdint.h>

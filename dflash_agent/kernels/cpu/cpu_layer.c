@@ -809,14 +809,14 @@ int dfa_norm_head_argmax(const float *x, int64_t T, const float *norm, float eps
     return status;
 }
 
-/* The ABI the Python side (kernels/cpu_dot.py) was written against: DFA_ABI_VERSION, and the size of each struct it
- * mirrors with ctypes (which 0: dfa_matrix, 1: dfa_layer, 2: dfa_kv, 3: dfa_screen; else -1). A library built from other sources
- * (a stale prebuilt variant, an old cache) is refused rather than called with misread structs. */
+/* The ABI the Python side (kernels/cpu/cpu_dot.py) was written against: DFA_ABI_VERSION, and the size of each struct
+ * it mirrors with ctypes (which 0: dfa_matrix, 1: dfa_layer, 2: dfa_kv, 3: dfa_screen; else -1). A library built from
+ * other sources (a stale prebuilt variant) is refused rather than called with misread structs. */
 #ifndef DFA_SOURCE_DIGEST
-#define DFA_SOURCE_DIGEST "" /* set by every build (setup.py, kernels/cpu_dot.py): the sources it compiled */
+#define DFA_SOURCE_DIGEST "" /* set by every build (kernels/cpu/build.py): the sources it compiled */
 #endif
 
-/* Which sources the library was built from: kernels/cpu_dot.py loads no library older than the files beside it. */
+/* Which sources the library was built from: kernels/cpu/cpu_dot.py loads no library older than the files beside it. */
 const char *dfa_source_digest(void) { return DFA_SOURCE_DIGEST; }
 
 int64_t dfa_abi(int which) {
@@ -830,8 +830,8 @@ int64_t dfa_abi(int which) {
     }
 }
 
-/* Every field of the ABI structs, by name, offset and size: kernels/cpu_dot.py checks its ctypes mirror field by field
- * against these, so a field moved, renamed, retyped or added on one side only is refused at load. */
+/* Every field of the ABI structs, by name, offset and size: kernels/cpu/cpu_dot.py checks its ctypes mirror field by
+ * field against these, so a field moved, renamed, retyped or added on one side only is refused at load. */
 typedef struct {
     const char *name;
     int64_t offset, size;

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import NO_WINDOW, OFFSET_ALIGN, blocked_scales
-from .dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS
+from ..attention import NO_WINDOW, OFFSET_ALIGN, blocked_scales
+from ..dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS
 from .triton_support import Launch, dot_dtype
 
 

@@ -6,27 +6,21 @@ memory bandwidth on small matrices; these quantize the activations to int16 per 
 does, cost 2-3 points of top-1 agreement), multiply 16 pairs per AVX2 instruction, and read the checkpoint's 4- and
 5-bit formats at 4 and 5 bits (IntMatrix).
 
-The library is built when the package installs (setup.py), once per ISA variant (VARIANTS), and `load` picks the
-best variant this CPU runs, after checking the library's ABI against this module's structs. Where none fits (a
-source tree never installed, a CPU the variants do not cover), a build for this machine goes into the cache
-(`build`: -march=native, locked, verified); where only scalar C would run, torch's kernels serve instead.
+The library is built when the package installs (setup.py, through build.py), once per ISA variant (VARIANTS), and
+`load` picks the best variant this CPU runs, after checking the library's ABI against this module's structs. Where
+none loads (a source tree never installed, a CPU the variants do not cover, or only scalar C would run), torch's
+kernels serve instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-import hashlib
 import importlib.machinery
 import logging
 import mmap
 import os
 import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,22 +28,17 @@ from pathlib import Path
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # not Unix: builders are not locked against each other
-    fcntl = None
+from .build import MACHINES, MODE_ENV, source_digest
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_dot.c", "cpu_layer.c"))
-HEADERS = (Path(__file__).with_name("cpu_dot.h"),)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-DISABLE_ENV = "DFLASH_AGENT_CPU_DOT"  # "0": keep torch's kernels; "native": build for this machine; see load()
+DISABLE_ENV = MODE_ENV  # "0": keep torch's kernels; a variant's name: that build; see load()
 ABI_VERSION = 11  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
 # (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
-# x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); and a
-# generic build (the scalar C, DFA_SCALAR: the reference the vector builds are tested against; torch's kernels beat it).
+# x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); a generic build (the scalar C, DFA_SCALAR:
+# the reference the vector builds are tested against; torch's kernels beat it); and the build for the installing
+# machine, made only when asked for (build.variants), which runs where it was built.
 X86_64_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "cx16", "lahf_lm", "popcnt",
                        "sse4_1", "sse4_2", "ssse3"})
 VARIANTS: dict[str, frozenset[str]] = {
@@ -57,10 +46,8 @@ VARIANTS: dict[str, frozenset[str]] = {
     "x86_64_v3": X86_64_V3,
     "aarch64_neon": frozenset({"asimd"}),
     "generic": frozenset(),
+    "native": frozenset(),
 }
-# The machines (platform.machine(), lower case) each vector variant is built for.
-MACHINES = {"x86_64_v4_vnni": ("x86_64", "amd64"), "x86_64_v3": ("x86_64", "amd64"),
-            "aarch64_neon": ("aarch64", "arm64")}
 SIMD = {0: "scalar", 1: "neon", 2: "avx2", 3: "avx512"}  # dfa_simd()
 # cpu_dot.h's DFA_SCALES_*, by the dtype of an IntMatrix's d: float32, float16, K-quant super-block headers
 SCALES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
@@ -194,8 +181,8 @@ class IntMatrix:
                 _ptr(self.m), self.group, self.n)
 
     def struct(self) -> Matrix:
-        return Matrix(self.q.data_ptr(), _ptr(self.qh), self.d.data_ptr(), _ptr(self.m), self.group, self.bits,
-                      self.offset, self.n, self.k, self.scales)
+        return Matrix(q=self.q.data_ptr(), qh=_ptr(self.qh), d=self.d.data_ptr(), m=_ptr(self.m), group=self.group,
+                      bits=self.bits, offset=self.offset, n=self.n, k=self.k, scales=self.scales)
 
 
 class HugePageArena:
@@ -249,16 +236,30 @@ class HugePageArena:
         return out
 
 
-class Matrix(ctypes.Structure):
+class AbiStruct(ctypes.Structure):
+    """A struct of the C ABI, filled by field name only: a positional argument binds to whatever field sits at its
+    place, and a field moved in this mirror and in cpu_dot.h alike passes the ABI check. Slots and no __dict__: a
+    misspelt field name, given here or assigned later, raises AttributeError instead of becoming an attribute C
+    never reads."""
+
+    __slots__ = ()
+
+    def __init__(self, **fields) -> None:
+        super().__init__(**fields)
+
+
+class Matrix(AbiStruct):
     """cpu_layer.c's dfa_matrix: a weight as cpu_dot's matmuls take it (q NULL: absent)."""
 
+    __slots__ = ()
     _fields_ = [("q", _P), ("qh", _P), ("d", _P), ("m", _P), ("group", _I), ("bits", _I), ("offset", _I), ("n", _I),
                 ("k", _I), ("scales", _I)]
 
 
-class LayerWeights(ctypes.Structure):
+class LayerWeights(AbiStruct):
     """cpu_layer.c's dfa_layer: one decoder layer's weights and shape (norm weights as applied, offset + w)."""
 
+    __slots__ = ()
     _fields_ = [(name, Matrix) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down")] + [
         (name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
     ] + [(name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "v_norm")] + [
@@ -271,18 +272,20 @@ class LayerWeights(ctypes.Structure):
     ]
 
 
-class LayerCache(ctypes.Structure):
+class LayerCache(AbiStruct):
     """cpu_layer.c's dfa_kv: a layer's float32 cache [slots, kv_heads, head_dim] and its slots (C refuses a write
     slot or n_keys past them), where the new keys go (write_slots [T]) and which slots the queries see (key_pos
     [n_keys], NULL: slot = position; window 0: none)."""
 
+    __slots__ = ()
     _fields_ = [("k", _P), ("v", _P), ("slots", _I), ("write_slots", _P), ("key_pos", _P), ("n_keys", _I),
                 ("window", _I)]
 
 
-class Screen(ctypes.Structure):
+class Screen(AbiStruct):
     """cpu_dot.h's dfa_screen (HeadScreen.struct)."""
 
+    __slots__ = ()
     _fields_ = [("q", _P), ("d", _P), ("l1", _P), ("err", _P), ("n", _I), ("k", _I)]
 
 
@@ -342,7 +345,8 @@ class HeadScreen:
         return sum(t.nbytes for t in (self.q, self.d, self.l1, self.err) if t is not None)
 
     def struct(self) -> Screen:
-        return Screen(self.q.data_ptr(), self.d.data_ptr(), self.l1.data_ptr(), _ptr(self.err), self.n, self.k)
+        return Screen(q=self.q.data_ptr(), d=self.d.data_ptr(), l1=self.l1.data_ptr(), err=_ptr(self.err), n=self.n,
+                      k=self.k)
 
 
 _SLACK = 1 + 2.0 ** -20  # a float32 product's rounding, upwards
@@ -587,14 +591,6 @@ def _cpuinfo_lines() -> list[str] | None:
         return None
 
 
-def _cpu_signature() -> str:
-    lines = _cpuinfo_lines()
-    if lines is None:
-        return platform.processor()
-    named = ("model name", "flags", "Features", "CPU part")  # x86's, then ARM's names
-    return "\n".join(sorted({line for line in lines if line.startswith(named)}))
-
-
 def cpu_flags() -> frozenset[str] | None:
     """The CPU's features as Linux names them in /proc/cpuinfo ("flags" on x86, "Features" on ARM; None: unknown
     here). Linux lists AVX features only where the OS also saves their registers (XCR0), so a listed flag is one a
@@ -619,28 +615,6 @@ def supports(variant: str, flags: frozenset[str] | None = None, machine: str | N
         return variant == "aarch64_neon" or (variant == "x86_64_v3"
                                              and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
     return needs <= flags
-
-
-@functools.cache
-def source_digest() -> str:
-    """The sources' digest, as setup.py computes it and compiles into the library (dfa_source_digest)."""
-    return hashlib.sha256(b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
-
-
-def _compiler_version(cc: list[str]) -> str:
-    try:
-        return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _compiler() -> list[str] | None:
-    """The C compiler command: $CC as a shell would split it (`ccache gcc`), else cc or gcc on the PATH."""
-    given = shlex.split(os.environ.get("CC", ""))
-    if given:
-        return given
-    found = shutil.which("cc") or shutil.which("gcc")
-    return [found] if found else None
 
 
 def prebuilt(variant: str) -> Path | None:
@@ -726,13 +700,12 @@ def open_library(path: Path) -> CpuDot | None:
         return None
 
 
-def load(cache_root: Path) -> CpuDot | None:
+def load() -> CpuDot | None:
     """The CPU kernels as DFLASH_AGENT_CPU_DOT says (logged once; None: torch's kernels serve):
-    - unset or `auto`: the best prebuilt variant this CPU runs with vector code; else, on a CPU that one of the
-      vector variants covers, a build for this machine into cache_root/kernels; else None (the scalar C path is
+    - unset or `auto`: the best installed variant this CPU runs with vector code; else None (the scalar C path is
       slower than torch's);
-    - `native`: the build for this machine (-march=native), the opt-in rebuild;
-    - a variant's name (`x86_64_v3`, `aarch64_neon`, `generic`): that prebuilt library, whatever it runs (tests,
+    - a variant's name (`x86_64_v3`, `aarch64_neon`, `generic`; `native`: the build for the installing machine,
+      made by an install run with DFLASH_AGENT_CPU_DOT=native): that library, whatever it runs (tests,
       comparisons);
     - `0`: None."""
     mode = os.environ.get(DISABLE_ENV, "auto") or "auto"
@@ -741,111 +714,22 @@ def load(cache_root: Path) -> CpuDot | None:
     if mode in VARIANTS:
         path = prebuilt(mode)
         if path is None:
-            log.warning("%s=%s: the package has no %s build of the CPU kernels: using torch's kernels",
-                        DISABLE_ENV, mode, mode)
+            log.warning("%s=%s: the package has no %s build of the CPU kernels (an install with %s=%s builds it): "
+                        "using torch's kernels", DISABLE_ENV, mode, mode, DISABLE_ENV, mode)
             return None
         return open_library(path)
-    if mode not in ("auto", "native"):
-        log.warning("%s=%s is none of auto, native, 0, %s: taken as auto", DISABLE_ENV, mode, ", ".join(VARIANTS))
-        mode = "auto"
-    if mode == "auto":
-        vector = [variant for variant in MACHINES if supports(variant)]
-        for variant in vector:
-            path = prebuilt(variant)
-            lib = open_library(path) if path is not None else None
-            if lib is not None and lib.simd != "scalar":
-                log.info("CPU kernels: the prebuilt %s build (%s)", variant, lib.simd)
-                return lib
-        if not vector:
-            log.info("no vector build of the CPU kernels for this CPU (%s): using torch's kernels", platform.machine())
-            return None
-    path = build(cache_root)
-    return open_library(path) if path is not None else None
-
-
-def build(cache_root: Path) -> Path | None:
-    """The kernels compiled for this machine (-march=native) into cache_root/kernels, once: keyed by the sources, the
-    compiler and the CPU, so a changed file or another machine never loads a stale build. Safe against what a cache
-    meets: builders started together (a lock: one compiles, the others wait and reuse it), a build killed half-way
-    (a temporary folder, removed by the next build), a truncated or corrupt library (a digest written beside it,
-    checked before loading: rebuilt once), a read-only cache (a warning, never a failed start). None (logged) when
-    it cannot be had."""
-    cc = _compiler()
-    if cc is None:
-        log.warning("no C compiler found: the CPU matmuls use torch's kernels (install gcc for the fast path)")
+    if mode != "auto":
+        log.warning("%s=%s is none of auto, 0, %s: taken as auto", DISABLE_ENV, mode, ", ".join(VARIANTS))
+    vector = [variant for variant in MACHINES if supports(variant)]
+    if not vector:
+        log.info("no vector build of the CPU kernels for this CPU (%s): using torch's kernels", platform.machine())
         return None
-    parts = [*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(FLAGS).encode(),
-             _compiler_version(cc).encode(), _cpu_signature().encode(), platform.machine().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    folder = cache_root / "kernels"
-    path = folder / f"cpu_dot-{key}.so"
-    if _verified(path):  # no lock, no write: a read-only cache holding a good build serves
-        return path
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with _locked(folder / "build.lock"):
-            if _verified(path):  # built by another process while this one waited
-                return path
-            if path.exists():
-                log.warning("the cached CPU kernels %s are damaged (their digest does not match): rebuilding", path)
-            for leftover in folder.glob(f"{_BUILD_PREFIX}*"):  # killed builds': no build runs while we hold the lock
-                shutil.rmtree(leftover, ignore_errors=True)
-            return _compile(cc, path)
-    except OSError as exc:
-        log.warning("the CPU kernels cannot be built into %s (%s): using torch's kernels", folder, exc)
-        return None
-
-
-_BUILD_PREFIX = "building-"
-
-
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _verified(path: Path) -> bool:
-    try:
-        return _digest_path(path).read_text().strip() == _digest(path)
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as lock:
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _compile(cc: list[str], path: Path) -> Path | None:
-    log.info("compiling the CPU matmul kernels (once per machine) into %s", path)
-    with tempfile.TemporaryDirectory(prefix=_BUILD_PREFIX, dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        try:
-            result = subprocess.run([*cc, *FLAGS, f'-DDFA_SOURCE_DIGEST="{source_digest()}"', *map(str, SOURCES),
-                                     "-o", str(built), "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("building the CPU matmul kernels failed (%s): using torch's kernels", exc)
-            return None
-        if result.returncode != 0 or not built.is_file():
-            log.warning("building the CPU matmul kernels failed: using torch's kernels\n%s", result.stderr[-2000:])
-            return None
-        digest = Path(tmp) / _digest_path(path).name
-        digest.write_text(_digest(built) + "\n")
-        for done in (built, digest):  # on disk before they are named: a crash never leaves a short library
-            with open(done, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(built, path)  # the library first: without its digest it is not trusted
-        os.replace(digest, _digest_path(path))
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    return path
+    for variant in vector:
+        path = prebuilt(variant)
+        lib = open_library(path) if path is not None else None
+        if lib is not None and lib.simd != "scalar":
+            log.info("CPU kernels: the prebuilt %s build (%s)", variant, lib.simd)
+            return lib
+    log.warning("none of the CPU kernel builds this CPU runs (%s) is installed and loads (`pip install -e .` builds "
+                "them): using torch's kernels", ", ".join(vector))
+    return None

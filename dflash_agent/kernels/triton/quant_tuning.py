@@ -30,10 +30,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from ..capture import capture_graph
+from ..dispatch import VERIFY_ROWS
 from . import quant_matmul as qm
 from . import triton_support
-from .capture import capture_graph
-from .dispatch import VERIFY_ROWS
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from ..errors import UserError
-from .triton_support import Launch
+from ..kernels.triton.triton_support import Launch
 
 # RTX 3090 / RTX 4090 / H100 / RTX 5090
 TARGETS: dict[str, int] = {"sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_120": 120}
