@@ -44,11 +44,10 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..engine.backends.cuda import BUCKETS
-from ..engine.cache.kv_cache import DEFAULT_SLACK, KV_DTYPES, Q8_BLOCK
-from ..engine.decode.speculative import PREFILL_CHUNK
+from ..engine.cache.kv_cache import KV_DTYPES, Q8_BLOCK
 from ..engine.formats.config import ModelConfig
 from ..engine.formats.drafter_config import DrafterConfig
+from ..engine.limits import BUCKETS, DEFAULT_SLACK, PREFILL_CHUNK
 from ..engine.model.gemma import GemmaModel
 from ..kernels.attention import OFFSETS_PER_CACHE
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK

@@ -25,15 +25,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
-from .backends.cuda import BUCKETS, MAX_GROUP_GRAPHS
+from .backends.cuda import MAX_GROUP_GRAPHS
 from .cache.drafter_cache import DrafterCache
-from .cache.kv_cache import DEFAULT_SLACK, KVCache
-from .decode.speculative import PREFILL_CHUNK
+from .cache.kv_cache import KVCache
 from .errors import MemoryPlanError, OptionError
 from .formats.config import ModelConfig
 from .formats.drafter_config import DrafterConfig
 from .formats.quant import PackedTensor
 from .host_memory import available_ram_bytes
+from .limits import BUCKETS, DEFAULT_SLACK, PREFILL_CHUNK
 from .model.drafter import DrafterError
 from .model.packed import keeps_packed
 from .model.quant_linear import GROUP

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .backends.cpu import CpuDecodeLayers
 from .backends.cuda import TargetStepGraphs, cuda_step_graphs
-from .cache.kv_cache import DEFAULT_SLACK, LOOKUP_SLACK, KVCache, LayerKV
+from .cache.kv_cache import KVCache, LayerKV
 from .errors import ContextOverflowError
-from .limits import MAX_ROWS
+from .limits import DEFAULT_SLACK, LOOKUP_SLACK, MAX_ROWS
 from .model.gemma import (
     ForwardOutput,
     GemmaModel,

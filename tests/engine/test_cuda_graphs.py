@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dflash_agent.engine.backends import cuda as cuda_graphs
-from dflash_agent.engine.backends.cuda import BUCKETS, DraftStepGraph, TargetStepGraphs
+from dflash_agent.engine.backends.cuda import DraftStepGraph, TargetStepGraphs
+from dflash_agent.engine.limits import BUCKETS
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.drafter import init_drafter_checkpoint, load_drafter
 from dflash_agent.engine.runner import StepRunner

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dflash_agent.bench.synthetic import build_synthetic_drafter, gemma4_31b_config, gemma4_31b_drafter_config
-from dflash_agent.engine.cache.kv_cache import DEFAULT_SLACK
 from dflash_agent.engine.formats.drafter_config import DrafterConfig
+from dflash_agent.engine.limits import DEFAULT_SLACK
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.memory_plan import (
     DrafterPlan,

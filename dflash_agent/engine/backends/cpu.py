@@ -20,14 +20,11 @@ import torch
 from ...kernels.cpu.cpu_dot import CpuDot, HeadScreen, IntMatrix, LayerCache, LayerWeights, Matrix
 from ..cache.kv_cache import LayerKV
 from ..host_memory import available_ram_bytes
-from ..limits import MAX_ROWS
+from ..limits import MAX_ROWS, SCREEN_ROWS
 from ..model.packed import CpuDotWeight, PackedWeight, cpu_dot
 
 log = logging.getLogger(__name__)
 
-# Greedy steps of this many rows and more screen the LM head (CpuDot.norm_head_argmax): 64 rows cost the embedded
-# model's head 56 ms so against 165 ms whole here; one row streams the screen's bytes for nothing (8 ms against 5).
-SCREEN_ROWS = 2
 SCREEN_BYTES_PER_WEIGHT = 1.375  # a HeadScreen's: the integers, and three floats per block of 32
 SCREEN_SHARE = 0.1  # of the available RAM at most for the screen: a 31B's head would take 1.4 GB
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.capture import capture_graph
-from ...kernels.dispatch import VERIFY_ROWS
 from ..cache.drafter_cache import DrafterCache
 from ..cache.kv_cache import KVCache
+from ..limits import BUCKETS
 from ..model.drafter import Drafter, DraftLayerPlan
 from ..model.gemma import (
     ForwardOutput,
@@ -47,7 +47,6 @@ from ..model.packed import PackedWeight
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, VERIFY_ROWS)  # up to a verification tile, as the memory plan's logits rows
 # several requests' graphs kept at once, the least recently used dropped first: a combination of slots and their
 # blocks' buckets is captured when the scheduler first forms it, and most steps form one of a few (a slot's DFlash
 # blocks all take one bucket, its plain steps another)

@@ -15,11 +15,7 @@ import torch
 from ...kernels.attention import cache_offsets, write_rows
 from ..errors import OptionError
 from ..formats.config import ModelConfig
-
-# A forward of up to this many tokens may be rolled back (a speculative block plus its bonus token).
-DEFAULT_SLACK = 16
-# Where the target verifies prompt lookup's long drafts (the CPU's C layers): 48 more slots per sliding layer.
-LOOKUP_SLACK = 64
+from ..limits import DEFAULT_SLACK
 
 KV_DTYPES = ("auto", "q8")  # auto: the model's dtype
 

@@ -22,6 +22,7 @@ import torch
 
 from ..cache.drafter_cache import DrafterCache
 from ..cache.kv_cache import KVCache
+from ..limits import FEED_EVERY, PREFILL_CHUNK, SHORT_PREFILL
 from ..model.drafter import Drafter
 from ..model.gemma import ForwardOutput, run_to_end
 from ..model.mtp import MtpDrafter
@@ -32,11 +33,6 @@ from .sampling import Sampler
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
-# Prompt chunks shorter than this go through the C decode layers in blocks of StepRunner.step_rows: the prefill
-# GEMM dequantizes every weight per forward, a fixed ~150 ms for the embedded model on 2 cores (measured there:
-# 39 rows 376 ms as one GEMM forward, 173 ms as 16-row C pieces; even from about 150 rows).
-SHORT_PREFILL = 128
 NGRAM_MAX_DRAFT = 64  # prompt lookup's longest draft: a copied file continues for as long as the match holds
 
 
@@ -48,7 +44,6 @@ class Matcher(Protocol):
     def rollback(self, n: int) -> None: ...
 
 
-FEED_EVERY = 256  # queued drafter features fed at most this many rows late, so the queue stays small
 
 
 @dataclass

@@ -19,9 +19,10 @@ from ...kernels.attention import (
     triton_takes,
 )
 from ...kernels.dispatch import triton_runs
-from ..cache.kv_cache import DEFAULT_SLACK, KVCache, LayerKV
+from ..cache.kv_cache import KVCache, LayerKV
 from ..errors import ContextOverflowError
 from ..formats.config import LayerSpec, ModelConfig, MoESpec
+from ..limits import DEFAULT_SLACK
 from .packed import PackedWeight
 
 

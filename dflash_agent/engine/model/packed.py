@@ -59,6 +59,7 @@ from ..formats.quant import (
     nibbles,
     q5_values,
 )
+from ..limits import GEMM_ROWS
 from ..paths import default_cache_root
 
 if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only install may lack it
@@ -66,7 +67,6 @@ if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only instal
 
 RESCORE = 64  # LM-head candidates per position recomputed exactly after the int4 pass
 GROUP = 32  # tinygemm's quant group along the input, the block of Q4_0 and the sub-block of Q4_K
-GEMM_ROWS = 32  # activation rows from which a float32 GEMM on dequantized weights beats cpu_dot's integer dot
 _GEMM_SLICE_BYTES = 16 << 20  # dequantized float32 weights per GEMM: the LM head never expands whole
 _ROWS_PER_CHUNK = 8192  # repack big matrices in row slices, so loading never expands one to float32 whole
 # bfloat16 prompt GEMMs round their inputs: taken only where they beat float32's by this much on this machine
