@@ -15,19 +15,12 @@ import torch
 from ...kernels.attention import cache_offsets, write_rows
 from ..errors import OptionError
 from ..formats.config import ModelConfig
+from ..types import check_kv_dtype
 
 # A forward of up to this many tokens may be rolled back (a speculative block plus its bonus token).
 DEFAULT_SLACK = 16
 # Where the target verifies prompt lookup's long drafts (the CPU's C layers): 48 more slots per sliding layer.
 LOOKUP_SLACK = 64
-
-KV_DTYPES = ("auto", "q8")  # auto: the model's dtype
-
-
-def check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise OptionError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
-
 
 Q8_BLOCK = 32  # values per scale, as llama.cpp's q8_0: one scale per head row flattens rows with outliers
 
