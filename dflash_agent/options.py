@@ -105,13 +105,17 @@ def check_spec_options(no_spec: bool, draft: str | None, spec_block: int | None)
 
 def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights="auto",
                 threads=None, progress=True, **engine_options) -> Engine:
-    """The engine a command's model options describe; `engine_options` go to `Engine.load` as they are."""
+    """The engine a command's model options describe; `engine_options` are EngineConfig's other fields, as they
+    are. The config is checked (OptionError) before torch loads."""
     check_spec_options(no_spec, draft, spec_block)
-    from .engine import Engine, SpecConfig  # here, not at the top: a remote-only command never loads torch
+    from .engine import EngineConfig, SpecConfig
 
     spec = SpecConfig(enabled=not no_spec, block=spec_block)
-    return Engine.load(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
-                       spec=spec, draft_quant=draft_quant, weights=weights, threads=threads, **engine_options)
+    config = EngineConfig(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
+                          spec=spec, draft_quant=draft_quant, weights=weights, threads=threads, **engine_options)
+    from .engine import Engine  # here, not at the top: a remote-only command never loads torch
+
+    return Engine.from_config(config)
 
 
 def close_engine(engine: Engine) -> None:

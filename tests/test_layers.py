@@ -108,7 +108,7 @@ def violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
 # modules at engine/'s top (types, errors, ...) sit below every room; engine/'s own __init__ (the lazy public
 # names) and the runtime on top (memory_plan, scheduler, engine) may import any room.
 ENGINE = f"{PACKAGE}.engine"
-ENGINE_CONTRACT = {"types", "errors", "progress", "paths", "limits", "host_memory", "bandit"}
+ENGINE_CONTRACT = {"types", "errors", "engine_config", "progress", "paths", "limits", "host_memory", "bandit"}
 ENGINE_ROOMS = ["formats", "cache", "model", "backends", "load", "runner", "decode"]
 ENGINE_TOP = {"memory_plan", "scheduler", "engine", "__init__"}
 

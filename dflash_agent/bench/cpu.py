@@ -39,7 +39,7 @@ class BenchResult:
     model: str
     device: str
     dtype: str
-    prefill: str  # the packed engine's prompt GEMMs (Engine.load's prefill, resolved)
+    prefill: str  # the packed engine's prompt GEMMs (EngineConfig's prefill, resolved)
     threads: int
     prompt_tokens: int
     decode_tokens: int

@@ -44,11 +44,12 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..engine.cache.kv_cache import KV_DTYPES, Q8_BLOCK
+from ..engine.cache.kv_cache import Q8_BLOCK
 from ..engine.formats.config import ModelConfig
 from ..engine.formats.drafter_config import DrafterConfig
 from ..engine.limits import BUCKETS, DEFAULT_SLACK, PREFILL_CHUNK
 from ..engine.model.gemma import GemmaModel
+from ..engine.types import KV_DTYPES
 from ..kernels.attention import OFFSETS_PER_CACHE
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types

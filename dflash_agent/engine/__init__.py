@@ -1,7 +1,7 @@
 """The engine's public contract: what the layers above (chat, api, agent, mcp, bench, train) import.
 
 ```python
-engine = Engine.load(model="embedded", draft=None, ...)
+engine = Engine.from_config(EngineConfig(model="embedded", draft=None, ...))  # or Engine.load(model=..., ...)
 request = GenerateRequest(prompt_ids, SamplingParams(...), StopCriteria(...))
 result = await engine.complete(request)  # GenerateResult(text, ids, final: FinalEvent(finish_reason, usage, timings))
 async with engine.stream(request) as events:  # leaving the block cancels the request
@@ -10,7 +10,8 @@ async with engine.stream(request) as events:  # leaving the block cancels the re
 engine.cancel(request_id)
 ```
 
-The request, event and error types are torch-free (`types.py`, `errors.py`) and load eagerly; `Engine`
+The request, event, error and option types are torch-free (`types.py`, `errors.py`, `engine_config.py`) and
+load eagerly; `Engine`
 and the other torch-backed names load on first use, so a remote-only client (`run --server`) that needs
 only `Usage` never imports torch.
 """
@@ -21,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from .engine_config import EMBEDDED, EngineConfig, SpecConfig
 from .errors import (
     ConfigError,
     ContextOverflowError,
@@ -51,20 +53,17 @@ from .types import (
 
 if TYPE_CHECKING:
     from .decode.grammar import GrammarCompiler, TokenGrammar
-    from .decode.speculative import SpecConfig
     from .engine import DEFAULT_CTX, Engine
     from .load.tokenizer import Tokenizer
-    from .load.weights import EMBEDDED, default_drafter
+    from .load.weights import default_drafter
 
 # name -> the module that defines it; imported (with torch) when first asked for.
 _LAZY = {
     "Engine": "engine",
     "DEFAULT_CTX": "engine",
-    "SpecConfig": "decode.speculative",
     "Tokenizer": "load.tokenizer",
     "GrammarCompiler": "decode.grammar",
     "TokenGrammar": "decode.grammar",
-    "EMBEDDED": "load.weights",
     "default_drafter": "load.weights",
 }
 
@@ -72,9 +71,8 @@ __all__ = [
     "ConfigError", "ContextOverflowError", "DrafterError", "GGUFError", "GrammarError", "MemoryPlanError",
     "ModelLoadError", "OptionError", "RequestError", "TokenizerError", "UnsupportedTensorType", "UserError",
     "ErrorEvent", "FinalEvent", "GenerateRequest", "GenerateResult", "SamplingDefaults", "SamplingParams", "SlotInfo",
-    "SpecStats", "StopCriteria", "Timings", "TokenEvent", "Usage",
-    "Engine", "DEFAULT_CTX", "SpecConfig", "Tokenizer", "GrammarCompiler", "TokenGrammar", "EMBEDDED",
-    "default_drafter",
+    "SpecStats", "StopCriteria", "Timings", "TokenEvent", "Usage", "EngineConfig", "SpecConfig", "EMBEDDED",
+    "Engine", "DEFAULT_CTX", "Tokenizer", "GrammarCompiler", "TokenGrammar", "default_drafter",
 ]
 
 

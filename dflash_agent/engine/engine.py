@@ -14,13 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .cache.kv_cache import check_kv_dtype
 from .cache.prefix_cache import PrefixCacheConfig, PrefixCacheStats
-from .decode.speculative import SpecConfig
+from .engine_config import EMBEDDED, EngineConfig, SpecConfig
 from .errors import OptionError, RequestError
 from .load.generation_config import read_sampling_defaults
 from .load.tokenizer import Tokenizer
-from .load.weights import EMBEDDED, build_model, default_drafter, open_checkpoint, resolve_model_path
+from .load.weights import build_model, default_drafter, open_checkpoint, resolve_model_path
 from .memory_plan import cpu_context_size, cpu_weights, drafter_plan, gpu_context_size
 from .model.drafter import Drafter, load_drafter
 from .model.gemma import ContextOverflowError, GemmaModel
@@ -30,9 +29,6 @@ from .progress import PROGRESS_EVERY_S
 from .runner import StepRunner
 from .scheduler import Job, Scheduler
 from .types import (
-    PREFILL,
-    SAMPLING_DEFAULTS,
-    WEIGHTS,
     ErrorEvent,
     FinalEvent,
     GenerateRequest,
@@ -100,87 +96,51 @@ class Engine:
         self._scheduler.progress_every_s = seconds
 
     @classmethod
-    def load(
-        cls,
-        model: str = EMBEDDED,
-        draft: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        ctx_size: int | None = None,
-        progress: bool = True,
-        spec: SpecConfig | None = None,
-        draft_quant: str | None = None,
-        prefix_cache: bool = True,
-        kv_dtype: str = "auto",
-        weights: str = "auto",
-        threads: int | None = None,
-        sampling_defaults: str = "model",
-        parallel: int | None = 1,
-        prefill: str = "auto",
-    ) -> Engine:
-        """draft: a DFlash drafter checkpoint, or a Gemma 4 assistant (MTP) one (engine.model.mtp); None takes the
-        model's bundled one, if it has one and speculation is on (spec.enabled).
-        prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
-        conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
-        kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
-        weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu.cpu_dot on the CPU where a
-        vector build of it runs, else dequantized where that fits in RAM, else packed: memory_plan.cpu_weights),
-        "packed" (also on the CPU without the C kernels, through torch's int4 / int8 kernels;
-        engine.model.packed) or "exact"
-        (dequantized at load to `dtype`: bit-exact against gguf-py, what the parity tests use). Safetensors
-        checkpoints always load exactly.
-        threads: CPU threads (default: the physical cores).
-        sampling_defaults: "model" (the checkpoint's recommended sampling fills what a request leaves out:
-        engine.load.generation_config) or "none".
-        parallel: slots, requests served at once (engine.scheduler), each with a `ctx_size`-token context; None:
-        AUTO_PARALLEL on the CPU, whose C layers batch the slots' rows, and 1 on CUDA, where the slots divide the
-        card's memory and the batched steps have not yet been timed to earn it (README, GPU path).
-        prefill: the dtype of prompt blocks' GEMMs on the CPU C kernels' path (engine.types.PREFILL): "float32"
-        (exact on the dequantized weights), "bfloat16", or "auto" (bfloat16 where the CPU has native bf16 dots)."""
-        check_kv_dtype(kv_dtype)  # before the weights load, which takes a while
-        if parallel is not None and parallel < 1:
-            raise OptionError(f"parallel must be >= 1 slot, got {parallel}")
-        if weights not in WEIGHTS:
-            raise OptionError(f"unknown weights mode {weights!r} ({', '.join(WEIGHTS)})")
-        if prefill not in PREFILL:
-            raise OptionError(f"unknown prefill dtype {prefill!r} ({', '.join(PREFILL)})")
-        if sampling_defaults not in SAMPLING_DEFAULTS:
-            raise OptionError(f"unknown sampling defaults {sampling_defaults!r} ({', '.join(SAMPLING_DEFAULTS)})")
-        set_threads(threads)
-        if draft is None and (spec is None or spec.enabled):
-            bundled = default_drafter(model)
+    def load(cls, *args, **options) -> Engine:
+        """`from_config(EngineConfig(...))`: the options, positional in EngineConfig's order or by name, as
+        EngineConfig documents them; an unknown one is a TypeError."""
+        return cls.from_config(EngineConfig(*args, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Load the model (and its drafter) `config` names and start the engine's worker; `config` was checked
+        when built, before any weight loads."""
+        set_threads(config.threads)
+        draft, weights, parallel = config.draft, config.weights, config.parallel  # "auto" / None resolved below
+        if draft is None and (config.spec is None or config.spec.enabled):
+            bundled = default_drafter(config.model)
             draft = str(bundled) if bundled is not None else None
-        torch_device = pick_device(device)
-        torch_dtype = pick_dtype(dtype, torch_device)
+        torch_device = pick_device(config.device)
+        torch_dtype = pick_dtype(config.dtype, torch_device)
         if parallel is None:
             parallel = AUTO_PARALLEL if torch_device.type == "cpu" else 1
-        path = resolve_model_path(model)
+        path = resolve_model_path(config.model)
         log.info("loading %s on %s as %s", path, torch_device, torch_dtype)
         started = time.perf_counter()
         ckpt = open_checkpoint(path)
         tokenizer = Tokenizer.from_gguf(path, gguf=ckpt.gguf) if ckpt.format == "gguf" else Tokenizer.from_dir(path)
         defaults = (read_sampling_defaults(path, ckpt.gguf.fields if ckpt.gguf is not None else None)
-                    if sampling_defaults == "model" else SamplingDefaults())
+                    if config.sampling_defaults == "model" else SamplingDefaults())
         # Planned before the weights load: without ctx_size, the model's own context where memory holds it
         # (the card's free memory on CUDA, the available RAM on the CPU), else the largest that fits.
         draft_path = resolve_model_path(draft) if draft is not None else None
         # a Gemma 4 assistant is a few small layers with no cache of its own: nothing to plan beside the target
         mtp = draft_path is not None and is_mtp_checkpoint(draft_path)
-        planned_drafter = drafter_plan(draft_path, draft_quant) if draft_path is not None and not mtp else None
+        planned_drafter = drafter_plan(draft_path, config.draft_quant) if draft_path is not None and not mtp else None
         if torch_device.type == "cuda":
-            n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, ctx_size, kv_dtype,
-                                     planned_drafter, slots=parallel)
+            n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, config.ctx_size,
+                                     config.kv_dtype, planned_drafter, slots=parallel)
         else:
             if weights == "auto":  # the C kernels where a vector build runs, else by what fits in RAM
                 weights = cpu_weights(ckpt.tensors, torch_dtype, cpu_dot() is not None)
-            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, ctx_size, kv_dtype, planned_drafter,
-                                     slots=parallel, packed=weights == "packed")
+            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, config.ctx_size, config.kv_dtype,
+                                     planned_drafter, slots=parallel, packed=weights == "packed")
         repack_cpu = weights == "packed"
-        prefill_gemm = prefill_dtype(prefill)
+        prefill_gemm = prefill_dtype(config.prefill)
         if repack_cpu and cpu_dot() is not None:
             log.info("prompt blocks: %s GEMMs%s", str(prefill_gemm).removeprefix("torch."),
                      " (--prefill float32: exact)" if prefill_gemm != torch.float32 else "")
-        net = build_model(ckpt, torch_device, torch_dtype, progress=progress,
+        net = build_model(ckpt, torch_device, torch_dtype, progress=config.progress,
                           packed=False if weights == "exact" else None, repack_cpu=repack_cpu, prefill=prefill_gemm)
         if torch_device.type == "cuda":
             choose_cuda_tiles(net.matmul_weights())  # before the graphs capture the launches
@@ -192,13 +152,13 @@ class Engine:
             cfg = ckpt.config
             drafter = load_drafter(
                 draft_path, cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
-                torch_device, torch_dtype, quantize=draft_quant,
+                torch_device, torch_dtype, quantize=config.draft_quant,
             )
         log.info("loaded in %.1f s; context %d tokens%s", time.perf_counter() - started, n_ctx,
                  f" x {parallel} slots" if parallel > 1 else "")
-        name = Path(path).name if model == EMBEDDED else model
-        return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=spec, model_path=path,
-                   prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype,
+        name = Path(path).name if config.model == EMBEDDED else config.model
+        return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=config.spec, model_path=path,
+                   prefix_cache=DEFAULT_PREFIX_CACHE if config.prefix_cache else None, kv_dtype=config.kv_dtype,
                    sampling_defaults=defaults, parallel=parallel, runner=runner)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:

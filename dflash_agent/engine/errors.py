@@ -46,7 +46,7 @@ class ContextOverflowError(UserError):
 
 
 class OptionError(UserError):
-    """An `Engine.load` option this engine or machine cannot take (device, dtype, threads, KV cache type...)."""
+    """An `EngineConfig` option this engine or machine cannot take (device, dtype, threads, KV cache type...)."""
 
 
 class RequestError(UserError):

@@ -9,20 +9,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RequestError
+from .errors import OptionError, RequestError
 
-# Where a request's omitted sampling fields come from (Engine.load's `sampling_defaults`): model = the checkpoint's
+# Where a request's omitted sampling fields come from (EngineConfig's `sampling_defaults`): model = the checkpoint's
 # recommendation (generation_config.json, GGUF general.sampling.*), none = the interface's own defaults.
 SAMPLING_DEFAULTS = ("model", "none")
-# How GGUF matrices load (Engine.load's `weights`): auto = packed where Triton runs (CUDA), exact elsewhere;
+# How GGUF matrices load (EngineConfig's `weights`): auto = packed where Triton runs (CUDA), exact elsewhere;
 # packed = also torch's int4 / int8 kernels on the CPU; exact = dequantized at load.
 WEIGHTS = ("auto", "exact", "packed")
-# The GEMMs of prompt blocks on the CPU C kernels' path (Engine.load's `prefill`): float32 on the rows dequantized
+# The GEMMs of prompt blocks on the CPU C kernels' path (EngineConfig's `prefill`): float32 on the rows dequantized
 # exactly, bfloat16 (weights and activations rounded to bf16, float32 sums) or int8 (activations quantized to int8
 # per block of 32 against the weights' own integers, VNNI's byte dots); auto = bfloat16 where the CPU multiplies bf16
 # natively (AVX512_BF16 or AMX) and torch's bf16 GEMM measures faster, else int8 where the VNNI kernels run, else
 # float32 (packed_linear.prefill_dtype).
 PREFILL = ("auto", "float32", "bfloat16", "int8")
+# The KV caches' dtype (EngineConfig's `kv_dtype`, engine.cache.kv_cache): auto = the model's dtype, q8 = 8-bit
+# keys and values.
+KV_DTYPES = ("auto", "q8")
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise OptionError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,7 @@ from ...kernels.attention import cache_offsets, write_rows
 from ..errors import OptionError
 from ..formats.config import ModelConfig
 from ..limits import DEFAULT_SLACK
-
-KV_DTYPES = ("auto", "q8")  # auto: the model's dtype
-
-
-def check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise OptionError(f"unknown KV cache type {kv_dtype!r} ({', '.join(KV_DTYPES)})")
-
+from ..types import check_kv_dtype
 
 Q8_BLOCK = 32  # values per scale, as llama.cpp's q8_0: one scale per head row flattens rows with outliers
 

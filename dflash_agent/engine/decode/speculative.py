@@ -22,6 +22,7 @@ import torch
 
 from ..cache.drafter_cache import DrafterCache
 from ..cache.kv_cache import KVCache
+from ..engine_config import SpecConfig
 from ..limits import FEED_EVERY, PREFILL_CHUNK, SHORT_PREFILL
 from ..model.drafter import Drafter
 from ..model.gemma import ForwardOutput, run_to_end
@@ -44,18 +45,6 @@ class Matcher(Protocol):
     def rollback(self, n: int) -> None: ...
 
 
-
-
-@dataclass
-class SpecConfig:
-    enabled: bool = True
-    block: int | None = None  # fixed block size (anchor + drafts) for benchmarks; None = adaptive
-    ngram: bool = True  # prompt-lookup proposals
-    ngram_min: int = 2
-    ngram_max: int = 4
-    # A copy: once the last `copy_match` tokens occurred before, drafts run as far as that continuation goes (up to
-    # NGRAM_MAX_DRAFT), measured by the controller apart from short matches (llama.cpp's ngram-mod matches 24).
-    copy_match: int | None = 16
 
 
 class NgramIndex:

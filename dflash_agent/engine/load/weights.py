@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...kernels.cpu.cpu_dot import HugePageArena
+from ..engine_config import EMBEDDED
 from ..errors import ModelLoadError
 from ..formats.config import ConfigError, ModelConfig
 from ..formats.gguf import GGUFError, GGUFFile, read_gguf
@@ -24,7 +25,6 @@ from ..model.packed import CpuDotWeight, PackedWeight, keeps_packed
 
 log = logging.getLogger(__name__)
 
-EMBEDDED = "embedded"
 # The DFlash drafter trained for the embedded model (`dflash-agent train-drafter`), shipped in the package.
 EMBEDDED_DRAFTER = Path(__file__).parents[1] / "drafters" / "gemma3-270m"
 

@@ -20,7 +20,7 @@ CPU repacking (the fast default on the CPU), once at load:
   Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
   so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
   computed alone (verify steps give what decode steps give, which keeps speculation lossless). Prompt blocks of
-  GEMM_ROWS rows and more take GEMMs instead (Engine.load's `prefill`, see prefill_dtype): int8 activations
+  GEMM_ROWS rows and more take GEMMs instead (EngineConfig's `prefill`, see prefill_dtype): int8 activations
   against the file's integers (CpuDot.gemm_int8, VNNI's byte dots), or on the rows dequantized exactly in float32
   (exact) or bfloat16; `bench --fidelity` measures what int8 and bfloat16 cost.
 - Without the C kernels (no compiler at install), torch's weight-only kernels, both fast only with bf16 activations:
@@ -85,7 +85,7 @@ def cpu_dot() -> CpuDot | None:
 
 
 def prefill_dtype(choice: str) -> torch.dtype:
-    """The dtype of CpuDotWeight's prefill GEMMs for Engine.load's `prefill` (engine.types.PREFILL). auto takes int8
+    """The dtype of CpuDotWeight's prefill GEMMs for EngineConfig's `prefill` (engine.types.PREFILL). auto takes int8
     where the kernels' AVX-512 VNNI build runs (99.1% top-1 agreement with exact on the embedded model), bfloat16
     where the CPU multiplies it natively (AVX512_BF16 or AMX) and torch's bf16 GEMM is measured to beat float32's by
     BF16_GAIN (by INT8_GAIN where int8 runs), else float32, whose GEMMs are exact on the dequantized rows. The flags
