@@ -31,8 +31,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "version"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    engine = Engine.load("embedded", progress=False, ctx_size=1024)
+def engine(embedded_engine):
+    engine = embedded_engine(1024)
     yield engine
     engine.close()
 
