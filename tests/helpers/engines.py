@@ -5,15 +5,35 @@ a few requests costs."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_agent.engine.decode.speculative import SpecConfig
 from dflash_agent.engine.engine import DEFAULT_PREFIX_CACHE, Engine, pick_device, pick_dtype, set_threads
+from dflash_agent.engine.load.tokenizer import Tokenizer
 from dflash_agent.engine.memory_plan import cpu_context_size
+from dflash_agent.engine.model.drafter import Drafter
+from dflash_agent.engine.model.gemma import GemmaModel
+from dflash_agent.engine.model.mtp import MtpDrafter
+from dflash_agent.engine.model.packed import cpu_dot
+from dflash_agent.engine.types import SamplingDefaults
 
 # Engine.load's options that make the model and its drafter; the others are the engine's own
 WEIGHT_OPTIONS = ("model", "draft", "device", "dtype", "weights", "draft_quant", "threads", "sampling_defaults",
                   "prefill")
 _DEFAULTS = {name: inspect.signature(Engine.load).parameters[name].default for name in WEIGHT_OPTIONS}
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """What an Engine.load built that outlives its engine."""
+
+    model: GemmaModel
+    tokenizer: Tokenizer
+    drafter: Drafter | MtpDrafter | None
+    model_name: str
+    model_path: Path | None
+    sampling_defaults: SamplingDefaults
 
 
 class EngineFactory:
@@ -25,7 +45,7 @@ class EngineFactory:
     monkeypatched CPU, memory plan) calls Engine.load itself."""
 
     def __init__(self) -> None:
-        self._loaded: dict[tuple, Engine] = {}
+        self._loaded: dict[tuple, _Loaded] = {}
 
     def __call__(self, ctx_size: int, spec: SpecConfig | None = None, parallel: int = 1, prefix_cache: bool = True,
                  kv_dtype: str = "auto", **weights) -> Engine:
@@ -38,17 +58,21 @@ class EngineFactory:
                                prefix_cache=prefix_cache, kv_dtype=kv_dtype, **weights)
         # "auto" and what it resolves to here load the same model
         options |= dict(device=str(device), dtype=str(pick_dtype(options["dtype"], device)).removeprefix("torch."))
-        key = tuple(options.items())
+        # and per kernels library: its thread counts are set per object, and a test that clears cpu_dot's cache
+        # (a CPU without the vector builds) leaves models over the one before
+        key = (*options.items(), cpu_dot())
         if key not in self._loaded:
             # with speculation left on, the model's bundled drafter loads too, for the engines that draft
-            self._loaded[key] = Engine.load(ctx_size=ctx_size, progress=False, **options)
-            self._loaded[key].close()
-        base = self._loaded[key]
+            first = Engine.load(ctx_size=ctx_size, progress=False, **options)
+            first.close()
+            self._loaded[key] = _Loaded(first.model, first.tokenizer, first.drafter, first.model_name,
+                                        first.model_path, first.sampling_defaults)
+        loaded = self._loaded[key]
         set_threads(options["threads"])  # as Engine.load sets them, whatever a test before set
         # Engine.load's rule: the bundled drafter where speculation is on, a named one always
         drafts = options["draft"] is not None or spec is None or spec.enabled
-        n_ctx = cpu_context_size(base.model.config, {}, base.model.dtype, ctx_size)
-        return Engine(base.model, base.tokenizer, n_ctx, base.model_name, drafter=base.drafter if drafts else None,
-                      spec=spec, model_path=base.model_path,
+        n_ctx = cpu_context_size(loaded.model.config, {}, loaded.model.dtype, ctx_size)
+        return Engine(loaded.model, loaded.tokenizer, n_ctx, loaded.model_name,
+                      drafter=loaded.drafter if drafts else None, spec=spec, model_path=loaded.model_path,
                       prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype,
-                      sampling_defaults=base.sampling_defaults, parallel=parallel)
+                      sampling_defaults=loaded.sampling_defaults, parallel=parallel)
