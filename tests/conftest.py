@@ -24,6 +24,43 @@ def embedded_gguf():
     return package.assemble()
 
 
+@pytest.fixture(scope="session")
+def embedded_engine(embedded_gguf):
+    """Engines over the embedded model: `embedded_engine(ctx_size, spec=..., parallel=..., **weights)` is Engine.load
+    with those options, the model loaded once a session per weight options (tests/helpers/engines.py). Each engine
+    is the caller's to close."""
+    from tests.helpers.engines import EngineFactory  # the package, imported after TRITON_INTERPRET is chosen
+
+    return EngineFactory()
+
+
+@pytest.fixture(scope="session")
+def embedded_model(embedded_gguf):
+    """The step runner of the embedded model with the C layers (float32, repacked), as the CPU tests build it; its
+    `model` is the eager reference on the same weights. Tests may swap a part (a method) for one test, and put it
+    back."""
+    from dflash_agent.engine.load.weights import build_model, open_checkpoint
+    from dflash_agent.engine.runner import StepRunner
+
+    return StepRunner.build(build_model(open_checkpoint(embedded_gguf), "cpu", torch.float32, progress=False,
+                                        repack_cpu=True))
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(embedded_gguf):
+    from dflash_agent.engine.load.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(embedded_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma4_tokenizer(gemma3_tokenizer, tmp_path_factory):
+    """The embedded tokenizer with Gemma 4's special tokens in place of Gemma 3's unused ones."""
+    from tests.helpers.tokenizers import with_gemma4_specials
+
+    return with_gemma4_specials(gemma3_tokenizer, tmp_path_factory.mktemp("gemma4-tokenizer"))
+
+
 # The slow tier (`pytest -m slow`; the inner loop is `pytest -m "not slow"`; .ci/run runs everything): builds of the
 # C kernels and the wheel, GPU kernels under Triton's interpreter, the CLI and servers as subprocesses, real clients,
 # llama.cpp parity, and the fidelity and benchmark runs. Whole files, then single tests (a node id's prefix).

@@ -66,8 +66,8 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
-    """Every module of ours that `path` imports, absolute, with its line."""
+def imports_of(path: Path, module: str, ours: str = PACKAGE) -> list[tuple[str, int]]:
+    """Every module of the package `ours` that `path` imports, absolute, with its line."""
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
     found: list[tuple[str, int]] = []
@@ -83,11 +83,12 @@ def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
                     found += [(".".join([*base, alias.name]), node.lineno) for alias in node.names]
             elif node.module:
                 found.append((node.module, node.lineno))
-    return [(name, line) for name, line in found if name == PACKAGE or name.startswith(PACKAGE + ".")]
+    return [(name, line) for name, line in found if name == ours or name.startswith(ours + ".")]
 
 
 def import_graph(root: Path = ROOT) -> dict[str, list[tuple[str, int]]]:
-    return {module_name(path, root): imports_of(path, module_name(path, root)) for path in sorted(root.rglob("*.py"))}
+    return {module_name(path, root): imports_of(path, module_name(path, root), root.name)
+            for path in sorted(root.rglob("*.py"))}
 
 
 def violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
@@ -283,4 +284,46 @@ def test_planted_violations_are_flagged():
         "dflash_agent.mcp.server:8 imports dflash_agent.api.service (mcp -> api)",
         "dflash_agent.mcp.commands:3 imports dflash_agent.cli (mcp -> cli)",
         "dflash_agent.mcp.model:4 imports dflash_agent.options (mcp -> options)",
+    ]
+
+
+# The tests' own rule: what several test modules share lives in tests/helpers/ (or a folder's helper modules), never
+# in a test module, so that no test module runs another's collection and fixtures, and no two import each other.
+TESTS = Path(__file__).resolve().parent
+
+
+def imports_of_test_modules(root: Path = TESTS) -> list[str]:
+    """One line per import of a test module (test_*.py) anywhere under tests/, `from tests.x import test_y` too."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        imported = imports_of(path, module, root.name)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+        bad += sorted({f"{module}:{line} imports {target}" for target, line in imported
+                       if any(part.startswith("test_") for part in target.split(".")[1:])})
+    return bad
+
+
+def test_no_test_module_imports_another():
+    assert imports_of_test_modules() == []
+
+
+def test_planted_test_module_imports_are_flagged(tmp_path):
+    root = tmp_path / "tests"
+    (root / "engine").mkdir(parents=True)
+    (root / "helpers").mkdir()
+    for package in (root, root / "engine", root / "helpers"):
+        (package / "__init__.py").write_text("")
+    (root / "engine" / "test_a.py").write_text("from .test_b import VOCAB\nfrom tests.helpers.configs import x\n")
+    (root / "engine" / "test_b.py").write_text("def f():\n    from tests.engine import test_a\n")
+    (root / "helpers" / "configs.py").write_text("import tests.engine.test_b\n")
+    (root / "conftest.py").write_text("from tests.engine.test_a import fixture  # noqa\n")
+    assert imports_of_test_modules(root) == [
+        "tests.conftest:1 imports tests.engine.test_a",
+        "tests.conftest:1 imports tests.engine.test_a.fixture",
+        "tests.engine.test_a:1 imports tests.engine.test_b",
+        "tests.engine.test_b:2 imports tests.engine.test_a",
+        "tests.helpers.configs:1 imports tests.engine.test_b",
     ]

@@ -22,8 +22,8 @@ FORCED = AgentConfig(max_steps=3, max_turn_tokens=128, tool_choice="required", p
 
 
 @pytest.fixture(scope="module")
-def engine():
-    engine = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=4096, progress=False)
+def engine(embedded_engine):
+    engine = embedded_engine(4096, device="cpu", dtype="float32")
     yield engine
     engine.close()
 

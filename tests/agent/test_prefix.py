@@ -16,7 +16,7 @@ from dflash_agent.chat.types import Conversation
 from dflash_agent.tools.registry import workspace_tools
 from dflash_agent.tools.workspace import Workspace
 from tests.agent.scripted import Say, ScriptedModel, bash
-from tests.chat.test_constraints import VOCAB
+from tests.helpers.tokenizers import EMBEDDED_VOCAB as VOCAB
 
 GOOGLE_GEMMA4 = Path(__file__).resolve().parents[1] / "fixtures" / "google_gemma4_chat_template.jinja"
 

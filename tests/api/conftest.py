@@ -18,8 +18,8 @@ def server_url():
 
 
 @pytest.fixture(scope="session")
-def strict_url():
+def strict_url(embedded_engine):
     """An API key, no queue behind the running request, a 64 KiB body limit and a short context."""
     settings = ServerSettings(api_key=API_KEY, max_queue=0, heartbeat_s=0.2)
-    with live_server(lambda: Engine.load(progress=False, ctx_size=256), settings, max_body_bytes=64 * 1024) as url:
+    with live_server(lambda: embedded_engine(256), settings, max_body_bytes=64 * 1024) as url:
         yield url

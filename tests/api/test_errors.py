@@ -147,13 +147,13 @@ def test_unknown_path_and_method(strict):
     assert strict.get(CHAT).status_code == 405
 
 
-def test_health_is_503_while_loading_then_200():
+def test_health_is_503_while_loading_then_200(embedded_engine):
     release = threading.Event()
     engine: list[Engine] = []
 
     def slow_load() -> Engine:
         release.wait(120)
-        engine.append(Engine.load(progress=False, ctx_size=64))
+        engine.append(embedded_engine(64))
         return engine[0]
 
     with live_server(slow_load, ServerSettings(), wait_ready=False) as url:

@@ -14,15 +14,13 @@ import pytest
 
 from dflash_agent.api.background import live_server
 from dflash_agent.engine import SpecConfig
-from dflash_agent.engine.engine import Engine
 
 PROMPTS = ["1, 2, 3, 4, 5,", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def two_slots():
-    with live_server(lambda: Engine.load(progress=False, ctx_size=512, parallel=2,
-                                         spec=SpecConfig(enabled=False))) as url:
+def two_slots(embedded_engine):
+    with live_server(lambda: embedded_engine(512, parallel=2, spec=SpecConfig(enabled=False))) as url:
         yield url
 
 

@@ -22,12 +22,10 @@ from dflash_agent.bench.concurrent import (
     report,
 )
 from dflash_agent.engine import SpecConfig
-from dflash_agent.engine.engine import Engine
 
 
-def test_a_batch_of_streams_counts_every_token():
-    with live_server(lambda: Engine.load(progress=False, ctx_size=256, parallel=2,
-                                         spec=SpecConfig(enabled=False))) as url:
+def test_a_batch_of_streams_counts_every_token(embedded_engine):
+    with live_server(lambda: embedded_engine(256, parallel=2, spec=SpecConfig(enabled=False))) as url:
         aggregate, rates, ttfts = asyncio.run(_batch(url, 3, 12))  # three streams on two slots: one waits
         wall, later = asyncio.run(_shared_start(url, "Rules: keep diffs small. " * 20, cache=True))
     assert aggregate > 0 and len(rates) == len(ttfts) == 3

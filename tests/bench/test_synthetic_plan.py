@@ -170,8 +170,8 @@ def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
     # verify, draft, append, roofline and projection arithmetic), at a tiny Gemma 4 (dense, or 26B-A4B's layout)
     # on the CPU; timings are not asserted
     from dflash_agent.engine.formats.drafter_config import DrafterConfig
-    from tests.engine.test_packed_linear import tiny_family_config
-    from tests.engine.test_packed_linear import tiny_gemma4_config as dense_config
+    from tests.helpers.packed import tiny_family_config
+    from tests.helpers.packed import tiny_gemma4_config as dense_config
 
     def tiny_gemma4_config():
         return dense_config() if layout == "dense" else tiny_family_config("moe")

@@ -31,8 +31,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "version"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    engine = Engine.load("embedded", progress=False, ctx_size=1024)
+def engine(embedded_engine):
+    engine = embedded_engine(1024)
     yield engine
     engine.close()
 
@@ -86,7 +86,8 @@ def test_grammar_under_speculation_matches_plain_decoding(engine, chat, tmp_path
     )
     outputs = []
     for draft, spec in ((None, SpecConfig(enabled=False)), (drafter, SpecConfig(block=6))):
-        spec_engine = Engine(engine.model, engine.tokenizer, engine.n_ctx, drafter=draft, spec=spec)
+        spec_engine = Engine(engine.model, engine.tokenizer, engine.n_ctx, drafter=draft, spec=spec,
+                             runner=engine.runner)
         try:
             parsed, final = complete_chat(spec_engine, prepared, max_tokens=96)
         finally:

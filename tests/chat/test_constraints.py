@@ -22,17 +22,9 @@ from dflash_agent.chat.parser import make_parser
 from dflash_agent.chat.types import ChatError, Tool, ToolCall
 from dflash_agent.engine.decode.grammar import GrammarCompiler
 from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
-from dflash_agent.engine.engine import Engine
-from dflash_agent.engine.load.tokenizer import Tokenizer
+from tests.helpers.tokenizers import EMBEDDED_VOCAB as VOCAB
 
-VOCAB = 262144
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "google_gemma4_chat_template.jinja"
-# Gemma 4 renamed some of Gemma 3's unused tokens (gemma4.md section 5).
-GEMMA4_SPECIALS = {
-    46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>",
-    51: "<tool_response|>", 52: '<|"|>', 98: "<|think|>", 100: "<|channel>", 101: "<channel|>",
-    105: "<|turn>", 106: "<turn|>",
-}
 TOOL_RESPONSE = 50
 
 READ_FILE = Tool("read_file", "Read a text file.", {
@@ -108,30 +100,6 @@ SCHEMA_TOOLS = [*THREE_TOOLS, TREE]
 
 
 @pytest.fixture(scope="module")
-def gemma3_tokenizer(embedded_gguf):
-    return Tokenizer.from_gguf(embedded_gguf)
-
-
-@pytest.fixture(scope="module")
-def gemma4_tokenizer(gemma3_tokenizer, tmp_path_factory):
-    """The embedded tokenizer with Gemma 4's special tokens in place of Gemma 3's unused ones;
-    the ids are Gemma 4's, and so is the stop set."""
-    data = json.loads(gemma3_tokenizer.backend.to_str())
-    for entry in data["added_tokens"]:
-        if entry["id"] in GEMMA4_SPECIALS:
-            entry["content"] = GEMMA4_SPECIALS[entry["id"]]
-    vocab = data["model"]["vocab"]
-    by_id = {token_id: piece for piece, token_id in vocab.items() if token_id in GEMMA4_SPECIALS}
-    for token_id, piece in GEMMA4_SPECIALS.items():
-        del vocab[by_id[token_id]]
-        vocab[piece] = token_id
-    path = tmp_path_factory.mktemp("gemma4-tokenizer")
-    (path / "tokenizer.json").write_text(json.dumps(data))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106, 50]}))
-    return Tokenizer.from_dir(path)
-
-
-@pytest.fixture(scope="module")
 def gemma3_compiler(gemma3_tokenizer):
     return GrammarCompiler(gemma3_tokenizer, VOCAB)
 
@@ -142,8 +110,8 @@ def gemma4_compiler(gemma4_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=1024, progress=False)
+def engine(embedded_engine):
+    eng = embedded_engine(1024, device="cpu", dtype="float32")
     yield eng
     eng.close()
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.agent.fake_openai import Failure, Reply, fake_server
 from tests.agent.repos import PYTEST, failing_repo, git, repo_tests_pass
-from tests.e2e.test_cli import assert_one_line_error, cli
+from tests.helpers.cli import assert_one_line_error, cli
 
 
 @pytest.fixture

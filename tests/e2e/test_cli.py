@@ -1,31 +1,14 @@
 """`dflash-agent generate` as a user runs it: a subprocess, stdout/stderr and the exit code."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.engine.test_model_vs_transformers import _randomize
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_agent", *args],
-        capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
-    )
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert fragment in lines[0]
-    assert "Traceback" not in proc.stderr
+from tests.helpers.cli import assert_one_line_error, cli
+from tests.helpers.references import randomize
 
 
 def test_generate_json_embedded():
@@ -59,7 +42,7 @@ def multimodal_dir(tmp_path_factory, embedded_gguf):
     config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
     torch.manual_seed(3)
     model = transformers.Gemma4ForConditionalGeneration(config).eval()
-    _randomize(model)
+    randomize(model)
     model.save_pretrained(path)
     Tokenizer.from_gguf(embedded_gguf).backend.save(str(path / "tokenizer.json"))
     return path, model

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 
 from dflash_agent.api.background import free_port
-
-
-def _serve(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dflash_agent", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+from tests.helpers.cli import serve, wait_ready
 
 
 def test_serve_answers_an_openai_client_and_stops_on_sigint():
     port = free_port()
-    proc = _serve("--port", str(port), "--alias", "local", "--api-key", "k", "--ctx-size", "512")
+    proc = serve("--port", str(port), "--alias", "local", "--api-key", "k", "--ctx-size", "512")
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(proc, url)
+        wait_ready(proc, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["local"]
         out = client.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}],
@@ -39,33 +32,20 @@ def test_serve_answers_an_openai_client_and_stops_on_sigint():
 
 
 def test_serve_with_a_missing_model_exits_1_with_one_line(tmp_path):
-    proc = _serve("--port", str(free_port()), "--model", str(tmp_path / "nope.gguf"))
+    proc = serve("--port", str(free_port()), "--model", str(tmp_path / "nope.gguf"))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "nope.gguf" in errors[0] and "Traceback" not in err
 
 
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 600
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
-                return
-        except (httpx.ConnectError, httpx.TimeoutException):  # not listening yet; a busy machine
-            pass
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.2)
-
-
 def test_sigterm_ends_a_live_stream_with_an_error_event_and_exits_cleanly():
     """A stream cut by shutdown tells its client why; the log has one line per request and no traceback."""
     port = free_port()
-    proc = _serve("--port", str(port), "--ctx-size", "4096")
+    proc = serve("--port", str(port), "--ctx-size", "4096")
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, url)
+        wait_ready(proc, url)
         assert httpx.get(f"{url}/nope").status_code == 404
         body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
@@ -93,7 +73,7 @@ def test_serve_on_a_busy_port_fails_at_once_without_loading_the_model():
         busy.listen()
         port = busy.getsockname()[1]
         started = time.monotonic()
-        proc = _serve("--port", str(port))
+        proc = serve("--port", str(port))
         try:
             _, err = proc.communicate(timeout=60)
         finally:

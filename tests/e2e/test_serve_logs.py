@@ -9,15 +9,15 @@ import signal
 import httpx
 
 from dflash_agent.api.background import free_port
-from tests.e2e.test_serve_cli import _serve, _wait_ready
+from tests.helpers.cli import serve, wait_ready
 
 
 def test_serve_says_when_it_is_ready_and_leaves_health_polls_out_of_the_log():
     port = free_port()
-    proc = _serve("--port", str(port), "--ctx-size", "512")
+    proc = serve("--port", str(port), "--ctx-size", "512")
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, url)
+        wait_ready(proc, url)
         for _ in range(3):
             assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         assert httpx.get(f"{url}/v1/health", timeout=30).status_code == 200

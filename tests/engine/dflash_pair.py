@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .test_model_vs_transformers import VOCAB, save_reference
+from tests.helpers.references import VOCAB, save_reference
 
 DRAFT_WINDOW = 12  # the drafter's sliding window; the target's is 8
 BLOCK = 8

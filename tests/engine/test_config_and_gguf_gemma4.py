@@ -9,7 +9,7 @@ import torch
 
 from dflash_agent.engine.formats.config import ConfigError, ModelConfig
 from dflash_agent.engine.load.weights import ModelLoadError, build_model, open_checkpoint, resolve_model_path
-from tests.engine.test_model_vs_transformers import VOCAB, save_reference
+from tests.helpers.references import VOCAB, save_reference
 
 GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
@@ -24,7 +24,7 @@ GGUF_LAYER = {
 def write_gemma4_gguf(ref, path):
     cfg = ref.config
     full = [t == "full_attention" for t in cfg.layer_types]
-    head_dim, global_dim = 16, 32  # as in test_model_vs_transformers.gemma4_config
+    head_dim, global_dim = 16, 32  # as in tests/helpers/references.gemma4_config
     w = gguf.GGUFWriter(str(path), "gemma4")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_embedding_length(cfg.hidden_size)

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.timeout(300)  # a request left holding the engine shows
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=256, progress=False, weights="exact")
+def engine(embedded_engine):
+    eng = embedded_engine(256, device="cpu", dtype="float32", weights="exact")
     yield eng
     eng.close()
 
@@ -140,10 +140,10 @@ def test_stream_closes_the_generator_it_opened():
     assert asyncio.run(scenario()) is True
 
 
-def test_close_waits_for_the_step_in_flight(monkeypatch):
+def test_close_waits_for_the_step_in_flight(embedded_engine, monkeypatch):
     """A worker inside a step cannot be stopped; close says so until the step ends (a process that ended under it
     would abort: options.close_engine)."""
-    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=256, progress=False, weights="exact")
+    eng = embedded_engine(256, device="cpu", dtype="float32", weights="exact")
     entered, release = threading.Event(), threading.Event()
     runner = type(eng.runner)
     forward = runner.forward_groups

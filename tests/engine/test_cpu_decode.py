@@ -14,12 +14,11 @@ import torch.nn.functional as F
 from dflash_agent.engine.backends.cpu import CpuDecodeLayers
 from dflash_agent.engine.formats.quant import dequantize
 from dflash_agent.engine.limits import MAX_ROWS
-from dflash_agent.engine.load.weights import build_model, open_checkpoint, resolve_model_path
+from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.gemma import RowGroup
 from dflash_agent.engine.model.packed import PackedWeight, cpu_dot
 from dflash_agent.engine.runner import StepRunner
-
-from .test_packed_linear import VOCAB, run_steps, tiny_family_config, tiny_packed_checkpoint
+from tests.helpers.packed import VOCAB, run_steps, tiny_family_config, tiny_packed_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
 
@@ -159,8 +158,8 @@ def test_exact_weights_have_no_c_layers():
     assert StepRunner.build(build_model(ckpt, "cpu", torch.bfloat16, progress=False, repack_cpu=True)).cpu is None
 
 
-def test_embedded_model_decodes_the_same_tokens_through_the_c_layers():
-    model = _runner(open_checkpoint(resolve_model_path("embedded")))
+def test_embedded_model_decodes_the_same_tokens_through_the_c_layers(embedded_model):
+    model = embedded_model
     assert model.cpu is not None
     prompt = torch.tensor([2, 818, 5279, 529, 506, 9893, 3298, 496, 236743] * 6)
 
@@ -256,12 +255,12 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written(ti
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "moe", "ple", "embedded"])
-def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_name, tiny, embedded_c):
+def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_name, tiny, embedded_model):
     """StepRunner.forward_groups: decode rows and verification blocks of four sequences (different lengths, one
     past its sliding window) in one C call give bit for bit the logits and captures of each run alone."""
     from dflash_agent.engine.model.gemma import RowGroup
 
-    model = {"tiny": tiny, "embedded": embedded_c}.get(model_name) or _family_model(model_name)
+    model = {"tiny": tiny, "embedded": embedded_model}.get(model_name) or _family_model(model_name)
     vocab = model.config.vocab_size
     window = model.config.sliding_window
     torch.manual_seed(7)
@@ -303,17 +302,12 @@ def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_
         assert torch.equal(model.forward(nxt, cache).logits, model.forward(nxt, ref).logits)
 
 
-@pytest.fixture(scope="module")
-def embedded_c() -> StepRunner:
-    return _runner(open_checkpoint(resolve_model_path("embedded")))
-
-
-def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
+def test_greedy_steps_pick_what_their_logits_pick(embedded_model):
     """StepRunner.forward(greedy=True): a verification block's picks through the head's screen (VNNI builds) are the
     argmax of each row's logits, alone and beside other sequences' rows (forward_groups, greedy and not)."""
     from dflash_agent.engine.model.gemma import RowGroup
 
-    model = embedded_c
+    model = embedded_model
     assert (model.cpu._screen is not None) == (cpu_dot().simd == "avx512")
     torch.manual_seed(11)
     prompt, block = torch.randint(0, 4096, (40,)), torch.randint(0, 4096, (24,))
@@ -344,9 +338,9 @@ def test_greedy_steps_pick_what_their_logits_pick(embedded_c):
     assert [c.length for c in caches] == [40, 40]
 
 
-def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
+def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_model):
     """StepRunner.draft_picks: a drafter's normed rows' picks over the LM head, as its logits' argmax gives them."""
-    model = embedded_c
+    model = embedded_model
     hidden = F.rms_norm(torch.randn(15, model.config.hidden_size), (model.config.hidden_size,))
     picks = model.draft_picks(hidden)
     if model.cpu._screen is None:
@@ -356,23 +350,23 @@ def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_c):
     assert model.draft_picks(hidden[:1]) is None  # one row: the whole head
 
 
-def test_no_screen_where_it_would_crowd_the_ram(embedded_c, monkeypatch):
+def test_no_screen_where_it_would_crowd_the_ram(embedded_model, monkeypatch):
     from dflash_agent.engine.backends import cpu as cpu_decode
 
     if cpu_dot().simd != "avx512":
         pytest.skip("the screen is built for VNNI builds only")
-    head = embedded_c.model.output_weight.cpu.matrix
+    head = embedded_model.model.output_weight.cpu.matrix
     need = head.n * head.k * cpu_decode.SCREEN_BYTES_PER_WEIGHT / cpu_decode.SCREEN_SHARE
     monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 0.9))
-    assert CpuDecodeLayers.build(embedded_c.model)._screen is None
+    assert CpuDecodeLayers.build(embedded_model.model)._screen is None
     monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 1.1))
-    assert CpuDecodeLayers.build(embedded_c.model)._screen is not None
+    assert CpuDecodeLayers.build(embedded_model.model)._screen is not None
 
 
-def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_c):
+def test_greedy_rows_past_what_one_head_call_takes_are_picked_alike(embedded_model):
     """Two sequences' 65-row blocks in one step: 130 greedy rows, more than the C head takes at once, each picked as
     its block alone picks it (never through the prefill GEMM, whose bfloat16 sums differ)."""
-    model = embedded_c
+    model = embedded_model
     torch.manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,)) for n in (30, 50)]
     blocks = [torch.randint(0, 4096, (65,)) for _ in prompts]

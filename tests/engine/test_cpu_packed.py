@@ -37,8 +37,7 @@ from dflash_agent.engine.model.packed import (
 )
 from dflash_agent.kernels.cpu import cpu_dot as cpu_dot_module
 from dflash_agent.kernels.cpu.cpu_dot import DISABLE_ENV
-
-from .test_packed_linear import TYPES, pack
+from tests.helpers.packed import TYPES, pack
 
 T = torch.bfloat16
 
@@ -258,13 +257,12 @@ def _greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
     return asyncio.run(collect())
 
 
-def test_speculation_is_lossless_on_the_packed_path():
+def test_speculation_is_lossless_on_the_packed_path(embedded_engine):
     import inspect
     import json.decoder
 
     block = json.loads((EMBEDDED_DRAFTER / "config.json").read_text())["block_size"]
-    spec = Engine.load("embedded", device="cpu", ctx_size=1024, progress=False, spec=SpecConfig(block=block),
-                       weights="packed")
+    spec = embedded_engine(1024, spec=SpecConfig(block=block), device="cpu", weights="packed")
     assert isinstance(spec.model.embed_tokens.weight, PackedWeight) and spec.drafter is not None
     plain = Engine(spec.model, spec.tokenizer, spec.n_ctx, spec.model_name, spec=SpecConfig(enabled=False),
                    runner=spec.runner)
@@ -277,14 +275,13 @@ def test_speculation_is_lossless_on_the_packed_path():
         plain.close()
 
 
-def test_long_copy_drafts_are_lossless_across_the_window_and_from_the_prefix_cache():
+def test_long_copy_drafts_are_lossless_across_the_window_and_from_the_prefix_cache(embedded_engine):
     """A module copied back: prompt lookup drafts up to 64 tokens a step, in blocks that cross the embedded model's
     512-token sliding window, first from an empty cache and then resumed from the prefix cache; every run gives
     plain decoding's greedy tokens."""
     from dflash_agent.bench.spec import module_prompt
 
-    plain = Engine.load("embedded", device="cpu", ctx_size=1024, progress=False, spec=SpecConfig(enabled=False),
-                        prefix_cache=False)
+    plain = embedded_engine(1024, spec=SpecConfig(enabled=False), prefix_cache=False, device="cpu")
     lookup = Engine(plain.model, plain.tokenizer, plain.n_ctx, plain.model_name, spec=SpecConfig(),
                     runner=plain.runner)
     try:
@@ -304,10 +301,10 @@ def test_long_copy_drafts_are_lossless_across_the_window_and_from_the_prefix_cac
         plain.close()
 
 
-def test_the_cpu_default_is_the_packed_path_where_the_kernels_build():
+def test_the_cpu_default_is_the_packed_path_where_the_kernels_build(embedded_engine):
     if cpu_dot() is None:
         pytest.skip("no C compiler: the CPU dot kernels cannot be built")
-    engine = Engine.load("embedded", device="cpu", ctx_size=64, progress=False, spec=SpecConfig(enabled=False))
+    engine = embedded_engine(64, spec=SpecConfig(enabled=False), device="cpu")
     try:
         head = engine.model.embed_tokens.weight
         assert isinstance(head, PackedWeight) and isinstance(head.cpu, CpuDotWeight)

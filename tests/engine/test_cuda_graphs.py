@@ -14,31 +14,12 @@ import pytest
 import torch
 
 from dflash_agent.engine.backends import cuda as cuda_graphs
-from dflash_agent.engine.backends.cuda import DraftStepGraph, TargetStepGraphs
-from dflash_agent.engine.limits import BUCKETS
+from dflash_agent.engine.backends.cuda import BUCKETS, DraftStepGraph, TargetStepGraphs
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.drafter import init_drafter_checkpoint, load_drafter
 from dflash_agent.engine.runner import StepRunner
-from tests.engine.test_packed_linear import VOCAB, tiny_family_config, tiny_packed_checkpoint
-
-
-class EagerGraph:
-    def __init__(self, step, outputs) -> None:
-        self.step, self.outputs = step, outputs
-
-    def replay(self) -> None:
-        _copy_into(self.outputs, self.step())
-
-
-def _copy_into(dst, src) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, dict):
-        for key in dst:
-            _copy_into(dst[key], src[key])
-    else:
-        for d, s in zip(dst, src, strict=True):
-            _copy_into(d, s)
+from tests.helpers.graphs import EagerGraph
+from tests.helpers.packed import VOCAB, tiny_family_config, tiny_packed_checkpoint
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_agent.engine import SamplingParams, StopCriteria
-from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest, TokenEvent
+from dflash_agent.engine.engine import FinalEvent, GenerateRequest, TokenEvent
 from dflash_agent.engine.model.gemma import ContextOverflowError
 
 PROMPTS = [
@@ -20,8 +20,8 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=512, progress=False, weights="exact")
+def engine(embedded_engine):
+    eng = embedded_engine(512, device="cpu", dtype="float32", weights="exact")
     yield eng
     eng.close()
 

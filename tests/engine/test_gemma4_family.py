@@ -7,38 +7,8 @@ import torch
 
 from dflash_agent.engine.formats.config import ModelConfig
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
-from tests.engine.test_model_vs_transformers import VOCAB, gemma4_config
-
-transformers = pytest.importorskip("transformers")
-
-PROMPT_LEN = 21  # longer than the sliding window below
-
-
-def moe_config():
-    """26B-A4B's layout, shrunk: every layer a dense MLP plus 8 experts, 2 per token (widths multiples of 32, so the
-    converter's Q8_0 file repacks whole for the C layers)."""
-    return gemma4_config(intermediate_size=32, enable_moe_block=True, num_experts=8, top_k_experts=2,
-                         moe_intermediate_size=32)
-
-
-def ple_config():
-    """E2B / E4B's layout, shrunk: per-layer inputs, the last 3 of 6 layers sharing K / V, their MLPs twice as wide."""
-    return transformers.Gemma4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, final_logit_softcapping=3.0,
-        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=3,
-        use_double_wide_mlp=True, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        max_position_embeddings=256,
-    )
-
-
-CONFIGS = {"moe": moe_config, "ple": ple_config}
-
-
-def save_reference(kind: str, path):
-    from tests.engine.test_model_vs_transformers import save_reference as save
-
-    return save(kind, path)
+from tests.helpers.references import CONFIGS, PROMPT_LEN, VOCAB, moe_config, ple_config, save_reference
+from tests.helpers.tokenizers import word_tokenizer
 
 
 @pytest.fixture(params=sorted(CONFIGS))
@@ -136,12 +106,11 @@ def test_agent_turns_with_lookup_drafts_and_the_prefix_cache_match_plain_decodin
     from dflash_agent.engine.cache.prefix_cache import PrefixCacheConfig
     from dflash_agent.engine.decode.speculative import SpecConfig
     from dflash_agent.engine.engine import Engine
-    from tests.engine.test_speculative import _word_tokenizer
 
     _, ours = pair
-    fast = Engine(ours, _word_tokenizer(), 256, spec=SpecConfig(ngram_min=1, copy_match=4),
+    fast = Engine(ours, word_tokenizer(VOCAB), 256, spec=SpecConfig(ngram_min=1, copy_match=4),
                   prefix_cache=PrefixCacheConfig(min_tokens=8))
-    plain = Engine(ours, _word_tokenizer(), 256, spec=SpecConfig(enabled=False), prefix_cache=None)
+    plain = Engine(ours, word_tokenizer(VOCAB), 256, spec=SpecConfig(enabled=False), prefix_cache=None)
     try:
         base = torch.randint(5, VOCAB, (12,), generator=torch.Generator().manual_seed(7)).tolist()
         convo, drafted = base * 2, 0

@@ -10,7 +10,7 @@ from dflash_agent.bench.random_gemma4 import convert, converter_script
 from dflash_agent.bench.random_gemma4 import save_byte_tokenizer as save_tokenizer
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.runner import StepRunner
-from tests.engine.test_gemma4_family import CONFIGS, VOCAB, save_reference
+from tests.helpers.references import CONFIGS, PROMPT_LEN, VOCAB, save_assistant, save_reference
 
 
 def _converter() -> None:
@@ -132,11 +132,9 @@ def test_assistant_gguf_drafts_as_its_safetensors(tmp_path):
     the safetensors checkpoint's read through the whole LM head (the converter drops an ordered embedding's
     clusters, and llama.cpp reads the head whole)."""
     from dflash_agent.engine.model.mtp import is_mtp_checkpoint, load_mtp_drafter
-    from tests.engine.test_model_vs_transformers import save_reference as save_target
-    from tests.engine.test_mtp_drafter import PROMPT_LEN, save_assistant
 
     _converter()
-    save_target("gemma4", tmp_path / "target")
+    save_reference("gemma4", tmp_path / "target")
     save_assistant("gemma4", tmp_path / "assistant")
     save_tokenizer(tmp_path / "assistant")
     gguf = convert(tmp_path / "assistant", tmp_path / "assistant.gguf", "f32")

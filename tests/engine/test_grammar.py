@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from dflash_agent.engine.decode.grammar import GrammarCompiler, GrammarError
-from dflash_agent.engine.load.tokenizer import Tokenizer
 
 VOCAB = 262144
 SCHEMA = {
@@ -23,8 +22,8 @@ VALID = '{"path": "src/main.py", "limit": 20, "mode": "read"}'
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_gguf):
-    return Tokenizer.from_gguf(embedded_gguf)
+def tokenizer(gemma3_tokenizer):
+    return gemma3_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from dflash_agent.engine.memory_plan import (
 )
 from dflash_agent.engine.model.packed import PackedWeight
 from dflash_agent.kernels.dispatch import SPLIT_ROWS
-from tests.engine.test_packed_linear import tiny_gemma4_config, tiny_packed_checkpoint
+from tests.helpers.packed import tiny_gemma4_config, tiny_packed_checkpoint
 
 
 def _nbytes(tensors) -> int:

@@ -1,65 +1,10 @@
 """Logits of our decoder against transformers' Gemma 3 / Gemma 4 on tiny random checkpoints (float32)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
-
-transformers = pytest.importorskip("transformers")
-
-VOCAB = 128
-PROMPT_LEN = 21  # longer than the sliding window below
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Norm weights and layer scalars away from their identity init, so a wrong convention shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "gemma4" in type(model).__module__ else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(torch.rand_like(b) + 0.5)
-
-
-def gemma3_config():
-    return transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-        final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}},
-        max_position_embeddings=256,
-    )
-
-
-def gemma4_config(**overrides):
-    """A tiny dense Gemma 4 (overrides: other fields, as test_gemma4_family's MoE layout sets)."""
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"] * 2,
-        max_position_embeddings=256,
-    )
-    return transformers.Gemma4TextConfig(**(fields | overrides))
-
-
-def save_reference(kind: str, path: Path):
-    """kind: gemma3, gemma4, or a Gemma 4 family layout of tests/engine/test_gemma4_family.py (moe, ple)."""
-    from tests.engine.test_gemma4_family import CONFIGS
-
-    torch.manual_seed(1)
-    if kind == "gemma3":
-        ref = transformers.Gemma3ForCausalLM(gemma3_config())
-    else:
-        ref = transformers.Gemma4ForCausalLM(CONFIGS[kind]() if kind in CONFIGS else gemma4_config())
-    _randomize(ref)
-    ref.eval()
-    ref.save_pretrained(path)
-    return ref
+from tests.helpers.references import PROMPT_LEN, VOCAB, save_reference
 
 
 @pytest.fixture(params=["gemma3", "gemma4", "moe", "ple"])

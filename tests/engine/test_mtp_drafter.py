@@ -6,42 +6,8 @@ import torch
 
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.model.mtp import is_mtp_checkpoint, load_mtp_drafter
-from tests.engine.test_model_vs_transformers import VOCAB, save_reference
-
-transformers = pytest.importorskip("transformers")
-
-PROMPT_LEN = 21  # past the targets' sliding window of 8
-
-
-def assistant_config(kind: str):
-    """An assistant for test_model_vs_transformers' tiny target ("gemma4": sliding layers of 2 K / V heads of 16,
-    full ones of 1 of 32) or for test_gemma4_family's E2B-like one ("ple": 1 head everywhere)."""
-    full_kv = 1
-    sliding_kv = 2 if kind == "gemma4" else 1
-    text = transformers.Gemma4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=sliding_kv, head_dim=16, global_head_dim=32, num_global_key_value_heads=full_kv,
-        attention_k_eq_v=kind == "gemma4", sliding_window=8, final_logit_softcapping=3.0,
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=256,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    return transformers.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=True,
-                                              num_centroids=8, centroid_intermediate_top_k=2)
-
-
-def save_assistant(kind: str, path):
-    torch.manual_seed(11)
-    ref = transformers.Gemma4AssistantForCausalLM(assistant_config(kind))
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.3 + 1.0)
-        ref.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB))
-        for layer in ref.model.layers:
-            layer.layer_scalar.copy_(torch.rand(1) + 0.5)
-    ref.eval()
-    ref.save_pretrained(path)
-    return ref
+from tests.helpers.references import PROMPT_LEN, VOCAB, save_assistant, save_reference
+from tests.helpers.tokenizers import word_tokenizer
 
 
 @pytest.fixture(params=["gemma4", "ple"])
@@ -99,12 +65,11 @@ def test_speculation_with_the_assistant_is_lossless(setup, block):
     from dflash_agent.engine.cache.prefix_cache import PrefixCacheConfig
     from dflash_agent.engine.decode.speculative import SpecConfig
     from dflash_agent.engine.engine import Engine
-    from tests.engine.test_speculative import _word_tokenizer
 
     _, _, target, mtp = setup
-    fast = Engine(target, _word_tokenizer(), 256, drafter=mtp, spec=SpecConfig(block=block, ngram=False),
+    fast = Engine(target, word_tokenizer(VOCAB), 256, drafter=mtp, spec=SpecConfig(block=block, ngram=False),
                   prefix_cache=PrefixCacheConfig(min_tokens=8))
-    plain = Engine(target, _word_tokenizer(), 256, spec=SpecConfig(enabled=False), prefix_cache=None)
+    plain = Engine(target, word_tokenizer(VOCAB), 256, spec=SpecConfig(enabled=False), prefix_cache=None)
     try:
         convo = torch.randint(5, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(4)).tolist()
         drafted = 0

@@ -19,10 +19,11 @@ from dflash_agent.engine.engine import Engine, FinalEvent, GenerateRequest
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.model.drafter import load_drafter
 from dflash_agent.engine.runner import StepRunner
+from tests.helpers.decoding import decode, prefill
+from tests.helpers.references import VOCAB
+from tests.helpers.tokenizers import word_tokenizer
 
 from .dflash_pair import BLOCK, save_pair
-from .test_model_vs_transformers import VOCAB
-from .test_speculative import _word_tokenizer
 
 pytest.importorskip("dflash.model")
 
@@ -48,9 +49,9 @@ class Pair:
 
     def __init__(self, target, drafter, config: PrefixCacheConfig = CONFIG, kv_dtype: str = "auto") -> None:
         spec = SpecConfig(block=BLOCK, ngram=False) if drafter is not None else SpecConfig(enabled=False)
-        self.cached = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=spec, prefix_cache=config,
+        self.cached = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=config,
                              kv_dtype=kv_dtype)
-        self.plain = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=spec, prefix_cache=None,
+        self.plain = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=None,
                             kv_dtype=kv_dtype)
 
     def run(self, prompt: list[int], max_tokens: int = 10, **options) -> tuple[list[int], FinalEvent]:
@@ -167,8 +168,8 @@ def test_drafter_context_after_a_hit(pair, proposals):
     for the cached prefix was kept with the target's."""
     target, drafter = pair
     spec = SpecConfig(block=BLOCK, ngram=False)
-    cached = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=spec, prefix_cache=CONFIG)
-    plain = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=spec, prefix_cache=None)
+    cached = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=CONFIG)
+    plain = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=None)
     try:
         convo = _tokens(30, seed=6)
         runs = {"cached": [], "plain": []}
@@ -234,7 +235,7 @@ def test_stored_state_restores_bit_exactly(pair, proposals):
     """A conversation stored and restored gives bitwise the logits it gave in place: the same output and
     the same drafts."""
     target, drafter = pair
-    engine = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=SpecConfig(block=BLOCK, ngram=False),
+    engine = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=SpecConfig(block=BLOCK, ngram=False),
                     prefix_cache=CONFIG)
     try:
         a, b = _tokens(40, seed=11), _tokens(40, seed=12)
@@ -257,8 +258,8 @@ def test_stop_inside_a_block_leaves_matching_keys(pair):
     prompt = _tokens(20, seed=13)
     plain = RequestDecoder(StepRunner(target), target.new_cache(N_CTX), Sampler(SamplingParams()),
                            spec=SpecConfig(enabled=False))
-    plain.prefill(prompt)
-    truth = list(plain.tokens(30))
+    prefill(plain, prompt)
+    truth = list(decode(plain, 30))
 
     cache, drafter_cache = target.new_cache(N_CTX), drafter.new_cache(N_CTX)
     decoder = RequestDecoder(StepRunner(target), cache, Sampler(SamplingParams()), drafter=drafter,
@@ -266,12 +267,12 @@ def test_stop_inside_a_block_leaves_matching_keys(pair):
                              spec=SpecConfig(block=BLOCK, ngram=False))
     decoder._propose = lambda source, anchor, k: speculative._Proposal(
         Source.DFLASH, truth[len(decoder.sequence) - len(prompt):][:k])
-    decoder.prefill(prompt)
-    stream = decoder.tokens(30)
+    prefill(decoder, prompt)
+    stream = decode(decoder, 30)
     taken = [next(stream) for _ in range(3)]  # the third is inside the first verified block
     assert taken == truth[:3]
     assert cache.length == len(prompt) + BLOCK and decoder.stats.accepted == BLOCK - 1
-    ids = decoder.finish()
+    ids = decoder.finish(len(taken))
     assert ids == prompt + taken and cache.length == drafter_cache.length == len(ids)
 
 
@@ -324,8 +325,8 @@ def test_bad_kv_dtype(pair):
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    engine = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=1024, progress=False, weights="exact")
+def embedded(embedded_engine):
+    engine = embedded_engine(1024, device="cpu", dtype="float32", weights="exact")
     yield engine
     engine.close()
 
@@ -370,14 +371,15 @@ def test_reused_logits_are_a_copy(pair):
     prompt = _tokens(30, seed=16)
     firsts, reused = [], []
     for _ in range(3):
-        decoder = RequestDecoder(StepRunner(target), cache, Sampler(SamplingParams()), spec=SpecConfig(enabled=False))
+        decoder = RequestDecoder(StepRunner(target), cache, Sampler(SamplingParams()),
+                                 spec=SpecConfig(enabled=False))
         reuse = prefix.acquire(prompt)
-        decoder.prefill(prompt, reuse.tokens, reuse.logits, on_chunk=prefix.prefilled)
-        firsts.append(next(decoder.tokens(4)))
+        prefill(decoder, prompt, reuse.tokens, reuse.logits, on_chunk=prefix.prefilled)
+        firsts.append(next(decode(decoder, 4)))
         reused.append(reuse.tokens)
         if reuse.logits is not None:
             reuse.logits.fill_(float("-inf"))
-        prefix.release(decoder.finish())
+        prefix.release(decoder.finish(1))
     assert reused == [0, len(prompt), len(prompt)]
     assert firsts[0] == firsts[1] == firsts[2]
 
@@ -389,9 +391,9 @@ def test_slots_storing_the_same_conversation(pair):
     decoding."""
     target, _ = pair
     config = PrefixCacheConfig(min_tokens=8, max_entries=4)
-    cached = Engine(target, _word_tokenizer(), N_CTX, spec=SpecConfig(enabled=False), prefix_cache=config,
+    cached = Engine(target, word_tokenizer(VOCAB), N_CTX, spec=SpecConfig(enabled=False), prefix_cache=config,
                     parallel=4)
-    plain = Engine(target, _word_tokenizer(), N_CTX, spec=SpecConfig(enabled=False), prefix_cache=None)
+    plain = Engine(target, word_tokenizer(VOCAB), N_CTX, spec=SpecConfig(enabled=False), prefix_cache=None)
     shared = _tokens(12, seed=39)  # a chat template's start: each turn reaches the slot that held the other
     a, b = shared + _tokens(30, seed=40), shared + _tokens(30, seed=41)
     prompts = [a, b] * 3 + [shared + _tokens(20 + i, seed=50 + i) for i in range(8)]

@@ -18,29 +18,11 @@ from dflash_agent.engine.formats.quant import (
     dequantize,
     from_numpy,
 )
+from tests.helpers.quant import FP16_FIELDS
 
 T = GGMLQuantizationType
 
 REQUIRED = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
-
-# byte offsets of the fp16 scale fields inside one block; random bytes there would
-# give inf/NaN scales, which say nothing about the unpacking
-FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
-    T.Q4_0: (0,),
-    T.Q4_1: (0, 2),
-    T.Q5_0: (0,),
-    T.Q5_1: (0, 2),
-    T.Q8_0: (0,),
-    T.Q2_K: (80, 82),
-    T.Q3_K: (108,),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
-    # plain float types: every bit pattern is fair game, NaNs included
-    T.F32: (),
-    T.F16: (),
-    T.BF16: (),
-}
 
 # types gguf-py can also quantize, so real data can make the round trip
 QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]

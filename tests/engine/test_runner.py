@@ -13,8 +13,7 @@ from dflash_agent.engine.backends.cpu import CpuDecodeLayers
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.packed import cpu_dot
 from dflash_agent.engine.runner import StepRunner
-
-from .test_packed_linear import VOCAB, tiny_packed_checkpoint
+from tests.helpers.packed import VOCAB, tiny_packed_checkpoint
 
 PACKAGE = Path(dflash_agent.__file__).parent
 # the backends' names on the runner, and the names they had when the loader attached them to the model

@@ -55,10 +55,10 @@ async def _collect(engine: Engine, request: GenerateRequest, leave: int | None) 
 
 
 @pytest.fixture(scope="module", params=["spec", "no-spec"])
-def engines(request):
+def engines(request, embedded_engine):
     spec = SpecConfig(enabled=request.param == "spec")
-    alone = Engine.load(ctx_size=1024, progress=False, spec=spec)
-    slots = Engine.load(ctx_size=1024, progress=False, spec=spec, parallel=4)
+    alone = embedded_engine(1024, spec=spec)
+    slots = embedded_engine(1024, spec=spec, parallel=4)
     yield alone, slots
     alone.close()
     slots.close()
@@ -135,10 +135,10 @@ def test_requests_that_start_alike_prefill_the_start_once(engines):
     assert max(final.timings.cache_n for _, final in got) >= 512 and slots.prefix_stats.lent == lent + 1
 
 
-def test_a_request_waiting_for_another_s_chunks_outlives_its_cancellation():
+def test_a_request_waiting_for_another_s_chunks_outlives_its_cancellation(embedded_engine, monkeypatch):
     """The request whose chunks two others wait for is cancelled before they get there: one of them prefills its
     prompt itself, and its output is what it is alone; the other, cancelled while it waits, just ends."""
-    engine = Engine.load(ctx_size=2048, progress=False, spec=SpecConfig(enabled=False), parallel=3)
+    engine = embedded_engine(2048, spec=SpecConfig(enabled=False), parallel=3)
     try:
         system = engine.tokenizer.encode(RULES * 60)[:1100]
         prompts = [system + engine.tokenizer.encode(f" Task {i}: say which tests you would run.") for i in (1, 2, 3)]
@@ -151,7 +151,7 @@ def test_a_request_waiting_for_another_s_chunks_outlives_its_cancellation():
         # chunk end the others wait for)
         events = [(threading.Event(), threading.Event()) for _ in range(2)]
         for start, (reached, go) in zip((0, 512), events, strict=True):
-            _pause_in_chunk(engine.model, start, reached, go)
+            _pause_in_chunk(monkeypatch, engine.model, start, reached, go)
 
         async def scenario():
             first = asyncio.create_task(_final(engine, request(prompts[0], "first")))
@@ -177,8 +177,8 @@ def test_a_request_waiting_for_another_s_chunks_outlives_its_cancellation():
         engine.close()
 
 
-def test_a_cancelled_waiting_request_never_takes_a_slot_and_slots_are_reported():
-    engine = Engine.load(ctx_size=512, progress=False, spec=SpecConfig(enabled=False), parallel=2)
+def test_a_cancelled_waiting_request_never_takes_a_slot_and_slots_are_reported(embedded_engine):
+    engine = embedded_engine(512, spec=SpecConfig(enabled=False), parallel=2)
     try:
         prompt = engine.tokenizer.encode("1, 2, 3, 4, 5,")
 
@@ -219,7 +219,7 @@ def test_parallel_none_is_four_slots_on_the_cpu_and_zero_is_refused():
         Engine.load(ctx_size=256, progress=False, parallel=0)
 
 
-def _pause_in_chunk(model: GemmaModel, start: int, reached: threading.Event, go: threading.Event) -> None:
+def _pause_in_chunk(monkeypatch, model: GemmaModel, start: int, reached: threading.Event, go: threading.Event) -> None:
     """Hold the worker after the first layer of the prompt chunk at position `start` (one that runs a layer at a
     time) until `go`: a test then knows that what it does meanwhile happens in the middle of that chunk."""
     layer_steps = model.layer_steps
@@ -236,16 +236,16 @@ def _pause_in_chunk(model: GemmaModel, start: int, reached: threading.Event, go:
         yield done
         return (yield from steps)
 
-    model.layer_steps = held
+    monkeypatch.setattr(model, "layer_steps", held)  # the model is the session's: the test's end restores it
 
 
 @pytest.mark.parametrize("cancel", [False, True], ids=["arrival", "cancelled-inside-a-chunk"])
-def test_a_request_arriving_inside_a_long_chunk_goes_first_and_nothing_changes(cancel):
+def test_a_request_arriving_inside_a_long_chunk_goes_first_and_nothing_changes(cancel, embedded_engine, monkeypatch):
     """A short request that arrives while a long prompt chunk runs gets its first token before that chunk ends (the
     chunk runs a layer at a time and the scheduler admits it between two layers); the long request's output is
     what it is alone. A request cancelled inside a chunk ends when that chunk does: the prefix cache keeps the
     chunks done, and the next request from them is right too."""
-    engine = Engine.load(ctx_size=2048, progress=False, spec=SpecConfig(enabled=False), parallel=2)
+    engine = embedded_engine(2048, spec=SpecConfig(enabled=False), parallel=2)
     try:
         story = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 40
         long_ids = engine.tokenizer.encode(story * 2)[:1100]
@@ -259,7 +259,7 @@ def test_a_request_arriving_inside_a_long_chunk_goes_first_and_nothing_changes(c
         alone_short = asyncio.run(_collect(engine, request(short_ids, 6, "alone-short"), None))
         reached, go = threading.Event(), threading.Event()
         # cancelled: inside the second chunk, whose keys take ring slots the first one's window held
-        _pause_in_chunk(engine.model, 512 if cancel else 0, reached, go)
+        _pause_in_chunk(monkeypatch, engine.model, 512 if cancel else 0, reached, go)
 
         async def scenario():
             long = asyncio.create_task(_collect(engine, request(long_ids, 12, "long", cache=cancel), None))
@@ -377,12 +377,12 @@ def test_torch_runs_on_the_count_chosen():
 
 
 @pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
-def test_a_prompt_gives_the_same_bits_on_the_counts_a_step_may_take():
+def test_a_prompt_gives_the_same_bits_on_the_counts_a_step_may_take(embedded_engine):
     """ThreadCount runs a prompt chunk's torch ops (attention, norms) on the count it picks: a request's output must
     not depend on how busy the cores were."""
     from dflash_agent.engine.backends.thread_count import ThreadCount
 
-    engine = Engine.load(ctx_size=1024, progress=False, device="cpu")
+    engine = embedded_engine(1024, device="cpu")
     engine.close()
     model, lib = engine.model, cpu_dot()
     ids = torch.tensor(engine.tokenizer.encode(CODE * 12)[:600])

@@ -14,13 +14,14 @@ from dflash_agent.engine.decode.draft_policy import Arm, DraftPolicy, Source
 from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
 from dflash_agent.engine.decode.speculative import CopyMemory, NgramIndex, RequestDecoder, SpecConfig
 from dflash_agent.engine.engine import Engine, GenerateRequest
-from dflash_agent.engine.load.tokenizer import SpecialTokens, Tokenizer
 from dflash_agent.engine.load.weights import build_model, open_checkpoint
 from dflash_agent.engine.model.drafter import DrafterError, load_drafter
 from dflash_agent.engine.runner import StepRunner
+from tests.helpers.decoding import decode, prefill
+from tests.helpers.references import VOCAB
+from tests.helpers.tokenizers import word_tokenizer
 
 from .dflash_pair import BLOCK, MASK_ID, TARGET_LAYER_IDS, save_drafter, save_pair
-from .test_model_vs_transformers import VOCAB
 
 dflash_model = pytest.importorskip("dflash.model")
 
@@ -41,8 +42,8 @@ def _decode(target, drafter, prompt, max_new, spec, sampling=None):
         StepRunner(target), target.new_cache(N_CTX), Sampler(sampling or SamplingParams()),
         drafter=drafter, drafter_cache=drafter.new_cache(N_CTX) if drafter is not None else None, spec=spec,
     )
-    decoder.prefill(prompt)
-    return list(decoder.tokens(max_new)), decoder.stats
+    prefill(decoder, prompt)
+    return list(decode(decoder, max_new)), decoder.stats
 
 
 def _prompts(n):
@@ -120,17 +121,17 @@ def test_prefill_stops_when_asked(pair, monkeypatch, inside):
 
     decoder = RequestDecoder(StepRunner(target), target.new_cache(N_CTX), Sampler(SamplingParams()), drafter=drafter,
                              drafter_cache=drafter.new_cache(N_CTX), spec=SpecConfig())
-    assert decoder.prefill(prompt, on_chunk=lambda position, _: chunks_done.append(position), stop=stop) is False
+    assert prefill(decoder, prompt, on_chunk=lambda position, _: chunks_done.append(position), stop=stop) is False
     held = 24 if inside else 16
     assert chunks_done == [8, 16, 24][:held // 8]
     assert decoder.cache.length == decoder.drafter_cache.length == held
-    assert list(decoder.tokens(0)) == [] and decoder.finish() == prompt[:held]
+    assert list(decode(decoder, 0)) == [] and decoder.finish(0) == prompt[:held]
     whole = RequestDecoder(StepRunner(target), target.new_cache(N_CTX), Sampler(SamplingParams()))
-    assert whole.prefill(prompt, stop=lambda: False) is True and whole.cache.length == len(prompt)
+    assert prefill(whole, prompt, stop=lambda: False) is True and whole.cache.length == len(prompt)
     # a decoder stopped goes on from what its caches hold, as one given that prefix
-    decoder.prefill(prompt, cached=held, on_chunk=lambda *_: None)
+    prefill(decoder, prompt, cached=held, on_chunk=lambda *_: None)
     assert decoder.cache.length == len(prompt)
-    assert list(decoder.tokens(8)) == list(whole.tokens(8))
+    assert list(decode(decoder, 8)) == list(decode(whole, 8))
 
 
 def test_drafter_matches_reference_forward(pair):
@@ -274,7 +275,7 @@ def test_a_repeated_request_drafts_its_earlier_output_losslessly(pair):
     _, _, target, _, _ = pair
     prompt = _prompts(20)[5]
     plain, _ = _decode(target, None, prompt, 60, SpecConfig(enabled=False))
-    engine = Engine(target, _word_tokenizer(stop_ids=()), N_CTX, spec=SpecConfig(block=BLOCK))
+    engine = Engine(target, word_tokenizer(VOCAB, stop_ids=()), N_CTX, spec=SpecConfig(block=BLOCK))
 
     async def run():
         final = None
@@ -293,19 +294,9 @@ def test_a_repeated_request_drafts_its_earlier_output_losslessly(pair):
     assert final.spec.by_source["copy"][2] >= 40  # nearly all of it drafted and accepted as copies
 
 
-def _word_tokenizer(stop_ids: tuple[int, ...] = (1,)) -> Tokenizer:
-    import tokenizers
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    backend = tokenizers.Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return Tokenizer(backend, SpecialTokens(bos_id=2, eos_id=1, pad_id=0, unk_id=3, stop_ids=stop_ids), "test")
-
-
 def test_engine_reports_drafting(pair):
     _, _, target, drafter, _ = pair
-    engine = Engine(target, _word_tokenizer(), N_CTX, drafter=drafter, spec=SpecConfig(block=BLOCK))
+    engine = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=SpecConfig(block=BLOCK))
 
     async def run():
         events = [e async for e in engine.generate(GenerateRequest(_prompts(20)[6], max_tokens=30))]
@@ -359,7 +350,7 @@ def test_stop_token_and_string_inside_a_block(pair):
     prompt = _prompts(20)[8]
     plain, _ = _decode(target, None, prompt, 30, SpecConfig(enabled=False))
     stop_token = plain[12]
-    tokenizer = _word_tokenizer()
+    tokenizer = word_tokenizer(VOCAB)
     stop_string = tokenizer.decode(plain[7:9])
 
     def run(spec, stop):

@@ -17,7 +17,7 @@ from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.drafter import DraftLayerPlan
 from dflash_agent.engine.model.gemma import KeyPositions, LayerPlan, StepPlan
 from dflash_agent.kernels.attention import cache_offsets
-from tests.engine.test_packed_linear import VOCAB, tiny_packed_checkpoint
+from tests.helpers.packed import VOCAB, tiny_packed_checkpoint
 
 
 def test_plans_refuse_fields_their_mode_does_not_take() -> None:

@@ -10,7 +10,7 @@ import torch
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.runner import StepRunner
 from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
-from tests.engine.test_packed_linear import run_steps, tiny_family_config, tiny_packed_checkpoint
+from tests.helpers.packed import run_steps, tiny_family_config, tiny_packed_checkpoint
 
 
 @pytest.mark.parametrize("cache_kind", ["auto", "q8"])
@@ -108,7 +108,7 @@ def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(ker
     from dflash_agent.engine.backends import cuda as cuda_graphs
     from dflash_agent.engine.model import gemma as model_module
     from dflash_agent.engine.model.gemma import RowGroup
-    from tests.engine.test_cuda_graphs import EagerGraph
+    from tests.helpers.graphs import EagerGraph
 
     # a capture computes the step once (CUDA's warm-up run does); each replay computes it again
     monkeypatch.setattr(cuda_graphs, "capture_graph", lambda step, pool: (EagerGraph(step, out := step()), out))

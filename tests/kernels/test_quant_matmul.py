@@ -6,49 +6,21 @@ every launch shape), and 1 / 5 / 16 / 40 rows (decode, verification, a full veri
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from dflash_agent.engine.formats.quant import dequantize
-from tests.engine.test_quant import FP16_FIELDS
+from tests.helpers.quant import K, N, check, random_weight
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-N, K = 48, 512
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-
-
-def random_weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random blocks with finite, moderate fp16 scales (so float16 outputs cannot overflow)."""
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // block, type_size), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype]:
-        scales = (rng.standard_normal(blocks.shape[0]) * 2.0**-6).astype(np.float16)
-        blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(blocks.reshape(-1).copy())
 
 
 def run(kernels, x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int) -> torch.Tensor:
     """The kernel on the fixture's device, result back on the CPU."""
     qm = kernels.load("triton.quant_matmul")
     return qm.quant_matmul(x.to(kernels.device), raw.to(kernels.device), qtype, n).cpu()
-
-
-def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """y = x @ w^T within the worst-case rounding of its dtype: float32 accumulation over K terms
-    ((K - 1) u32 per unit of sum |x||w|), plus, for half types, rounding w to that type for tl.dot and
-    rounding the output (one unit roundoff each, relative to the same sum)."""
-    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
-    exact = x.double() @ w.double().T
-    magnitude = x.double().abs() @ w.double().abs().T
-    u = UNIT_ROUNDOFF[x.dtype]
-    bound = (K * 2.0**-24 + (2 * u if x.dtype != torch.float32 else 0.0)) * magnitude + 1e-30
-    err = (y.double() - exact).abs()
-    worst = float((err / bound).max())
-    assert worst <= 1.0, f"error {float(err.max()):.3g} is {worst:.2f}x the rounding bound"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

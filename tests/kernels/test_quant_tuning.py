@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from dflash_agent.engine.formats.quant import PackedTensor, dequantize
-from tests.kernels.test_quant_matmul import K, N, check, random_weight
+from tests.helpers.quant import K, N, check, random_weight
 
 T = GGMLQuantizationType
 

@@ -6,7 +6,6 @@ import pytest
 
 from dflash_agent.api.background import live_server
 from dflash_agent.api.service import ServerSettings
-from dflash_agent.engine.engine import Engine
 from dflash_agent.mcp.http import MCPPlugin
 from dflash_agent.serve import mcp_admission
 
@@ -14,8 +13,8 @@ API_KEY = "mcp-test-key"
 
 
 @pytest.fixture(scope="session")
-def mcp_engine():
-    engine = Engine.load(progress=False, ctx_size=1024)
+def mcp_engine(embedded_engine):
+    engine = embedded_engine(1024)
     yield engine
     engine.close()
 

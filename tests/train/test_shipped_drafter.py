@@ -45,12 +45,12 @@ def held_out_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(embedded_engine):
     # A fixed draft length (the drafter's block): the adaptive controller's choices depend on timing.
     block = json.loads((EMBEDDED_DRAFTER / "config.json").read_text())["block_size"]
-    spec = Engine.load("embedded", device="cpu", dtype="float32", ctx_size=1024, progress=False,
-                       spec=SpecConfig(block=block, ngram=False))
-    plain = Engine(spec.model, spec.tokenizer, spec.n_ctx, spec.model_name, spec=SpecConfig(enabled=False))
+    spec = embedded_engine(1024, spec=SpecConfig(block=block, ngram=False), device="cpu", dtype="float32")
+    plain = Engine(spec.model, spec.tokenizer, spec.n_ctx, spec.model_name, spec=SpecConfig(enabled=False),
+                   runner=spec.runner)
     yield spec, plain
     spec.close()
     plain.close()

@@ -30,7 +30,8 @@ from dflash_agent.train.trainer import TargetParts, TrainConfig, Trainer, _write
 from tests.engine.dflash_pair import BLOCK as PAIR_BLOCK
 from tests.engine.dflash_pair import DRAFT_WINDOW, save_drafter
 from tests.engine.dflash_pair import MASK_ID as PAIR_MASK_ID
-from tests.engine.test_model_vs_transformers import VOCAB, save_reference
+from tests.helpers.decoding import decode, prefill
+from tests.helpers.references import VOCAB, save_reference
 
 from .tiny import MASK_ID, save_target, write_corpus
 
@@ -251,8 +252,8 @@ def test_checkpoint_runs_on_raw_features(tiny, trained, tmp_path):
 def _decode(model, drafter, prompt, max_new):
     decoder = RequestDecoder(StepRunner(model), model.new_cache(128), Sampler(SamplingParams()), drafter=drafter,
                              drafter_cache=drafter.new_cache(128), spec=SpecConfig(block=BLOCK, ngram=False))
-    decoder.prefill(prompt)
-    return list(decoder.tokens(max_new)), decoder.stats
+    prefill(decoder, prompt)
+    return list(decode(decoder, max_new)), decoder.stats
 
 
 def test_replayed_acceptance_equals_engine_decoding(tiny, trained):

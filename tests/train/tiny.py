@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from tests.engine.test_model_vs_transformers import VOCAB, save_reference
+from tests.helpers.references import VOCAB, save_reference
 
 MASK_ID = 4
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]

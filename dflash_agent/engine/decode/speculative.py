@@ -188,7 +188,8 @@ class DraftBlock:
 
 
 class RequestDecoder:
-    """The state of one request on the target (and drafter) caches; `tokens()` yields its output."""
+    """The state of one request on the target (and drafter) caches: `prefill_chunks`, then `first_token`, then
+    `plan` and `commit` around each target step (the scheduler's Task drives them)."""
 
     def __init__(
         self,
@@ -246,7 +247,6 @@ class RequestDecoder:
                                 memory if self.spec.copy_match else None) if use_ngram else None
         self.sequence: list[int] = []  # the prompt and every token committed so far
         self._prompt_len = 0
-        self._yielded = 0  # tokens `tokens()` handed out
         self._logits: torch.Tensor | None = None
         # Target features of committed tokens not yet in the drafter's cache: a decode step only queues them,
         # and they go in one call before the drafter next drafts (or when the request ends), so steps that do
@@ -255,26 +255,6 @@ class RequestDecoder:
 
     # --- prefill ----------------------------------------------------------------------------------
 
-    def prefill(
-        self,
-        prompt_ids: list[int],
-        cached: int = 0,
-        logits: torch.Tensor | None = None,
-        on_chunk: Callable[[int, torch.Tensor | None], None] | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> bool:
-        """Run the prompt through the target (and its features into the drafter's cache); False when `stop()`
-        said to stop (a cancelled request: a long prompt is minutes of work on a CPU) before a chunk, or inside one,
-        which then runs to its end.
-        The arguments are prefill_chunks'."""
-        chunks = self.prefill_chunks(prompt_ids, cached, logits, on_chunk)
-        while True:
-            if stop is not None and stop():
-                chunks.close()
-                return False
-            if next(chunks, None) is None:
-                return True
-
     def prefill_chunks(
         self,
         prompt_ids: list[int],
@@ -282,10 +262,11 @@ class RequestDecoder:
         logits: torch.Tensor | None = None,
         on_chunk: Callable[[int, torch.Tensor | None], None] | None = None,
     ) -> Iterator[float]:
-        """`prefill` a chunk at a time: yields the position after each chunk, and inside a chunk whose layers run
-        one at a time (StepRunner.forward_steps) its fraction done after each layer, so a scheduler can run other
-        requests' steps between chunks and layers, or drop the rest (the caches then hold the chunks done, and
-        `sequence` their ids; a chunk dropped between two of its layers first runs its other layers).
+        """Run the prompt through the target (and its features into the drafter's cache) a chunk at a time: yields
+        the position after each chunk, and inside a chunk whose layers run one at a time (StepRunner.forward_steps)
+        its fraction done after each layer, so a scheduler can run other requests' steps between chunks and layers,
+        or drop the rest (the caches then hold the chunks done, and `sequence` their ids; a chunk dropped between two
+        of its layers first runs its other layers).
 
         cached: the caches already hold the prompt's first `cached` tokens (a reused prefix; 0 resets them).
         logits: the last prompt token's logits [vocab], needed when all of the prompt is cached.
@@ -347,12 +328,12 @@ class RequestDecoder:
             self.ngram.extend(prompt_ids)
         yield len(prompt_ids)
 
-    def finish(self, consumed: int | None = None) -> list[int]:
+    def finish(self, consumed: int) -> list[int]:
         """Cut the caches back to the tokens the caller consumed (generation may stop inside a verified
         block) and return the ids they hold: the prompt and the generated tokens whose keys were computed.
-        consumed: how many generated tokens the caller took (default: those `tokens()` yielded); the token
-        generation stopped at (a stop token, say) counts, and is kept when its keys were computed."""
-        taken = self._prompt_len + (self._yielded if consumed is None else consumed)
+        consumed: how many generated tokens the caller took; the token generation stopped at (a stop token, say)
+        counts, and is kept when its keys were computed."""
+        taken = self._prompt_len + consumed
         n = min(self.cache.length, len(self.sequence), taken)
         self.cache.rollback(n)
         self._feed_drafter()
@@ -364,22 +345,6 @@ class RequestDecoder:
 
     # --- decoding ---------------------------------------------------------------------------------
 
-    def tokens(self, max_new: int) -> Iterator[int]:
-        """Yield up to max_new tokens; the caller stops iterating at a stop condition."""
-        if max_new <= 0:
-            return
-        anchor = self.first_token()
-        produced = 1
-        self._yielded += 1
-        yield anchor
-        while produced < max_new:
-            new = self.step(anchor, max_new - produced)
-            for token in new:
-                produced += 1
-                self._yielded += 1
-                yield token
-            anchor = new[-1]
-
     def first_token(self) -> int:
         """The token after the prompt, from the prefill's logits: the anchor of the first step."""
         assert self._logits is not None, "prefill first"
@@ -387,15 +352,9 @@ class RequestDecoder:
         self.sequence.append(anchor)
         return anchor
 
-    def step(self, anchor: int, budget: int) -> list[int]:
-        """Commit the anchor and verify a drafted block after it; returns 1..k+1 new tokens."""
-        planned = self.plan(anchor, budget)
-        return self.commit(planned, self.target.forward(planned.ids, self.cache, logits_at=planned.logits_at,
-                                                capture=self.capture, greedy=planned.greedy))
-
     def plan(self, anchor: int, budget: int, draft: bool = True) -> DraftBlock:
-        """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone: `step`, or
-        beside other requests' blocks: StepRunner.forward_groups); `commit` takes its output. budget: the most tokens
+        """A step's block, [anchor, drafts...], for the target to run over this request's cache (alone or beside
+        other requests' blocks: StepRunner.forward_groups); `commit` takes its output. budget: the most tokens
         the step may commit. draft False: a plain step, which the controller neither picks nor learns from (the
         scheduler's choice for a batch of requests)."""
         start = self.cache.length
