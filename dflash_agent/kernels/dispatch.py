@@ -28,9 +28,9 @@ def triton_runs(t: torch.Tensor) -> bool:
 SPLIT_ROWS = 17
 KEYS_PER_CHUNK = 512
 # A sliding layer's ring holds a window's keys whatever the context, so its chunks are what fills the GPU: at 512
-# keys a 31B ring (1040 slots, 16 KV heads) made 48 programs for 132 SMs, and a decode step's attention ran at
-# ~0.4 TB/s of the H200's 4.25 (2.3 ms a step at 1K context, 50 of its 60 layers sliding). 128-key chunks make
-# 144 programs a row; the ring's partials stay small, so the memory plan barely moves.
+# keys a 31B ring (1040 slots, 16 KV heads) makes 48 programs for an H200's 132 SMs, far from its bandwidth
+# (docs/benchmarks.md). 128-key chunks make 144 programs a row; the ring's partials stay small, so the memory plan
+# barely moves.
 RING_KEYS_PER_CHUNK = 128
 # The rows of kernels.triton.quant_matmul's verification tile: steps of up to this many rows of several sequences
 # share a forward there (engine.runner.StepRunner.batches)

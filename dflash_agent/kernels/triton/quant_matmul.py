@@ -82,7 +82,7 @@ class TileChoice:
 
 
 # Programs a launch should have per SM before K is split: ~16 programs of 1-2 warps keep enough weight loads in
-# flight on an H200 (measured: a Q4_0 [5376, 21504] GEMV went from 621 to 1054 GB/s split 4 ways)
+# flight on an H200 (docs/benchmarks.md: a Q4_0 GEMV split 4 ways)
 PROGRAMS_PER_SM = 16
 MAX_SPLIT = 8
 RTX_SMS = 128  # an RTX 4090: the SM count the compile report plans for, having no device to ask
@@ -141,9 +141,8 @@ def _dot(w, xt, acc=None):
 
 
 # A weight's small integer becomes a float through its bits, not a conversion instruction: those issue at a quarter
-# of a float add's rate (16 a clock an SM on sm_86 to sm_90), and the GEMV is bound by instructions, not bytes (an
-# H200 ran the Q4_0 one at about 1 TB/s where a copy moves 4.25). Exact: 2^23 + q is a float32 whose mantissa is
-# q. (On the H200 it took Q4_0's 4 streams from 1.34x one to 1.50x; one row's step stayed 23.7 ms.)
+# of a float add's rate (16 a clock an SM on sm_86 to sm_90), and the GEMV is bound by instructions, not bytes
+# (docs/benchmarks.md). Exact: 2^23 + q is a float32 whose mantissa is q.
 @triton.jit
 def _uint_f32(q, offset: tl.constexpr):
     # q - offset as float32 for integers 0 <= q < 2^23: OR q into 2^23's mantissa, subtract 2^23 + offset
@@ -177,10 +176,9 @@ def _half(h_rows, offset):
 
 # The tl.dot tiles' steps take a simple format one block at a time: [BLOCK_N, 16 or 32] tiles straight from the
 # loads. Taking NB blocks as one [BLOCK_N, NB, 16] load reshaped to [BLOCK_N, NB * 16] made Triton move the tile
-# through shared memory: on an H200 a 16-row Q4_0 matmul ran at 270-340 GB/s that way and 600-940 GB/s this way
-# (Q8_0 550-630 -> 1120-1260; a 512-row prefill tile 3x faster). The weights are tl.dot's first operand (acc is
-# [BLOCK_N, BLOCK_M], y transposed): its 64 rows and 4 warps make a warpgroup's wgmma on sm_90, whose other operand
-# (x, 16 rows at most) is the small one; a block's scale multiplies the block's sums.
+# through shared memory, about half as fast on an H200 (docs/benchmarks.md). The weights are tl.dot's first operand
+# (acc is [BLOCK_N, BLOCK_M], y transposed): its 64 rows and 4 warps make a warpgroup's wgmma on sm_90, whose other
+# operand (x, 16 rows at most) is the small one; a block's scale multiplies the block's sums.
 @triton.jit
 def _q4_0_step(acc, w_rows, h_rows, x_rows, m_ok, step, NB: tl.constexpr, DOT: tl.constexpr):
     # 18-byte blocks: fp16 d, then 16 bytes whose low nibbles are values 0..15 and high nibbles 16..31
