@@ -12,7 +12,7 @@ are tooling on top of the engine (`bench` may drive the HTTP API in-process).
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 PACKAGE = "dflash_agent"
@@ -132,18 +132,24 @@ def room_allows(room: str) -> set[str]:
     return {"contract", *ENGINE_ROOMS[: ENGINE_ROOMS.index(room) + 1]}
 
 
-def room_violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
-    """One line per import inside engine/ that goes up a room or sideways."""
+def crossings(graph: Mapping[str, Iterable[tuple[str, int]]], room_of_module: Callable[[str], str | None],
+              allows: Callable[[str, str], bool]) -> list[str]:
+    """One line per import from a module in a room (room_of_module not None) that `allows(room, target)` refuses."""
     bad = []
     for module, imported in graph.items():
-        room = room_of(module)
+        room = room_of_module(module)
         if room is None:
             continue
         for target, line in imported:
-            into = room_of(target)
-            if into is not None and into not in room_allows(room):
+            if not allows(room, target):
+                into = room_of_module(target) or layer_of(target)
                 bad.append(f"{module}:{line} imports {target} ({room} -> {into})")
     return bad
+
+
+def room_violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
+    """One line per import inside engine/ that goes up a room or sideways."""
+    return crossings(graph, room_of, lambda room, target: room_of(target) in room_allows(room) | {None})
 
 
 def test_every_engine_import_goes_down_the_rooms():
@@ -198,16 +204,8 @@ def kernel_room_of(module: str) -> str | None:
 
 def kernel_violations(graph: Mapping[str, Iterable[tuple[str, int]]]) -> list[str]:
     """One line per import of a kernels module that leaves its room's reach (the engine included)."""
-    bad = []
-    for module, imported in graph.items():
-        room = kernel_room_of(module)
-        if room is None:
-            continue
-        for target, line in imported:
-            into = kernel_room_of(target)
-            if layer_of(target) != "errors" and into not in KERNEL_ROOMS[room]:
-                bad.append(f"{module}:{line} imports {target} ({room} -> {into or layer_of(target)})")
-    return bad
+    return crossings(graph, kernel_room_of, lambda room, target: layer_of(target) == "errors"
+                     or kernel_room_of(target) in KERNEL_ROOMS[room])
 
 
 def test_kernels_import_nothing_of_the_engine_and_their_rooms_keep_apart():

@@ -22,7 +22,6 @@ from ..kernels.dispatch import SPLIT_ROWS, VERIFY_ROWS, triton_runs
 from .backends.cpu import CpuDecodeLayers
 from .backends.cuda import TargetStepGraphs, cuda_step_graphs
 from .cache.kv_cache import KVCache, LayerKV
-from .errors import ContextOverflowError
 from .limits import DEFAULT_SLACK, LOOKUP_SLACK, MAX_ROWS
 from .model.gemma import (
     ForwardOutput,
@@ -30,10 +29,9 @@ from .model.gemma import (
     JointAttention,
     RowGroup,
     StepRows,
-    _check_logits_at,
-    asked_rows,
     check_step,
     run_to_end,
+    step_output,
 )
 
 
@@ -91,12 +89,7 @@ class StepRunner:
         else:
             x, captured = yield from self.model.layer_steps(x, plan, cache.layers, capture, per_layer)
         cache.length = end
-        rows = asked_rows(x, logits_at)
-        if rows is None:
-            return ForwardOutput(None, captured)
-        if greedy:
-            return ForwardOutput(None, captured, self.greedy_tokens(rows))
-        return ForwardOutput(self.logits(rows), captured)
+        return step_output(self, x, logits_at, captured, greedy)
 
     @torch.inference_mode()
     def forward_groups(self, groups: list[RowGroup], capture: tuple[int, ...] = ()) -> list[ForwardOutput]:
@@ -106,9 +99,7 @@ class StepRunner:
         one eager forward over all their rows (`batches`); where the C layers take every group, one call of them that
         reads each weight once for all rows; else one `forward` per group."""
         for group in groups:
-            if group.cache.length + group.ids.shape[0] > group.cache.max_len:
-                raise ContextOverflowError(group.cache.length + group.ids.shape[0], group.cache.max_len)
-            _check_logits_at(group.logits_at, group.ids.shape[0])
+            check_step(group.ids, group.cache, group.logits_at)
         if len(groups) > 1 and self.batches(groups):
             graphed = None if self.graphs is None else self.graphs.replay_groups(groups, capture)
             return self._triton_groups(groups, capture) if graphed is None else graphed

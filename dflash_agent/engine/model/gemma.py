@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -537,12 +537,7 @@ class GemmaModel(nn.Module):
         x = self.embed(ids)
         x, captured = yield from self.layer_steps(x, plan, cache.layers, capture, self.per_layer_inputs(ids, x))
         cache.length = end
-        rows = asked_rows(x, logits_at)
-        if rows is None:
-            return ForwardOutput(None, captured)
-        if greedy:
-            return ForwardOutput(None, captured, self.greedy_tokens(rows))
-        return ForwardOutput(self.logits(rows), captured)
+        return step_output(self, x, logits_at, captured, greedy)
 
     def joint_offsets(self, caches: list[KVCache], eager: bool) -> torch.Tensor | None:
         """Where each cache's tensors lie from the first one's, per layer ([layers, caches, OFFSETS_PER_CACHE] on the
@@ -694,11 +689,23 @@ def check_step(ids: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None
     return start, end
 
 
-def asked_rows(x: torch.Tensor, logits_at: torch.Tensor | None) -> torch.Tensor | None:
-    """The rows of a step's output x [T, hidden] whose logits `logits_at` asks for (None: none)."""
+class Head(Protocol):
+    """What turns a step's last hidden rows into logits or picks: the model's own head, or a step runner's."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]: ...
+
+
+def step_output(head: Head, x: torch.Tensor, logits_at: torch.Tensor | None, captured: dict[int, torch.Tensor],
+                greedy: bool) -> ForwardOutput:
+    """A step's output from its last layer's rows x [T, hidden]: through `head`, the logits (greedy: the picks) of
+    the rows `logits_at` asks for (default: the last; an empty tensor: none)."""
     if logits_at is not None and logits_at.numel() == 0:
-        return None
-    return x[x.shape[0] - 1:] if logits_at is None else x[logits_at]
+        return ForwardOutput(None, captured)
+    rows = x[x.shape[0] - 1:] if logits_at is None else x[logits_at]
+    if greedy:
+        return ForwardOutput(None, captured, head.greedy_tokens(rows))
+    return ForwardOutput(head.logits(rows), captured)
 
 
 def _rope_key(spec: LayerSpec) -> tuple:
