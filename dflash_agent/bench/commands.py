@@ -57,18 +57,23 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--target-tokens", type=click.IntRange(min=256), default=None,
               help="With --prefix: the last turn's prompt length [8192].")
 @click.option("--ctx-size", type=click.IntRange(min=16), default=None,
-              help="With --synthetic: the cache [32768]; with --prefix: the engines' context [what the session needs].")
+              help="With --synthetic: the cache [32768]; with --prefix: the engines' context [what the session needs]; "
+                   "with --startup: the servers' [4096].")
 @click.option("--plan-only", is_flag=True, help="With --synthetic: print the memory plan; no GPU needed.")
 @click.option("--gpu-memory", default=None, help="With --plan-only: the memory to plan for, e.g. 24GiB.")
 @click.option("--json", "as_json", is_flag=True, help="With --synthetic or --kernels: print JSON.")
+@click.option("--startup", is_flag=True,
+              help="A GGUF's start as a user meets it, against llama-server on the same file, alternating: seconds to "
+                   "ready and to a first token, peak RSS, prefill and decode tok/s, first start (page cache dropped) "
+                   "and later ones.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
-                   "prefix.json, kernels.json].")
+                   "prefix.json, kernels.json, startup.json].")
 @user_errors
 def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, prefill,
           fidelity,
           http, synthetic, quant, gpu_check, kernels, concurrent, prefix, turns, target_tokens, ctx_size, plan_only,
-          gpu_memory, as_json, out):
+          gpu_memory, as_json, startup, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
@@ -100,6 +105,20 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         click.echo(text)
         if not within_budgets:
             sys.exit(1)
+        return
+    if startup:
+        if spec or draft or spec_block or http or synthetic or quant or kernels or prefix or fidelity or plan_only \
+                or gpu_memory or as_json or concurrent is not None:
+            raise click.UsageError("--startup takes only --model, --repeats, --decode-tokens, --ctx-size, --threads, "
+                                   "--llama-cpp and --out")
+        from ..engine.load.weights import resolve_model_path
+        from .cpu import llama_cpp_binary
+        from .startup import report as startup_report
+        from .startup import run_startup_bench
+
+        startup_report(run_startup_bench(str(resolve_model_path(model)), llama_cpp_binary(llama_cpp, "llama-server"),
+                                         repeats, threads or 2, ctx_size or 4096, decode_tokens),
+                       out or Path("bench-results/startup.json"))
         return
     if concurrent is not None:
         if spec or draft or spec_block or http or synthetic or quant or kernels or prefix or fidelity or plan_only \

@@ -18,6 +18,22 @@ log = logging.getLogger(__name__)
 READY_S = 600  # a server that loads for longer is taken as broken
 
 
+def wait_until_ready(name: str, proc: subprocess.Popen, url: str, poll_s: float = 0.2) -> None:
+    """Return once the server `proc` answers /health at url with 200; a UserError if it exits or takes READY_S."""
+    deadline = time.monotonic() + READY_S
+    while True:
+        if proc.poll() is not None:
+            raise UserError(f"{name} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise UserError(f"{name} did not become ready in {READY_S} s")
+        time.sleep(poll_s)
+
+
 @contextmanager
 def server_process(name: str, command: list[str], port: int) -> Iterator[str]:
     """A server process; yields its URL once /health answers 200."""
@@ -25,25 +41,20 @@ def server_process(name: str, command: list[str], port: int) -> Iterator[str]:
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            if proc.poll() is not None:
-                raise UserError(f"{name} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise UserError(f"{name} did not become ready in {READY_S} s")
-            time.sleep(0.2)
+        wait_until_ready(name, proc, url)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL after grace_s; returns once the process is gone."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextmanager

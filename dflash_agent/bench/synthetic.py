@@ -135,11 +135,11 @@ def _use_more_bits(i: int, n: int) -> bool:
 def quant_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantizationType | None]:
     """The GGUF type of every parameter in a checkpoint quantized as `quant` (None: a float vector).
 
-    Q4_0 (Google's QAT GGUF): every block matrix Q4_0; the tied embedding Q6_K, which is what its published
-    size (16.44 GiB) implies. Q4_K_M (llama.cpp): Q4_K, with Q6_K for attn_v and ffn_down (the experts' too) of
-    the layers llama.cpp's use_more_bits picks, and for the embedding; rows of widths that are not a multiple of
-    256 (26B-A4B's 2112 and 704) take llama.cpp's fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K. A MoE router stays
-    float.
+    Q4_0 (Google's QAT GGUF): every block matrix Q4_0; the tied embedding (and E2B / E4B's per-layer one) Q6_K,
+    which is what its published size (16.44 GiB) implies. Q4_K_M (llama.cpp): Q4_K, with Q6_K for attn_v and
+    ffn_down (the experts' too) of the layers llama.cpp's use_more_bits picks, and for the embedding; rows of
+    widths that are not a multiple of 256 (26B-A4B's 2112 and 704) take llama.cpp's fallbacks, Q5_0 for Q4_K and
+    Q8_0 for Q6_K. A MoE router stays float.
     """
     if quant not in QUANTS:
         raise UserError(f"unknown quantization {quant!r} ({', '.join(QUANTS)})")
@@ -150,10 +150,13 @@ def quant_types(config: ModelConfig, quant: str) -> dict[str, GGMLQuantizationTy
     for name, shape in shapes.items():
         if len(shape) < 2 or name.endswith("router.proj.weight"):  # llama.cpp keeps the router in float
             types[name] = None
-        elif name == "embed_tokens.weight" or quant == "Q4_K_M" and name == "lm_head.weight":
+        elif name in ("embed_tokens.weight", "embed_tokens_per_layer.weight") or quant == "Q4_K_M" and \
+                name == "lm_head.weight":  # llama-quantize takes the per-layer table for a token embedding
             types[name] = T.Q6_K
         elif quant == "Q4_0":
             types[name] = T.Q4_0
+        elif not name.startswith("layers."):  # E2B / E4B's per-layer model projection
+            types[name] = T.Q4_K if shape[-1] % 256 == 0 else T.Q5_0
         else:
             layer = int(name.split(".")[1])
             if name.endswith(("mlp.down_proj.weight", "experts.down_proj")) and _use_more_bits(layer, n_layers):

@@ -251,17 +251,19 @@ def fit_context(
     config: ModelConfig,
     target_weight_bytes: int,
     requested: int | None = None,
+    memory: str = "GPU memory is free",
     **plan_args,
 ) -> MemoryPlan:
     """The plan for `requested` tokens if it fits in `free_bytes`, else a MemoryPlanError naming the largest
-    context that does; without a request, the plan for the largest context that fits."""
+    context that does; without a request, the plan for the largest context that fits. memory: what free_bytes is,
+    as the errors say it."""
     largest = largest_context(free_bytes, config, target_weight_bytes, **plan_args)
     if requested is None:
         if largest == 0:
             plan = plan_memory(config, target_weight_bytes, 1, budget_bytes=free_bytes, **plan_args)
             raise MemoryPlanError(
                 f"the model does not fit: it needs {plan.total_bytes / GiB:.2f} GiB with a 1-token context "
-                f"and {free_bytes / GiB:.2f} GiB of GPU memory is free"
+                f"and {free_bytes / GiB:.2f} GiB of {memory}"
             )
         return plan_memory(config, target_weight_bytes, largest, budget_bytes=free_bytes, **plan_args)
     plan = plan_memory(config, target_weight_bytes, requested, budget_bytes=free_bytes, **plan_args)
@@ -272,7 +274,7 @@ def fit_context(
                 else "no context fits: use a smaller model, quantization or drafter")
         raise MemoryPlanError(
             f"--ctx-size {requested}{slots_note} needs {plan.total_bytes / GiB:.2f} GiB but "
-            f"{free_bytes / GiB:.2f} GiB of GPU memory is free; {hint}"
+            f"{free_bytes / GiB:.2f} GiB of {memory}; {hint}"
         )
     return plan
 
@@ -313,7 +315,10 @@ def gpu_context_size(
 
 # --- the engine on the CPU ---------------------------------------------------------------------------------------
 
-CPU_SHARE = 0.5  # of the available RAM: the rest is left to the prefix cache's stored conversations and the OS
+# Of the RAM left beside the weights, what an unasked-for context takes: the rest is left to the prefix cache's stored
+# conversations and the OS.
+CPU_SHARE = 0.5
+CPU_RESERVE = 1 << 30  # RAM no plan takes: the interpreter, torch's own buffers, the OS's working set
 
 
 def cpu_weights(tensors: dict[str, torch.Tensor | PackedTensor], dtype: torch.dtype, c_kernels: bool,
@@ -350,19 +355,29 @@ def cpu_context_size(
     slots: int = 1,
     packed: bool = False,
 ) -> int:
-    """The context the engine allocates (per slot) on the CPU: `requested` (capped by the model), else the model's
-    own context length where half the available RAM holds `slots` of them (weights, packed or dequantized as they
-    will load, drafter, KV, workspace), else the largest that does (at least 4096 tokens, which never threatened a
-    machine that loads the model)."""
-    if requested is not None:
-        return min(requested, config.max_position_embeddings)
+    """The context the engine allocates (per slot) on the CPU, planned against the available RAM (less CPU_RESERVE)
+    before any weight loads (weights, packed or dequantized as they will load, drafter, KV, workspace): `requested`
+    (capped by the model) where it fits, else a MemoryPlanError naming the largest that does; without a request, the
+    model's own context where the weights and CPU_SHARE of the RAM left beside them hold `slots` of it, else the
+    largest that does (at least 4096 tokens where those fit), said in a warning. A model that fits with no context
+    at all is refused with what it needs."""
     free = available_ram_bytes() if available_bytes is None else available_bytes
-    if free is None:
-        return config.max_position_embeddings
-    budget = int(free * CPU_SHARE)
-    largest = largest_context(budget, config, checkpoint_weight_bytes(tensors, dtype, packed=packed), dtype=dtype,
-                              kv_dtype=kv_dtype, drafter=drafter, slots=slots)
-    n_ctx = min(config.max_position_embeddings, max(largest, 4096))
-    log.info("context %d tokens (the model's: %d; %.1f GiB of RAM available)", n_ctx,
-             config.max_position_embeddings, free / GiB)
+    if free is None:  # nothing to plan against
+        return min(requested or config.max_position_embeddings, config.max_position_embeddings)
+    usable = max(0, free - CPU_RESERVE)
+    weights = checkpoint_weight_bytes(tensors, dtype, packed=packed)
+    plan_args = dict(dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots, memory="RAM available "
+                     f"(of {free / GiB:.2f} GiB, {CPU_RESERVE / GiB:.1f} GiB kept for the system)")
+    if requested is not None:
+        return fit_context(usable, config, weights, min(requested, config.max_position_embeddings),
+                           **plan_args).ctx_size
+    whole = fit_context(usable, config, weights, **plan_args).ctx_size  # refuses a model that does not fit at all
+    shared = weights + int(max(0, usable - weights) * CPU_SHARE)
+    largest = largest_context(shared, config, weights, dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots)
+    n_ctx = min(config.max_position_embeddings, max(largest, min(4096, whole)))
+    if n_ctx < config.max_position_embeddings:
+        log.warning("context %d tokens, not the model's %d: %.1f GiB of RAM available (--ctx-size sets it, up to %d "
+                    "here)", n_ctx, config.max_position_embeddings, free / GiB, whole)
+    else:
+        log.info("context %d tokens (the model's; %.1f GiB of RAM available)", n_ctx, free / GiB)
     return n_ctx

@@ -60,6 +60,45 @@ def test_integer_groups_are_the_gguf_weights_exactly(qtype):
     assert torch.equal(w, packed.dequantize())  # bit for bit: the kernel reads the checkpoint's own integers
 
 
+def _layout_in_torch(packed) -> cpu_dot_module.IntMatrix:
+    """The layout CpuDot.repack makes, built in torch from the format's integers (_int_groups) by IntMatrix.pack."""
+    n, k = packed.shape
+    q, d, m, group = _int_groups(packed.raw, packed.qtype, n, k)
+    bits, offset, _, _ = cpu_dot_module.REPACK_LAYOUTS[int(packed.qtype)]
+    size = GGML_QUANT_SIZES[packed.qtype][1]
+    blocks = packed.raw.view(n, -1, size)
+    if packed.qtype in U4_TYPES | U5_TYPES and packed.qtype.name.endswith("_K"):
+        d = blocks[:, :, :16].reshape(n, -1)  # the super-blocks' headers as the file has them
+    elif packed.qtype in U6_TYPES:
+        d = blocks[:, :, size - 18:].reshape(n, -1)  # and Q6_K's tails
+    else:
+        d = d.half()
+    values = q if bits == 8 else q + offset if packed.qtype.name != "Q4_0" else q
+    return cpu_dot_module.IntMatrix.pack(values, d, None, bits, group, offset)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repacking_in_one_pass_of_c_gives_the_layout_torch_builds(qtype):
+    if cpu_dot() is None:
+        pytest.skip("no C compiler: the CPU dot kernels cannot be built")
+    rng = np.random.default_rng(2)
+    packed = pack(rng.standard_normal((40, 512)).astype(np.float32), qtype, rng)
+    ours, ref = cpu_dot().repack(packed.raw, int(qtype), 40, 512), _layout_in_torch(packed)
+    assert (ours.bits, ours.group, ours.offset) == (ref.bits, ref.group, ref.offset)
+    for name in ("q", "qh", "d"):
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), name
+    arena = cpu_dot_module.HugePageArena(cpu_dot_module.repacked_nbytes(int(qtype), 40, 512) + 256)
+    placed = cpu_dot().repack(packed.raw, int(qtype), 40, 512, arena.empty)  # straight into an arena
+    assert torch.equal(cpu_dot().dequantize(placed), packed.dequantize())
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        cpu_dot().repack(packed.raw[:-1], int(qtype), 40, 512)
+    with pytest.raises(ValueError, match="no CPU layout"):
+        cpu_dot().repack(packed.raw, 1, 40, 512)  # F16
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_cpu_dot_matmul_matches_the_dequantized_weight(qtype):
     if cpu_dot() is None:
@@ -343,7 +382,8 @@ def test_without_vector_kernels_the_cpu_default_is_what_fits_in_ram(no_vector_bu
     finally:
         engine.close()
 
-    monkeypatch.setattr(memory_plan, "available_ram_bytes", lambda: exact)
+    # dequantized weights would take more than half of it; packed ones fit beside memory_plan.CPU_RESERVE
+    monkeypatch.setattr(memory_plan, "available_ram_bytes", lambda: int(exact * 1.99))
     with caplog.at_level(logging.INFO, logger=memory_plan.__name__):
         engine = Engine.load("embedded", device="cpu", ctx_size=64, progress=False, spec=SpecConfig(enabled=False))
     try:
@@ -353,3 +393,30 @@ def test_without_vector_kernels_the_cpu_default_is_what_fits_in_ram(no_vector_bu
         assert len(_greedy(engine, engine.tokenizer.encode("def add(a, b):"), 8)) == 8
     finally:
         engine.close()
+
+
+def _resident_bytes_of_mapping(address: int) -> int:
+    """Resident bytes of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "Rss:":
+            return int(fields[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+def test_a_load_holds_one_copy_of_the_weights():
+    """Repacking hands the file's pages back as it goes: after the load the mapped GGUF holds next to nothing in
+    memory, only the repacked copy does (and the repacked model still gives the file's exact rows)."""
+    if cpu_dot() is None or not platform.system() == "Linux":
+        pytest.skip("the C kernels and /proc/self/smaps")
+    path = resolve_model_path("embedded")
+    ckpt = open_checkpoint(path)
+    model = build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True)
+    assert _resident_bytes_of_mapping(ckpt.gguf.mapping.ctypes.data) < 0.05 * path.stat().st_size  # the header and norms: ~3%
+    head = model.embed_tokens.weight
+    ids = torch.tensor([2, 105, 4000])
+    assert torch.equal(head[ids], head.packed.dequantize()[ids].to(head.dtype))  # the blocks page in again

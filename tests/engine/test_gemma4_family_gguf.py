@@ -152,3 +152,25 @@ def test_assistant_gguf_drafts_as_its_safetensors(tmp_path):
     got, want = (drafter.step(embed, hidden, PROMPT_LEN, drafter.keys(cache)) for drafter in (from_gguf, reference))
     for a, b in zip(got, want, strict=True):  # the logits and the next step's hidden state
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_the_real_shape_writer_writes_the_converters_metadata(converted, tmp_path):
+    """bench.real_shapes writes, for the config a converted file describes, the model keys llama.cpp's converter
+    wrote into it, each with the converter's value."""
+    import numpy as np
+
+    from dflash_agent.bench.real_shapes import write_real_shape_gguf
+    from dflash_agent.engine.formats.gguf import read_gguf
+
+    _, path, _ = converted
+    ours = tmp_path / "ours.gguf"
+    write_real_shape_gguf(ours, open_checkpoint(path).config, weights=False)
+    theirs, mine = read_gguf(path).fields, read_gguf(ours).fields
+    keys = {k for k in theirs if k.startswith("gemma4.")}
+    assert keys == {k for k in mine if k.startswith("gemma4.")}
+    for key in sorted(keys):
+        a, b = theirs[key], mine[key]
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            assert np.asarray(a).tolist() == np.asarray(b).tolist(), key
+        else:
+            assert a == pytest.approx(b), key

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -165,23 +167,33 @@ def test_gpu_context_size_from_free_memory(monkeypatch, tmp_path) -> None:
         drafter_plan(tmp_path / "nowhere", None)
 
 
-def test_cpu_context_size_from_available_ram() -> None:
-    """Without --ctx-size the CPU engine takes the model's context where half the available RAM holds it,
-    else the largest that fits (never below 4096 tokens); a requested size is kept, capped by the model."""
+def test_cpu_context_size_from_available_ram(caplog) -> None:
+    """Without --ctx-size the CPU engine takes the model's context where the weights and half the RAM beside them hold
+    it, else the largest that does (at least 4096 tokens where they fit), with a warning; a requested size is kept,
+    capped by the model, where it fits; what does not fit is refused with what does, never loaded to be killed."""
     import dataclasses
 
-    from dflash_agent.engine.memory_plan import CPU_SHARE, cpu_context_size
+    from dflash_agent.engine.memory_plan import CPU_RESERVE, CPU_SHARE, cpu_context_size
 
     ckpt = tiny_packed_checkpoint()
     config = dataclasses.replace(ckpt.config, max_position_embeddings=32768)
     weights = checkpoint_weight_bytes(ckpt.tensors, torch.float32, packed=False)
     args = (config, ckpt.tensors, torch.float32)
     assert cpu_context_size(*args, None, available_bytes=64 * GiB) == 32768
-    ram = int(plan_memory(config, weights, 10000, dtype=torch.float32).total_bytes / CPU_SHARE) + 1
-    assert 9900 <= cpu_context_size(*args, None, available_bytes=ram) <= 10000
-    assert cpu_context_size(*args, None, available_bytes=1 << 20) == 4096
-    assert cpu_context_size(*args, 2048, available_bytes=1 << 20) == 2048
-    assert cpu_context_size(*args, 99999, available_bytes=1 << 20) == 32768
+    total = plan_memory(config, weights, 10000, dtype=torch.float32).total_bytes
+    ram = CPU_RESERVE + weights + int((total - weights) / CPU_SHARE) + 1
+    with caplog.at_level(logging.WARNING, logger="dflash_agent.engine.memory_plan"):
+        assert 9900 <= cpu_context_size(*args, None, available_bytes=ram) <= 10000
+    assert "not the model's 32768" in caplog.text and "--ctx-size sets it" in caplog.text
+    assert cpu_context_size(*args, 2048, available_bytes=64 * GiB) == 2048
+    assert cpu_context_size(*args, 99999, available_bytes=64 * GiB) == 32768
+    tight = CPU_RESERVE + plan_memory(config, weights, 3000, dtype=torch.float32).total_bytes
+    assert 2900 <= cpu_context_size(*args, None, available_bytes=tight) <= 3000  # under 4096: what fits
+    with pytest.raises(MemoryPlanError, match=r"--ctx-size 20000 needs .* GiB of RAM available .* the largest "
+                                              r"context that fits is \d+ tokens"):
+        cpu_context_size(*args, 20000, available_bytes=tight)
+    with pytest.raises(MemoryPlanError, match="the model does not fit: it needs .* GiB with a 1-token context"):
+        cpu_context_size(*args, None, available_bytes=CPU_RESERVE + (1 << 20))
 
 
 def test_slots_each_have_a_context_and_the_plan_refuses_what_does_not_fit() -> None:

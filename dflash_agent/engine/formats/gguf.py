@@ -7,6 +7,7 @@ source of the type constants and block sizes, and the reference in tests.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,33 @@ class GGUFFile:
     # Byte range of each metadata entry in the file, from its key's length prefix to the end of its value:
     # what a cache keyed by the raw metadata (the tokenizer's) hashes.
     field_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    mapping: np.memmap | None = None  # the file, mapped: what the tensors' data are views of
+
+    def _pages(self, view: Any, inside: bool) -> tuple[int, int] | None:
+        """The page-aligned byte range of `view` in `mapping` (inside: the pages wholly within it; else all it
+        touches), None off a mapping."""
+        if self.mapping is None:
+            return None
+        start = (view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data) - self.mapping.ctypes.data
+        end, page = start + view.nbytes, mmap.PAGESIZE
+        first = -(-start // page) * page if inside else start // page * page
+        last = end // page * page if inside else min(-(-end // page) * page, self.mapping.shape[0])
+        return (first, last) if 0 <= first < last <= self.mapping.shape[0] else None
+
+    def read_ahead(self, view: Any) -> None:
+        """Ask the kernel to start reading the pages of `view` from disk now (MADV_WILLNEED), so a load that
+        computes on one tensor meanwhile finds the next one's in memory."""
+        span = self._pages(view, inside=False)
+        if span is not None and hasattr(mmap, "MADV_WILLNEED"):
+            self.mapping._mmap.madvise(mmap.MADV_WILLNEED, span[0], span[1] - span[0])
+
+    def release(self, view: Any) -> None:
+        """Hand the mapped pages of `view` (a tensor's data, a numpy or torch view of `mapping`) back: the file stays
+        mapped and a later read pages it in again, but a load that has repacked a tensor no longer holds its blocks
+        in memory beside the copy. Only the pages wholly inside the view go (neighbours share the others)."""
+        span = self._pages(view, inside=True)
+        if span is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping._mmap.madvise(mmap.MADV_DONTNEED, span[0], span[1] - span[0])
 
 
 class _Cursor:
@@ -63,13 +91,32 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """count length-prefixed strings in a row: a vocabulary's 262,144 pieces, read in one tight loop."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        unpack, append = struct.Struct("<Q").unpack_from, out.append
+        try:
+            for _ in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8
+                if pos + n > end:
+                    raise GGUFError(f"{self.path}: truncated GGUF header")
+                append(str(buf[pos:pos + n], "utf-8", "replace"))
+                pos += n
+        except struct.error:
+            raise GGUFError(f"{self.path}: truncated GGUF header") from None
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         vtype = GGUFValueType(vtype)
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
             etype, count = GGUFValueType(self.unpack("<I")), self.unpack("<Q")
-            if etype in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            if etype == GGUFValueType.STRING:
+                return self.strings(count)
+            if etype == GGUFValueType.ARRAY:
                 return [self.value(etype) for _ in range(count)]
             dtype = np.dtype(_SCALARS[etype])
             end = self.pos + count * dtype.itemsize
@@ -126,4 +173,4 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if begin + nbytes > data.shape[0]:
             raise GGUFError(f"{path}: tensor {name} lies past the end of the file (truncated download?)")
         tensors[name] = GGUFTensor(name, qtype, shape, data[begin : begin + nbytes])
-    return GGUFFile(path, fields, tensors, spans)
+    return GGUFFile(path, fields, tensors, spans, data)

@@ -58,6 +58,20 @@ def gguf_tensor_name(name: str) -> str | None:
     return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[key]}" if key in _GGUF_LAYER_NAMES else None
 
 
+def gguf_name(ours: str) -> str:
+    """The GGUF name of our parameter `ours` (gguf_tensor_name's inverse), as llama.cpp's converter writes it."""
+    globals_ = {v: k for k, v in _GGUF_GLOBAL_NAMES.items()}
+    if ours in globals_:
+        return globals_[ours]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
+    layer = {v: k for k, v in _GGUF_LAYER_NAMES.items()}.get(m.group(2)) if m else None
+    if layer is None:
+        raise KeyError(f"no GGUF name for {ours!r}")
+    if layer.endswith(".scale"):
+        return f"blk.{m.group(1)}.{layer}"
+    return f"blk.{m.group(1)}.{layer}.weight"
+
+
 def gguf_model_config(gguf: GGUFFile, fields: dict) -> ModelConfig:
     """The decoder a GGUF describes, from its metadata `fields` (gguf.fields, or a rewrite of them) and tensors:
     the vocabulary from the embedding where the metadata omits it, Gemma 4's rope_freqs folded in."""

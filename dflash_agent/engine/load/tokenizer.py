@@ -46,15 +46,15 @@ log = logging.getLogger(__name__)
 
 # Bump when the cached layout or the way special ids are derived changes: old entries are
 # then simply never looked up again.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _TOKENIZER_JSON = "tokenizer.json"
 _SPECIALS_JSON = "special_tokens.json"
 
-# llama.cpp recognises `<end_of_turn>` by its text as an end-of-generation token, because
-# Gemma GGUFs store a single `eos_token_id` (<eos>) while the instruction-tuned checkpoints
-# end every assistant turn with `<end_of_turn>` (their generation_config lists [1, 106]).
-# Without it an -it model run from a GGUF would talk straight past its turn.
-_END_OF_TURN = "<end_of_turn>"
+# llama.cpp recognises Gemma 3's `<end_of_turn>` and Gemma 4's `<turn|>` by their text as end-of-generation tokens,
+# because Gemma GGUFs store a single `eos_token_id` (<eos>) while the instruction-tuned checkpoints end every
+# assistant turn with one of them (their generation_config lists [1, 106]). Without it an -it model run from a GGUF
+# would talk straight past its turn.
+_END_OF_TURN = ("<end_of_turn>", "<turn|>")
 # The GGUF keys whose ids should stop generation besides eos.
 _GGUF_EXTRA_STOP_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -508,7 +508,7 @@ def _gguf_specials(backend: tokenizers.Tokenizer, fields: dict[str, Any], path: 
 
     eos_id = scalar_id("eos_token_id")
     extra = [scalar_id(key.removeprefix("tokenizer.ggml.")) for key in _GGUF_EXTRA_STOP_KEYS]
-    end_of_turn = backend.token_to_id(_END_OF_TURN)
+    end_of_turn = [backend.token_to_id(piece) for piece in _END_OF_TURN]
     size = backend.get_vocab_size(with_added_tokens=True)
 
     def in_vocab(token_id: int | None) -> int | None:
@@ -519,7 +519,7 @@ def _gguf_specials(backend: tokenizers.Tokenizer, fields: dict[str, Any], path: 
         eos_id=in_vocab(eos_id),
         pad_id=in_vocab(scalar_id("padding_token_id")),
         unk_id=in_vocab(scalar_id("unknown_token_id")),
-        stop_ids=_stop_tuple(backend, [eos_id, *extra, end_of_turn], path),
+        stop_ids=_stop_tuple(backend, [eos_id, *extra, *end_of_turn], path),
     )
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from gguf import GGMLQuantizationType
 
-from ...kernels.cpu.cpu_dot import HugePageArena
+from ...kernels.cpu.cpu_dot import REPACK_LAYOUTS, HugePageArena, repacked_nbytes
 from ..engine_config import EMBEDDED
 from ..errors import ModelLoadError
 from ..formats.config import ConfigError, ModelConfig
@@ -21,7 +21,7 @@ from ..formats.gguf import GGUFError, GGUFFile, read_gguf
 from ..formats.gguf_names import gguf_model_config, gguf_tensor_name
 from ..formats.quant import PackedTensor, UnsupportedTensorType, from_numpy
 from ..model.gemma import GemmaModel
-from ..model.packed import CpuDotWeight, PackedWeight, keeps_packed
+from ..model.packed import PackedWeight, cpu_dot, keeps_packed
 
 log = logging.getLogger(__name__)
 
@@ -197,23 +197,46 @@ def build_model(
             f"{ckpt.path}: tensors this {ckpt.config.family} text decoder does not use: "
             + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
         )
+    head = "embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
+    arena = _arena_for(ckpt.tensors) if repack_cpu else None
+    # the file's pages each run of blocks repacked for the C kernels held are handed back as it goes (read again
+    # only where a path falls back to the blocks), and the next tensor's are read ahead meanwhile
+    release = ckpt.gguf.release if ckpt.gguf is not None and arena is not None else None
+    sources = list(ckpt.tensors.items())
+    on_device = torch.device(device).type != "cpu"
     state = {}
-    for name, source in _progress(ckpt.tensors.items(), f"loading {ckpt.path.name}", progress):
+    for i, (name, source) in enumerate(_progress(sources, f"loading {ckpt.path.name}", progress)):
+        if ckpt.gguf is not None and i + 1 < len(sources) and isinstance(sources[i + 1][1], PackedTensor):
+            ckpt.gguf.read_ahead(sources[i + 1][1].raw)
         tensor = _convert(source, dtype, device, packed)
         want = tuple(expected[name].shape)
         if tuple(tensor.shape) != want:
             raise ModelLoadError(f"{ckpt.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
+        if repack_cpu and isinstance(tensor, PackedWeight):
+            tensor.repack_for_cpu(head=name == head, prefill=prefill, empty=arena.empty if arena else None,
+                                  done=release)
+        elif ckpt.gguf is not None and isinstance(source, PackedTensor) and (
+                on_device or not isinstance(tensor, PackedWeight)):
+            ckpt.gguf.release(source.raw)  # copied to the GPU, or dequantized: host RAM holds one tensor at a time
         state[name] = tensor
     if repack_cpu:
-        head = "embed_tokens.weight" if ckpt.config.tie_embeddings else "lm_head.weight"
-        for name, tensor in state.items():
-            if isinstance(tensor, PackedWeight):
-                tensor.repack_for_cpu(head=name == head, prefill=prefill)
-        matrices = [m for t in state.values() if isinstance(t, PackedWeight) for m in (t.experts or [t])]
-        _into_huge_pages([m.cpu for m in matrices])
         _release_freed_memory()
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def _arena_for(tensors: dict[str, torch.Tensor | PackedTensor]) -> HugePageArena | None:
+    """One huge-page arena the C kernels' matrices are repacked straight into (kernels.cpu.cpu_dot.HugePageArena),
+    sized for all of them; None where the C kernels do not load."""
+    if cpu_dot() is None:
+        return None
+    total = 0
+    for source in tensors.values():
+        if isinstance(source, PackedTensor) and keeps_packed(source) and int(source.qtype) in REPACK_LAYOUTS:
+            *stack, n, k = source.shape
+            count = stack[0] if stack else 1
+            total += count * (repacked_nbytes(int(source.qtype), n, k) + 3 * HugePageArena.ALIGN)
+    return HugePageArena(total)
 
 
 def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device, packed: bool) -> torch.Tensor:
@@ -225,23 +248,9 @@ def _convert(source: torch.Tensor | PackedTensor, dtype: torch.dtype, device, pa
     return source.to(device=device, dtype=dtype)
 
 
-def _into_huge_pages(kernels: list) -> None:
-    """The repacked matrices moved into one huge-page arena (kernels.cpu.cpu_dot.HugePageArena), one at a time, each
-    copy's source freed (and handed back to the system) as it goes, so peak memory stays near one copy."""
-    weights = [k for k in kernels if isinstance(k, CpuDotWeight)]
-    arena = HugePageArena.sized_for([t for w in weights for t in w.matrix.tensors()])
-    unreturned = 0
-    for weight in weights:
-        unreturned += weight.matrix.nbytes
-        weight.matrix = weight.matrix.placed(arena)
-        if unreturned > 32 << 20:  # glibc keeps freed sources in its heap: return them as we go, not at the end
-            _release_freed_memory()
-            unreturned = 0
-
-
 def _release_freed_memory() -> None:
-    """Repacking frees thousands of dequantized slices, and glibc keeps most of that heap (about 470 MiB on
-    the embedded model) instead of returning it; hand it back. A no-op off glibc."""
+    """Loading frees the float copies of the small tensors and the converted norms' sources, and glibc keeps such a
+    heap instead of returning it; hand it back. A no-op off glibc."""
     import ctypes
     import ctypes.util
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,9 @@ from ..formats.quant import (
 )
 from ..limits import GEMM_ROWS
 from ..paths import default_cache_root
+
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # torch.empty's shape and dtype
+Done = Callable[[torch.Tensor], None]  # called on a run of a matrix's blocks once repacked
 
 if TYPE_CHECKING:  # Triton is imported where its kernels run: a CPU-only install may lack it
     from ...kernels.triton.quant_matmul import TileChoice
@@ -176,20 +179,23 @@ class PackedWeight(torch.Tensor):
         return (f"PackedWeight({self.packed.qtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}{kernel})")
 
-    def repack_for_cpu(self, head: bool = False, prefill: torch.dtype = torch.float32) -> None:
+    def repack_for_cpu(self, head: bool = False, prefill: torch.dtype = torch.float32,
+                       empty: Empty | None = None, done: Done | None = None) -> None:
         """Repack once for the CPU kernels (see the module doc); head: the LM head, which torch's kernels
         take as int4 with the best RESCORE logits of each row recomputed exactly; prefill: the dtype of the C
-        kernels' GEMMs on blocks of GEMM_ROWS rows and more (CpuDotWeight). The GGUF blocks stay for `rows`."""
+        kernels' GEMMs on blocks of GEMM_ROWS rows and more (CpuDotWeight); empty: where the C kernels' matrices
+        are allocated (torch.empty; at load, a HugePageArena); done: called on each run of blocks the C kernels'
+        repacking has read (a load releases the file's pages there). The GGUF blocks stay for `rows`."""
         if self.device.type != "cpu":
             raise ValueError("repack_for_cpu needs a weight on the CPU")
         if self.dim() == 3:  # a stack of experts: each matrix on its own, as a token reads only its experts
             self.experts = [self.expert(i) for i in range(self.shape[0])]
             for matrix in self.experts:
-                matrix.repack_for_cpu(prefill=prefill)
+                matrix.repack_for_cpu(prefill=prefill, empty=empty, done=done)
             return
         lib = cpu_dot()
         if lib is not None:  # exact, the head included: no rescoring
-            self.cpu, self.rescore = CpuDotWeight.from_packed(lib, self.packed, prefill), 0
+            self.cpu, self.rescore = CpuDotWeight.from_packed(lib, self.packed, prefill, empty, done), 0
             return
         if self.packed.qtype in PLANE_TYPES or head:
             self.cpu = CpuInt4.from_packed(self.packed)
@@ -400,36 +406,14 @@ class CpuDotWeight:
         self.lib, self.matrix, self.out_features, self.prefill = lib, matrix, matrix.n, prefill
 
     @classmethod
-    def from_packed(cls, lib: CpuDot, packed: PackedTensor, prefill: torch.dtype = torch.float32) -> CpuDotWeight:
+    def from_packed(cls, lib: CpuDot, packed: PackedTensor, prefill: torch.dtype = torch.float32,
+                    empty: Empty | None = None, done: Done | None = None) -> CpuDotWeight:
+        """The matrix's blocks repacked in one pass of C (CpuDot.repack; its tensors from `empty`, a HugePageArena's
+        at load; `done` called on each run of blocks repacked)."""
         n, k = packed.shape
         if k % GROUP:
             raise ValueError(f"CPU dot repacking needs rows of a multiple of {GROUP} values, got {k}")
-        bits = 4 if packed.qtype in U4_TYPES else 5 if packed.qtype in U5_TYPES else 6 if packed.qtype in U6_TYPES \
-            else 8
-        q4_0 = packed.qtype == GGMLQuantizationType.Q4_0
-        offset = 8 if q4_0 else _UNSIGNED_OFFSET[packed.qtype] if bits == 5 else 32 if bits == 6 else 0
-        parts = []
-        for blocks, _ in _row_slices(packed, dequantized=False):
-            q, d, m, group = _int_groups(blocks, packed.qtype, blocks.shape[0], k)
-            if q4_0:  # m is -8 d: the 8 kept as the offset it is in the file
-                m = None
-            if packed.qtype in HALF_SCALE_TYPES:  # the file's own float16 scales, exactly
-                d = d.half()
-            elif packed.qtype in HEADER_TYPES:  # each super-block's 16-byte header as the file has it
-                size = GGML_QUANT_SIZES[packed.qtype][1]
-                d, m = blocks.reshape(blocks.shape[0], -1, size)[:, :, :16].reshape(blocks.shape[0], -1), None
-            elif packed.qtype in TAIL_TYPES:  # each super-block's int8 scales and float16 d as the file has them
-                size = GGML_QUANT_SIZES[packed.qtype][1]
-                d = blocks.reshape(blocks.shape[0], -1, size)[:, :, size - 18:].reshape(blocks.shape[0], -1)
-            parts.append(IntMatrix.pack(q if bits == 8 or q4_0 else q + offset, d, m, bits, group, offset))
-        if len(parts) == 1:
-            return cls(lib, parts[0], prefill)
-
-        def joined(name: str) -> torch.Tensor | None:
-            pieces = [getattr(p, name) for p in parts]
-            return None if pieces[0] is None else torch.cat(pieces)
-
-        return cls(lib, IntMatrix(joined("q"), joined("d"), joined("m"), bits, group, joined("qh"), offset), prefill)
+        return cls(lib, lib.repack(packed.raw, int(packed.qtype), n, k, empty, done), prefill)
 
     @property
     def nbytes(self) -> int:

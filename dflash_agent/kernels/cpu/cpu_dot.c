@@ -1588,3 +1588,111 @@ int64_t dfa_argmax(const float *x, int64_t n, int threads) {
  * pays a wake-up: 2.5x the step's layer time on a 2-core VM. A thread that is done with the kernels (the one that
  * loaded the model, an idle engine worker) gives its pool back. */
 int dfa_release_threads(void) { return omp_pause_resource_all(omp_pause_hard); }
+
+/* Repacking a GGUF matrix into the layouts above, one pass over the file's blocks and no temporaries: what loading
+ * costs is then reading the file. Each format's values of a group of 32 are taken with the shifts of its own packing
+ * (the same for every value of a group, so the loops vectorize), then laid out as the layouts' comment says. */
+static inline void put_u4(const uint8_t lo[32], uint8_t *q) {
+    for (int i = 0; i < 8; i++) {
+        q[i] = (uint8_t)(lo[i] | lo[8 + i] << 4);
+        q[8 + i] = (uint8_t)(lo[16 + i] | lo[24 + i] << 4);
+    }
+}
+
+/* u5: bit r * 8 + i of the word is the fifth bit of value run[r] * 8 + i, runs (R0, R2, R1, R3) */
+static inline uint32_t u5_word(const uint8_t fifth[32]) {
+    static const int run[4] = {0, 2, 1, 3};
+    uint32_t word = 0;
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < 8; i++) word |= (uint32_t)fifth[run[r] * 8 + i] << (r * 8 + i);
+    return word;
+}
+
+/* u6: byte i of the group's 8 holds the top two bits of values i, 8 + i, 16 + i, 24 + i in turn */
+static inline void put_u6_high(const uint8_t top[32], uint8_t *qh) {
+    for (int i = 0; i < 8; i++)
+        qh[i] = (uint8_t)(top[i] | top[8 + i] << 2 | top[16 + i] << 4 | top[24 + i] << 6);
+}
+
+static inline __attribute__((always_inline)) void repack_block(int qtype, const uint8_t *blk, int64_t b, uint8_t *q,
+                                                              uint32_t *qh, uint8_t *d) {
+    uint8_t lo[32], top[32];
+    if (qtype == DFA_GGML_Q8_0) {
+        memcpy(d + b * 2, blk, 2);
+        memcpy(q + b * 32, blk + 2, 32);
+        return;
+    }
+    if (qtype == DFA_GGML_Q4_0 || qtype == DFA_GGML_Q5_0) {  /* value j: low nibble of byte j, high of j - 16 */
+        const uint8_t *qs = blk + (qtype == DFA_GGML_Q5_0 ? 6 : 2);
+        for (int j = 0; j < 16; j++) {
+            lo[j] = qs[j] & 15;
+            lo[16 + j] = qs[j] >> 4;
+        }
+        memcpy(d + b * 2, blk, 2);
+        put_u4(lo, q + b * 16);
+        if (qtype == DFA_GGML_Q5_0) {  /* the file's word: bit j for value j */
+            uint32_t bits;
+            memcpy(&bits, blk + 2, 4);
+            for (int j = 0; j < 32; j++) top[j] = (bits >> j) & 1;
+            qh[b] = u5_word(top);
+        }
+        return;
+    }
+    /* K-quants: super-block b of 256 values, groups g = 0..7 of 32 */
+    if (qtype == DFA_GGML_Q6_K) memcpy(d + b * 18, blk + 192, 18);
+    else memcpy(d + b * 16, blk, 16);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const int64_t group = b * 8 + g;
+        if (qtype == DFA_GGML_Q6_K) {  /* halves of 128: ql runs of 64 (two nibbles), qh runs of 32 (four fields) */
+            const uint8_t *ql = blk + 64 * (g / 4) + 32 * (g % 2), *qhs = blk + 128 + 32 * (g / 4);
+            const int lshift = 4 * ((g % 4) / 2), hshift = 2 * (g % 4);
+            for (int i = 0; i < 32; i++) {
+                lo[i] = (ql[i] >> lshift) & 15;
+                top[i] = (qhs[i] >> hshift) & 3;
+            }
+            put_u4(lo, q + group * 16);
+            put_u6_high(top, (uint8_t *)(qh + group * 2));
+            continue;
+        }
+        const uint8_t *qs = blk + (qtype == DFA_GGML_Q5_K ? 48 : 16) + 32 * (g / 2);  /* pairs share 32 bytes */
+        const int shift = 4 * (g % 2);
+        for (int i = 0; i < 32; i++) lo[i] = (qs[i] >> shift) & 15;
+        put_u4(lo, q + group * 16);
+        if (qtype == DFA_GGML_Q5_K) {  /* the fifth bits: bit g of each of 32 bytes */
+            for (int i = 0; i < 32; i++) top[i] = (blk[16 + i] >> g) & 1;
+            qh[group] = u5_word(top);
+        }
+    }
+}
+
+int dfa_repack(const uint8_t *blocks, int qtype, int64_t N, int64_t K, uint8_t *q, uint32_t *qh, uint8_t *d,
+               int threads) {
+    int64_t size, block = 32;
+    switch (qtype) {
+    case DFA_GGML_Q4_0: size = 18; break;
+    case DFA_GGML_Q5_0: size = 22; break;
+    case DFA_GGML_Q8_0: size = 34; break;
+    case DFA_GGML_Q4_K: size = 144; block = 256; break;
+    case DFA_GGML_Q5_K: size = 176; block = 256; break;
+    case DFA_GGML_Q6_K: size = 210; block = 256; break;
+    default: return -1;
+    }
+    if (K <= 0 || K % block) return -2;
+    const int64_t B = N * (K / block);  /* blocks in all: rows hold whole blocks, so they run on across rows */
+    /* one loop per format, so each inlines its own constant shifts */
+#define REPACK_ALL(T)                                                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (B > 4096)") for (int64_t b = 0; b < B;   \
+                                                                                          b++)                     \
+        repack_block(T, blocks + b * size, b, q, qh, d)
+    switch (qtype) {
+    case DFA_GGML_Q4_0: REPACK_ALL(DFA_GGML_Q4_0); break;
+    case DFA_GGML_Q5_0: REPACK_ALL(DFA_GGML_Q5_0); break;
+    case DFA_GGML_Q8_0: REPACK_ALL(DFA_GGML_Q8_0); break;
+    case DFA_GGML_Q4_K: REPACK_ALL(DFA_GGML_Q4_K); break;
+    case DFA_GGML_Q5_K: REPACK_ALL(DFA_GGML_Q5_K); break;
+    default: REPACK_ALL(DFA_GGML_Q6_K); break;
+    }
+#undef REPACK_ALL
+    return 0;
+}

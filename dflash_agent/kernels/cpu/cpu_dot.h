@@ -20,7 +20,7 @@
 #endif
 
 /* Bumped with any change to an entry point or a struct the Python side mirrors (see dfa_abi). */
-#define DFA_ABI_VERSION 11
+#define DFA_ABI_VERSION 12
 
 void dfa_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, float *xsum, int threads);
 /* How a layout's scales d are stored (see cpu_dot.c): float32, float16, Q4_K / Q5_K super-block headers, or
@@ -48,6 +48,15 @@ const char *dfa_source_digest(void);
 /* w [N, K] float32 from a layout (ids: the rows to take, else NULL for all N) */
 void dfa_dequantize(const void *q, int bits, const uint32_t *qh, int offset, const void *d, int scales,
                     const float *m, int64_t group, int64_t N, int64_t K, const int64_t *ids, float *w, int threads);
+/* GGML's type ids of the formats dfa_repack reads. */
+enum { DFA_GGML_Q4_0 = 2, DFA_GGML_Q5_0 = 6, DFA_GGML_Q8_0 = 8, DFA_GGML_Q4_K = 12, DFA_GGML_Q5_K = 13,
+       DFA_GGML_Q6_K = 14 };
+/* A GGUF matrix [N, K] of type qtype (its blocks as the file stores them) into its layout: q (u4 / u5 / u6: N K / 2
+ * bytes; s8: N K), qh (u5: N K / 32 uint32; u6: twice that; else unused), d (the file's own scales: float16 N K / 32,
+ * or the super-blocks' headers / tails, N K / 256 x 16 / 18 bytes). 0; -1 a type it does not read; -2 K not a
+ * whole number of blocks. */
+int dfa_repack(const uint8_t *blocks, int qtype, int64_t N, int64_t K, uint8_t *q, uint32_t *qh, uint8_t *d,
+               int threads);
 /* the index of the first largest of x[0..n), NaN largest (torch.argmax's rule) */
 int64_t dfa_argmax(const float *x, int64_t n, int threads);
 /* Ends the OpenMP threads that parallel regions started from the calling thread had kept (0; -1 when called from

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import importlib.machinery
 import logging
+import math
 import mmap
 import os
 import platform
@@ -33,7 +34,7 @@ from .build import MACHINES, MODE_ENV, source_digest
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = MODE_ENV  # "0": keep torch's kernels; a variant's name: that build; see load()
-ABI_VERSION = 11  # cpu_dot.h's DFA_ABI_VERSION
+ABI_VERSION = 12  # cpu_dot.h's DFA_ABI_VERSION
 # The variants setup.py builds at install, best first, and the /proc/cpuinfo flags each needs: x86-64-v4 with VNNI
 # (AVX-512 F, BW, CD, DQ, VL and VNNI over x86-64-v3); x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE over
 # x86-64-v2); aarch64's NEON ("asimd", part of every aarch64 Linux CPU); a generic build (the scalar C, DFA_SCALAR:
@@ -69,10 +70,22 @@ _SIGNATURES = {
     "dfa_layers_forward": ([_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _P, ctypes.c_int], ctypes.c_int),
     "dfa_rope_table": ([_P, _I, _P, _I, _P, _P], None),
     "dfa_argmax": ([_P, _I, ctypes.c_int], _I),
+    "dfa_repack": ([_P, ctypes.c_int, _I, _I, _P, _P, _P, ctypes.c_int], ctypes.c_int),
     "dfa_release_threads": ([], ctypes.c_int),
     "dfa_norm_linear": ([_P, _I, _P, ctypes.c_float, _P, _P, ctypes.c_int], ctypes.c_int),
     "dfa_norm_head_argmax": ([_P, _I, _P, ctypes.c_float, _P, _P, _P, ctypes.c_int], ctypes.c_int),
 }
+# GGML's type ids of the formats dfa_repack reads (cpu_dot.h's DFA_GGML_*) -> (bits, offset, group, scale bytes per
+# 256 values): the layout each repacks into, its scales as the file stores them (float16 per 32; K-quant headers)
+REPACK_LAYOUTS: dict[int, tuple[int, int, int, int]] = {
+    2: (4, 8, 32, 16),  # Q4_0
+    6: (5, 16, 32, 16),  # Q5_0
+    8: (8, 0, 32, 16),  # Q8_0
+    12: (4, 0, 32, 16),  # Q4_K
+    13: (5, 0, 32, 16),  # Q5_K
+    14: (6, 32, 16, 18),  # Q6_K
+}
+_K_QUANTS = (12, 13, 14)
 SCREEN_PANEL = 32  # a HeadScreen's rows come in pairs of panels of 16 (cpu_layer.c's screen_tile)
 
 
@@ -185,6 +198,30 @@ class IntMatrix:
                       bits=self.bits, offset=self.offset, n=self.n, k=self.k, scales=self.scales)
 
 
+REPACK_CHUNK_BYTES = 32 << 20  # of a matrix's blocks per repacking call: what a load holds of the file at once
+_BLOCK_BYTES = {2: 18, 6: 22, 8: 34, 12: 144, 13: 176, 14: 210}
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def repacked_shapes(qtype: int, n: int, k: int) -> list[tuple[tuple[int, ...] | None, torch.dtype]]:
+    """The (shape, dtype) of q, qh (None: none) and d of a GGML type qtype matrix [n, k] as CpuDot.repack makes it."""
+    if qtype not in REPACK_LAYOUTS:
+        raise ValueError(f"GGML type {qtype} has no CPU layout (the layouts read {sorted(REPACK_LAYOUTS)})")
+    bits, _, _, scale_bytes = REPACK_LAYOUTS[qtype]
+    q = ((n, k), torch.int8) if bits == 8 else ((n, k // 2), torch.uint8)
+    qh = ((n, k // 32), torch.int32) if bits == 5 else ((n, k // 32, 2), torch.int32) if bits == 6 else None
+    d = ((n, k // 256 * scale_bytes), torch.uint8) if qtype in _K_QUANTS else ((n, k // 32), torch.float16)
+    return [q, (qh, torch.int32) if qh is None else qh, d]
+
+
+def repacked_nbytes(qtype: int, n: int, k: int) -> int:
+    """What CpuDot.repack allocates for such a matrix (a HugePageArena's alignment not counted)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in repacked_shapes(qtype, n, k) if shape)
+
+
 class HugePageArena:
     """One private anonymous mapping advised for transparent huge pages, which tensors are copied into. A decode
     step streams every weight once, and on 2 MiB pages it misses the TLB far less: the 189 MB LM head reads about
@@ -221,6 +258,15 @@ class HugePageArena:
     @classmethod
     def sized_for(cls, tensors: list[torch.Tensor]) -> HugePageArena:
         return cls(sum(t.nbytes + cls.ALIGN for t in tensors))
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the arena (torch.empty's without one, or once the arena is full)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._memory is None or nbytes == 0 or self._used + nbytes > self._end:
+            return torch.empty(shape, dtype=dtype)
+        out = self._memory[self._used:self._used + nbytes].view(dtype).view(shape)
+        self._used = -(-(self._used + nbytes) // self.ALIGN) * self.ALIGN
+        return out
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of t in the arena (t itself without one)."""
@@ -535,6 +581,34 @@ class CpuDot:
         libgomp stops spinning between regions and a decode step pays a wake-up per matmul. Call it from a thread
         that is done computing (it loaded the model; it waits for work)."""
         self.lib.dfa_release_threads()
+
+    def repack(self, blocks: torch.Tensor, qtype: int, n: int, k: int,
+               empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+               done: Callable[[torch.Tensor], None] | None = None) -> IntMatrix:
+        """A GGUF matrix [n, k] of GGML type id qtype (its blocks, as the file stores them: a memory map's view
+        serves) as its IntMatrix, bit for bit the integers and scales the file holds; its tensors from
+        empty(shape, dtype) (default torch.empty: a HugePageArena's `empty` places them there). done(blocks) is
+        called on each run of rows repacked (a load hands the file's pages back there)."""
+        shapes = repacked_shapes(qtype, n, k)
+        blocks = blocks.reshape(-1).view(torch.uint8)
+        need = n * k // (256 if qtype in _K_QUANTS else 32) * _BLOCK_BYTES[qtype]
+        if blocks.numel() != need or not blocks.is_contiguous() or blocks.device.type != "cpu":
+            raise ValueError(f"a GGML type {qtype} matrix [{n}, {k}] is {need} contiguous bytes in CPU memory, got "
+                             f"{blocks.numel()}")
+        q, qh, d = [(empty or _empty)(shape, dtype) if shape else None for shape, dtype in shapes]
+        row_bytes = need // n
+        step = max(1, REPACK_CHUNK_BYTES // row_bytes)
+        for start in range(0, n, step):  # a few MiB of rows a call, each handed to `done` once repacked
+            rows = min(step, n - start)
+            chunk = blocks[start * row_bytes:(start + rows) * row_bytes]
+            status = self.lib.dfa_repack(chunk.data_ptr(), qtype, rows, k, q[start].data_ptr(),
+                                         _ptr(None if qh is None else qh[start]), d[start].data_ptr(), self.threads())
+            if status:
+                raise ValueError(f"dfa_repack refused GGML type {qtype} [{n}, {k}] ({status})")
+            if done is not None:
+                done(chunk)
+        bits, offset, group, _ = REPACK_LAYOUTS[qtype]
+        return IntMatrix(q, d, None, bits, group, qh, offset)
 
     def dequantize(self, w: IntMatrix, ids: torch.Tensor | None = None) -> torch.Tensor:
         """w [N, K] float32, bit for bit what the GGUF dequantization gives; or its rows ids [R] only."""
