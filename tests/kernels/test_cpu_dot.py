@@ -201,19 +201,17 @@ def test_released_threads_end_and_the_next_region_starts_new_ones(lib):
     assert result == {"released": 2, "same": True}
 
 
-def test_matrices_move_into_a_huge_page_arena_intact():
-    gen = torch.Generator().manual_seed(0)
-    values = torch.randint(0, 32, (96, 64), generator=gen)
-    d, m = torch.rand(96, 2, generator=gen), torch.rand(96, 2, generator=gen)
-    original = cpu_dot.IntMatrix.pack(values, d, m, bits=5, offset=0)
-    arena = cpu_dot.HugePageArena.sized_for(original.tensors())
+def test_tensors_are_allocated_in_a_huge_page_arena():
+    arena = cpu_dot.HugePageArena(3 * cpu_dot.HugePageArena.ALIGN + 96 * 32 + 96 * 2 * 4)
     if not arena.enabled:
         pytest.skip("this kernel takes no transparent huge page advice")
-    placed = original.placed(arena)
-    for before, after in zip(original.tensors(), placed.tensors(), strict=True):
-        assert torch.equal(before, after) and after.data_ptr() % cpu_dot.HugePageArena.ALIGN == 0
-    with pytest.raises(ValueError, match="bytes left"):
-        arena.place(torch.zeros(1 << 20, dtype=torch.uint8))
+    made = [arena.empty((96, 32), torch.uint8), arena.empty((96, 2), torch.int32)]
+    base = arena._memory.data_ptr()
+    for t in made:
+        assert t.data_ptr() % cpu_dot.HugePageArena.ALIGN == 0
+        assert base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + arena._memory.nbytes
+    beyond = arena.empty((1 << 20,), torch.uint8)  # once full, torch's own memory
+    assert not base <= beyond.data_ptr() < base + arena._memory.nbytes
 
 
 @pytest.fixture(params=["best", "generic"])

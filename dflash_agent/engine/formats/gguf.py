@@ -45,11 +45,11 @@ class GGUFFile:
     mapping: np.memmap | None = None  # the file, mapped: what the tensors' data are views of
 
     def _pages(self, view: Any, inside: bool) -> tuple[int, int] | None:
-        """The page-aligned byte range of `view` in `mapping` (inside: the pages wholly within it; else all it
-        touches), None off a mapping."""
+        """The page-aligned byte range of `view` (a torch view of `mapping`) in `mapping` (inside: the pages wholly
+        within it; else all it touches), None off a mapping."""
         if self.mapping is None:
             return None
-        start = (view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data) - self.mapping.ctypes.data
+        start = view.data_ptr() - self.mapping.ctypes.data
         end, page = start + view.nbytes, mmap.PAGESIZE
         first = -(-start // page) * page if inside else start // page * page
         last = end // page * page if inside else min(-(-end // page) * page, self.mapping.shape[0])
@@ -63,7 +63,7 @@ class GGUFFile:
             self.mapping._mmap.madvise(mmap.MADV_WILLNEED, span[0], span[1] - span[0])
 
     def release(self, view: Any) -> None:
-        """Hand the mapped pages of `view` (a tensor's data, a numpy or torch view of `mapping`) back: the file stays
+        """Hand the mapped pages of `view` (a tensor's data, a torch view of `mapping`) back: the file stays
         mapped and a later read pages it in again, but a load that has repacked a tensor no longer holds its blocks
         in memory beside the copy. Only the pages wholly inside the view go (neighbours share the others)."""
         span = self._pages(view, inside=True)

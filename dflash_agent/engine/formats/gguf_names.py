@@ -58,13 +58,16 @@ def gguf_tensor_name(name: str) -> str | None:
     return f"layers.{m.group(1)}.{_GGUF_LAYER_NAMES[key]}" if key in _GGUF_LAYER_NAMES else None
 
 
+_OUR_GLOBAL_NAMES = {v: k for k, v in _GGUF_GLOBAL_NAMES.items()}
+_OUR_LAYER_NAMES = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+
+
 def gguf_name(ours: str) -> str:
     """The GGUF name of our parameter `ours` (gguf_tensor_name's inverse), as llama.cpp's converter writes it."""
-    globals_ = {v: k for k, v in _GGUF_GLOBAL_NAMES.items()}
-    if ours in globals_:
-        return globals_[ours]
+    if ours in _OUR_GLOBAL_NAMES:
+        return _OUR_GLOBAL_NAMES[ours]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
-    layer = {v: k for k, v in _GGUF_LAYER_NAMES.items()}.get(m.group(2)) if m else None
+    layer = _OUR_LAYER_NAMES.get(m.group(2)) if m else None
     if layer is None:
         raise KeyError(f"no GGUF name for {ours!r}")
     if layer.endswith(".scale"):

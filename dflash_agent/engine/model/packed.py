@@ -15,8 +15,8 @@ CPU repacking (the fast default on the CPU), once at load:
 - `CpuDotWeight`, kernels.cpu.cpu_dot's C kernels (built when the package installs): every format is rewritten
   as the integers it stores (`_int_groups`: w = d q + m per group of 32, or 16 for Q6_K), bit for bit; Q4_0 /
   Q4_K stay at 4 bits, Q5_0 / Q5_K at 5, Q6_K at 6, Q8_0 at 8. The scales stay as the file has them
-  where the kernels read that (HALF_SCALE_TYPES' float16 ones, HEADER_TYPES' super-block headers, Q6_K's
-  super-block tails), so every format repacks at the file's own size.
+  (kernels.cpu.cpu_dot.REPACK_LAYOUTS: the float16 ones of Q4_0 / Q5_0 / Q8_0, the K-quants' super-block headers
+  and Q6_K's tails), so every format repacks at the file's own size, in one pass of C (CpuDot.repack).
   Activations are quantized to int16 per block of 32 (a relative error near 1e-5, where bf16 would be 4e-3),
   so the logits match the exact path's to within float rounding: no rescoring, and each row of a batch is
   computed alone (verify steps give what decode steps give, which keeps speculation lossless). Prompt blocks of
@@ -322,14 +322,6 @@ U6_TYPES = frozenset({GGMLQuantizationType.Q6_K})  # and this at 6
 # What makes the integers of `_int_groups` unsigned (u = q + offset) for the formats wider than 4 bits.
 _UNSIGNED_OFFSET = {GGMLQuantizationType.Q5_0: 16, GGMLQuantizationType.Q8_0: 128, GGMLQuantizationType.Q5_K: 0}
 PLANE_TYPES = U4_TYPES | frozenset(_UNSIGNED_OFFSET)
-# One float16 scale per block of 32 and no offsets m: cpu_dot reads the scales as float16, so these repack at the
-# file's own size (Q4_0 4.5 bits per weight, Q5_0 5.5, Q8_0 8.5).
-HALF_SCALE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0})
-# Super-blocks of 256 whose 16-byte header (float16 d and dmin, 6-bit scales and mins) cpu_dot decodes itself: these
-# repack at the file's size too (Q4_K 4.5 bits per weight, Q5_K 5.5); and Q6_K's 18-byte tail (int8 scales,
-# float16 d), so it repacks at 6.56 bits per weight, as in the file.
-HEADER_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K})
-TAIL_TYPES = frozenset({GGMLQuantizationType.Q6_K})
 
 
 def _planes(blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> list[tuple]:

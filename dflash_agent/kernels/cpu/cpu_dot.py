@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .build import MACHINES, MODE_ENV, source_digest
 
@@ -76,7 +77,9 @@ _SIGNATURES = {
     "dfa_norm_head_argmax": ([_P, _I, _P, ctypes.c_float, _P, _P, _P, ctypes.c_int], ctypes.c_int),
 }
 # GGML's type ids of the formats dfa_repack reads (cpu_dot.h's DFA_GGML_*) -> (bits, offset, group, scale bytes per
-# 256 values): the layout each repacks into, its scales as the file stores them (float16 per 32; K-quant headers)
+# 256 values): the layout each repacks into, its scales as the file stores them (a float16 per 32; the K-quants'
+# 16-byte super-block headers, Q6_K's 18-byte tails), so each repacks at the file's own size (Q4_0 / Q4_K 4.5 bits a
+# weight, Q5_0 / Q5_K 5.5, Q6_K 6.56, Q8_0 8.5)
 REPACK_LAYOUTS: dict[int, tuple[int, int, int, int]] = {
     2: (4, 8, 32, 16),  # Q4_0
     6: (5, 16, 32, 16),  # Q5_0
@@ -85,7 +88,6 @@ REPACK_LAYOUTS: dict[int, tuple[int, int, int, int]] = {
     13: (5, 0, 32, 16),  # Q5_K
     14: (6, 32, 16, 18),  # Q6_K
 }
-_K_QUANTS = (12, 13, 14)
 SCREEN_PANEL = 32  # a HeadScreen's rows come in pairs of panels of 16 (cpu_layer.c's screen_tile)
 
 
@@ -176,10 +178,6 @@ class IntMatrix:
 
         return IntMatrix(f(self.q), f(self.d), apply(self.m), self.bits, self.group, apply(self.qh), self.offset)
 
-    def placed(self, arena: HugePageArena) -> IntMatrix:
-        """This matrix with its tensors copied into `arena`."""
-        return self._mapped(arena.place)
-
     def rows(self, start: int, end: int) -> IntMatrix:
         return self._mapped(lambda t: t[start:end])
 
@@ -199,7 +197,6 @@ class IntMatrix:
 
 
 REPACK_CHUNK_BYTES = 32 << 20  # of a matrix's blocks per repacking call: what a load holds of the file at once
-_BLOCK_BYTES = {2: 18, 6: 22, 8: 34, 12: 144, 13: 176, 14: 210}
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -211,9 +208,10 @@ def repacked_shapes(qtype: int, n: int, k: int) -> list[tuple[tuple[int, ...] | 
     if qtype not in REPACK_LAYOUTS:
         raise ValueError(f"GGML type {qtype} has no CPU layout (the layouts read {sorted(REPACK_LAYOUTS)})")
     bits, _, _, scale_bytes = REPACK_LAYOUTS[qtype]
+    super_blocks = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] == 256  # the K-quants: headers / tails as d
     q = ((n, k), torch.int8) if bits == 8 else ((n, k // 2), torch.uint8)
     qh = ((n, k // 32), torch.int32) if bits == 5 else ((n, k // 32, 2), torch.int32) if bits == 6 else None
-    d = ((n, k // 256 * scale_bytes), torch.uint8) if qtype in _K_QUANTS else ((n, k // 32), torch.float16)
+    d = ((n, k // 256 * scale_bytes), torch.uint8) if super_blocks else ((n, k // 32), torch.float16)
     return [q, (qh, torch.int32) if qh is None else qh, d]
 
 
@@ -223,11 +221,12 @@ def repacked_nbytes(qtype: int, n: int, k: int) -> int:
 
 
 class HugePageArena:
-    """One private anonymous mapping advised for transparent huge pages, which tensors are copied into. A decode
-    step streams every weight once, and on 2 MiB pages it misses the TLB far less: the 189 MB LM head reads about
-    8% faster. Linux backs only memory advised so with huge pages in THP's default "madvise" mode, and torch's
-    allocations are not; where the advice is not available, `place` returns its tensor as it is. Placed tensors are
-    views of the one mapping: pickling or saving one writes all of it (none is: they are kernel-only copies)."""
+    """One private anonymous mapping advised for transparent huge pages, which tensors are allocated in (`empty`:
+    a load repacks the weights straight into it). A decode step streams every weight once, and on 2 MiB pages it
+    misses the TLB far less: the 189 MB LM head reads about 8% faster. Linux backs only memory advised so with huge
+    pages in THP's default "madvise" mode, and torch's allocations are not; where the advice is not available,
+    `empty` is torch.empty. Its tensors are views of the one mapping: pickling or saving one writes all of it (none
+    is: they are kernel-only copies)."""
 
     ALIGN = 64  # a cache line: rows never straddle one more than they must
 
@@ -255,10 +254,6 @@ class HugePageArena:
     def enabled(self) -> bool:
         return self._memory is not None
 
-    @classmethod
-    def sized_for(cls, tensors: list[torch.Tensor]) -> HugePageArena:
-        return cls(sum(t.nbytes + cls.ALIGN for t in tensors))
-
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor in the arena (torch.empty's without one, or once the arena is full)."""
         nbytes = math.prod(shape) * dtype.itemsize
@@ -266,19 +261,6 @@ class HugePageArena:
             return torch.empty(shape, dtype=dtype)
         out = self._memory[self._used:self._used + nbytes].view(dtype).view(shape)
         self._used = -(-(self._used + nbytes) // self.ALIGN) * self.ALIGN
-        return out
-
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of t in the arena (t itself without one)."""
-        if self._memory is None or t.nbytes == 0:
-            return t
-        start = self._used
-        end = start + t.nbytes
-        if end > self._end:
-            raise ValueError(f"the arena has {self._end - start} bytes left, not {t.nbytes}")
-        out = self._memory[start:end].view(t.dtype).view(t.shape)
-        out.copy_(t)
-        self._used = -(-end // self.ALIGN) * self.ALIGN
         return out
 
 
@@ -591,7 +573,8 @@ class CpuDot:
         called on each run of rows repacked (a load hands the file's pages back there)."""
         shapes = repacked_shapes(qtype, n, k)
         blocks = blocks.reshape(-1).view(torch.uint8)
-        need = n * k // (256 if qtype in _K_QUANTS else 32) * _BLOCK_BYTES[qtype]
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        need = n * k // block * block_bytes
         if blocks.numel() != need or not blocks.is_contiguous() or blocks.device.type != "cpu":
             raise ValueError(f"a GGML type {qtype} matrix [{n}, {k}] is {need} contiguous bytes in CPU memory, got "
                              f"{blocks.numel()}")
