@@ -38,7 +38,7 @@ from .load.tokenizer import IncrementalDetokenizer, Tokenizer
 from .model.drafter import Drafter
 from .model.gemma import RowGroup
 from .model.mtp import MtpDrafter
-from .model.packed import cpu_dot, release_cpu_threads
+from .model.packed import cpu_dot, products_in_c, release_cpu_threads
 from .progress import ProgressLog
 from .runner import StepRunner
 from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, TokenEvent, Usage
@@ -276,7 +276,8 @@ class Scheduler:
         self.batch_drafting = BatchDrafting()
         # the CPU kernels' thread count per step (None: not the CPU kernels, or a single core)
         kernels = cpu_dot() if runner.device.type == "cpu" else None
-        self.thread_count = ThreadCount(kernels, torch.get_num_threads()) \
+        self.thread_count = ThreadCount(kernels, torch.get_num_threads(),
+                                        torch_follows=products_in_c(runner.model.matmul_weights(experts=True))) \
             if kernels is not None and torch.get_num_threads() > 1 else None
         # what every slot's requests wrote, for copies across requests (the worker thread alone touches it)
         self.copy_memory = CopyMemory(spec.copy_match) if spec.enabled and spec.ngram and spec.copy_match else None

@@ -34,6 +34,7 @@ from dflash_agent.engine.model.packed import (
     _int_groups,
     cpu_dot,
     prefill_dtype,
+    products_in_c,
 )
 from dflash_agent.kernels.cpu import cpu_dot as cpu_dot_module
 from dflash_agent.kernels.cpu.cpu_dot import DISABLE_ENV
@@ -143,6 +144,9 @@ def test_prompt_gemms(qtype, prefill):
         assert torch.equal(ours, cpu_dot().gemm_int8(many, fast.cpu.matrix))
     few = many[:5]
     assert torch.equal(F.linear(few, fast), F.linear(few, exact))
+    # only the int8 GEMMs are the kernels' own: torch's may sum by the thread count (ThreadCount keeps its count)
+    assert products_in_c([fast]) == (prefill == torch.int8) and not products_in_c([exact])
+    assert not products_in_c([fast, torch.randn(4, 4)])
     with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         fast.repack_for_cpu(prefill=torch.float16)
 

@@ -336,7 +336,7 @@ def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_
     within a few steps when its own count slows down, and by exploring when the other would pay again."""
     from dflash_agent.engine.backends.thread_count import ThreadArm, ThreadCount
 
-    counts = ThreadCount(None, 2)  # choose / record only: no kernels called
+    counts = ThreadCount(None, 2, torch_follows=True)  # choose / record only: no kernels called
     seconds = {2: 0.010, 1: 0.016}
 
     def play(steps: int) -> list[int]:
@@ -358,44 +358,51 @@ def test_the_thread_count_leaves_a_count_that_slows_down_and_takes_it_back_when_
     # verification blocks are learnt apart from decode steps
     assert counts.choose(65) == 2 and counts.bandit.samples(ThreadArm(2, 2)) == 0
     # a prompt chunk takes the count the steps measured most favour: all the threads until both are measured
-    assert ThreadCount(None, 2).preferred() == 2
+    assert ThreadCount(None, 2, torch_follows=True).preferred() == 2
     seconds[2] = 0.040
     play(20)
     assert counts.preferred() == 1
 
 
 @pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
-def test_torch_runs_on_the_count_chosen():
+def test_torch_runs_on_the_count_chosen_only_where_the_kernels_do_every_product():
     from dflash_agent.engine.backends.thread_count import ThreadCount
 
     seen, threads = [], torch.get_num_threads()
     try:
-        ThreadCount(cpu_dot(), 2).on(1, lambda: seen.append((torch.get_num_threads(), cpu_dot().threads())))
+        for follows in (True, False):
+            ThreadCount(cpu_dot(), 2, torch_follows=follows).on(
+                1, lambda: seen.append((torch.get_num_threads(), cpu_dot().threads())))
     finally:
         torch.set_num_threads(threads)
-    assert seen == [(1, 1)]
+    assert seen == [(1, 1), (2, 1)]
 
 
 @pytest.mark.skipif(cpu_dot() is None, reason="no C compiler: the CPU kernels cannot be built")
 def test_a_prompt_gives_the_same_bits_on_the_counts_a_step_may_take(embedded_engine):
-    """ThreadCount runs a prompt chunk's torch ops (attention, norms) on the count it picks: a request's output must
-    not depend on how busy the cores were."""
+    """ThreadCount runs a prompt chunk's kernels, and where they do every product its torch ops (attention, norms),
+    on the count it picks: a request's output must not depend on how busy the cores were. Machines differ in which
+    dtype the prompt GEMMs take (prefill_dtype), so this checks the engine's own choice."""
     from dflash_agent.engine.backends.thread_count import ThreadCount
+    from dflash_agent.engine.model.packed import products_in_c
 
     engine = embedded_engine(1024, device="cpu")
     engine.close()
-    model, lib = engine.model, cpu_dot()
+    model = engine.model
     ids = torch.tensor(engine.tokenizer.encode(CODE * 12)[:600])
     threads, logits = torch.get_num_threads(), {}
-    counts = ThreadCount(lib, max(2, threads)).counts
+    thread_count = ThreadCount(cpu_dot(), max(2, threads), products_in_c(model.matmul_weights(experts=True)))
+
+    def prompt(n: int) -> None:
+        cache = model.new_cache(1024, "auto")
+        with torch.inference_mode():
+            logits[n] = torch.cat([model.forward(ids[a:a + 512], cache,
+                                                 logits_at=torch.arange(min(512, len(ids) - a))).logits
+                                   for a in range(0, len(ids), 512)])
+
     try:
-        for n in counts:
-            torch.set_num_threads(n)
-            cache = model.new_cache(1024, "auto")
-            with torch.inference_mode(), lib.using(n):
-                logits[n] = torch.cat([model.forward(ids[a:a + 512], cache,
-                                                     logits_at=torch.arange(min(512, len(ids) - a))).logits
-                                       for a in range(0, len(ids), 512)])
+        for n in thread_count.counts:
+            thread_count.on(n, lambda n=n: prompt(n))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(logits[counts[0]], logits[counts[1]])
+    assert torch.equal(*logits.values())

@@ -27,18 +27,20 @@ class ThreadCount:
     cores: with one of two cores busy, a step's parallel regions wait for the thread that is not running, and two
     threads decode far slower than one. Each count is measured MIN_SAMPLES times, then the faster one plays and the
     other is re-measured from the Bandit's exploration budget, so a core that gets busy is left at once (the count
-    in play slows down) and one that gets free is taken back soon. The count covers the CPU kernels and torch's own
-    ops (a prompt chunk's attention, norms and activations; the count is the worker thread's, which alone runs torch
-    in the engine): torch's at two threads beside a busy core slowed a long prompt several times over against one
-    thread. Results do not depend on the count: the kernels compute each output on one thread (CpuDot.using), and
-    torch's ops on a prompt gave the same bits at one and two threads (tests/engine/test_scheduler.py checks it)."""
+    in play slows down) and one that gets free is taken back soon. The count covers the CPU kernels and, where
+    `torch_follows`, torch's own ops (a prompt chunk's attention, norms and activations; the count is the worker
+    thread's, which alone runs torch in the engine): torch's at two threads beside a busy core slowed a long prompt
+    several times over against one thread. Results do not depend on the count: the kernels compute each output on one
+    thread (CpuDot.using); torch follows only where every product runs in the kernels (products_in_c), its other ops
+    giving the same bits at either count (tests/engine/test_scheduler.py checks it), while torch's GEMMs may split a
+    sum by the count, so where torch multiplies it keeps all the threads."""
 
     ALPHA = 0.2
     MIN_SAMPLES = 2
     EXPLORE_BUDGET = 0.01
 
-    def __init__(self, kernels: CpuDot, most: int) -> None:
-        self.kernels = kernels
+    def __init__(self, kernels: CpuDot, most: int, torch_follows: bool) -> None:
+        self.kernels, self.most, self.torch_follows = kernels, most, torch_follows
         self.counts = sorted({most, max(1, most // 2)}, reverse=True)
         # scored by minus the seconds per row: the fastest count scores highest
         self.bandit: Bandit[ThreadArm] = Bandit(self.ALPHA, self.MIN_SAMPLES, self.EXPLORE_BUDGET)
@@ -75,7 +77,8 @@ class ThreadCount:
         return min(self.counts, key=lambda n: self.seconds_per_row(ThreadArm(size, n)))
 
     def on(self, threads: int, work: Callable[[], object]) -> None:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        torch_threads = threads if self.torch_follows else self.most
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
         with self.kernels.using(threads):
             work()

@@ -619,9 +619,13 @@ class GemmaModel(nn.Module):
         """The LM head [vocab, hidden] (the embedding when tied); the DFlash drafter reads it too."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def matmul_weights(self) -> list[torch.Tensor]:
-        """The matrices steps multiply by (every Linear's and the LM head), not those only looked up (embeddings)."""
+    def matmul_weights(self, experts: bool = False) -> list[torch.Tensor]:
+        """The matrices steps multiply by (every Linear's and the LM head), not those only looked up (embeddings);
+        experts: the MoE layers' stacks of routed experts too."""
         weights = [m.weight for m in self.modules() if isinstance(m, Linear)] + [self.output_weight]
+        if experts:
+            weights += [w for m in self.modules() if isinstance(m, Experts)
+                        for w in (m.gate_up_proj, m.down_proj)]
         return list({id(w): w for w in weights}.values())
 
     def logits(self, hidden: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:

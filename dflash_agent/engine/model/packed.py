@@ -124,6 +124,21 @@ def bfloat16_gemm_gain() -> float:
     return gain
 
 
+def products_in_c(weights: list[torch.Tensor]) -> bool:
+    """Whether every product by these weights, however many rows, runs in the C kernels (int8 prefill GEMMs beside
+    the multi-row ones), which compute each output on one thread: torch's GEMMs (oneDNN's, MKL's) may split a sum by
+    the thread count, so their bits can change with it."""
+
+    def in_c(w: torch.Tensor) -> bool:
+        if not isinstance(w, PackedWeight):
+            return False
+        if w.experts is not None:
+            return all(in_c(e) for e in w.experts)
+        return isinstance(w.cpu, CpuDotWeight) and w.cpu.prefill == torch.int8
+
+    return all(in_c(w) for w in weights)
+
+
 def release_cpu_threads(device: torch.device) -> None:
     """End the OpenMP threads the calling thread's parallel regions kept (CpuDot.release_threads), where a model on
     `device` runs on the CPU kernels."""
