@@ -19,15 +19,28 @@ from .options import FiniteRange, close_engine, kv_cache_option, load_engine, mo
 
 class LazyGroup(click.Group):
     """Commands that live in other layers are imported when run, so `generate` never loads a web server and
-    `run --server` never loads torch."""
+    `run --server` never loads torch; `--help` lists them from the one-line help kept here (each would import
+    torch, a web server or the MCP SDK), which tests/test_cli_help.py holds to each command's own."""
 
     lazy = {
-        "serve": "dflash_agent.serve:serve",
-        "run": "dflash_agent.agent.commands:run",
-        "chat": "dflash_agent.agent.commands:chat",
-        "mcp": "dflash_agent.mcp.commands:mcp",
-        "train-drafter": "dflash_agent.train.commands:train_drafter",
-        "bench": "dflash_agent.bench.commands:bench",
+        "serve": ("dflash_agent.serve:serve",
+                  "OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP "
+                  "(streamable HTTP) at /mcp."),
+        "run": ("dflash_agent.agent.commands:run",
+                "Run the coding agent on TASK in a repository: the model reads, edits and runs commands through "
+                "sandboxed tools until it answers without a tool call or a limit runs out."),
+        "chat": ("dflash_agent.agent.commands:chat",
+                 "An interactive session with the coding agent: each message is a task, run with the same tools in "
+                 "one growing conversation (so the model's prefix cache carries over)."),
+        "mcp": ("dflash_agent.mcp.commands:mcp",
+                "MCP server over stdio (what editors spawn): run_task (the coding agent, with a progress "
+                "notification per step, cancellable), complete and chat (the local model), a status resource, and "
+                "with --expose-tools the workspace tools. stdout carries the protocol; logs go to stderr."),
+        "train-drafter": ("dflash_agent.train.commands:train_drafter",
+                          "Train a DFlash drafter for a target (the DFlash recipe, on the target's own "
+                          "continuations)."),
+        "bench": ("dflash_agent.bench.commands:bench",
+                  "Speed benchmarks, each measured against its baseline in the same run."),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -35,12 +48,26 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self.lazy and name not in self.commands:
-            module, attr = self.lazy[name].split(":")
+            module, attr = self.lazy[name][0].split(":")
             self.add_command(getattr(importlib.import_module(module), attr), name)
         return super().get_command(ctx, name)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click.Group's listing, with the one-line help of a command not imported yet taken from `lazy`."""
+        commands = [(name, self.commands.get(name)) for name in self.list_commands(ctx)]
+        commands = [(name, command) for name, command in commands if command is None or not command.hidden]
+        if not commands:
+            return
+        limit = formatter.width - 6 - max(len(name) for name, _ in commands)
+        # a command not imported yet is listed as a bare command with its help, which click shortens alike
+        rows = [(name, (command or click.Command(name, help=self.lazy[name][1])).get_short_help_str(limit))
+                for name, command in commands]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
 
 @click.group(cls=LazyGroup)
+@click.version_option(package_name="dflash-agent")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logs and full tracebacks.")
 def main(verbose: bool) -> None:
     """dflash-agent: a local Gemma backend for coding agents."""

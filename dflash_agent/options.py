@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 # Errors a user can cause and fix (every engine, chat, tools and training error is a UserError; a missing or
 # unreadable file an OSError); anything else is a bug and keeps its traceback.
+log = logging.getLogger(__name__)
+
 USER_ERRORS = (UserError, OSError)
 INTERRUPTED = 128 + signal.SIGINT  # the exit code of a command Ctrl-C ended, as shells report it
 
@@ -108,11 +110,16 @@ def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, 
     """The engine a command's model options describe; `engine_options` are EngineConfig's other fields, as they
     are. The config is checked (OptionError) before torch loads."""
     check_spec_options(no_spec, draft, spec_block)
-    from .engine import EngineConfig, SpecConfig
+    from .engine import EMBEDDED, EngineConfig, SpecConfig
 
     spec = SpecConfig(enabled=not no_spec, block=spec_block)
     config = EngineConfig(model=model, draft=draft, device=device, dtype=dtype, ctx_size=ctx_size, progress=progress,
                           spec=spec, draft_quant=draft_quant, weights=weights, threads=threads, **engine_options)
+    if progress:  # at once: torch's import alone takes seconds, and a big file's load minutes
+        what = f"{'the embedded model' if model == EMBEDDED else model}{f' with the drafter {draft}' if draft else ''}"
+        log.info("loading %s", what)  # a server's log
+        if not log.isEnabledFor(logging.INFO) and sys.stderr.isatty():  # a terminal, beside the load's progress bar
+            click.echo(f"loading {what}...", err=True)
     from .engine import Engine  # here, not at the top: a remote-only command never loads torch
 
     return Engine.from_config(config)

@@ -21,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # layer -> the layers it may import directly; what those may import it may import too (down is down).
 DEPENDS: dict[str, set[str]] = {
     "errors": set(),  # UserError, the base every layer's user-facing errors share
-    "kernels": {"errors"},
+    "version": set(),  # the installed package's version
+    "kernels": {"errors", "version"},
     "engine": {"kernels"},
     "templates": set(),  # package data: the bundled chat templates
     "chat": {"engine", "templates"},
-    "tools": {"errors"},
+    "tools": {"errors", "version"},
     "agent": {"chat", "tools"},
     "mcp": {"agent", "tools"},
     "api": {"chat"},

@@ -22,6 +22,7 @@ from litestar.plugins import InitPluginProtocol
 from ..chat.chat_format import ChatOptions, LoadedModel
 from ..chat.openai_messages import conversation_from_openai
 from ..engine import Engine
+from ..version import package_version
 from .anthropic_routes import anthropic_router
 from .connections import AcceptErrorLimiter
 from .errors import APIError, anthropic_error, handlers, openai_error
@@ -107,6 +108,34 @@ async def slots(state: State, prompt: FromQuery[bool] = False) -> list[SlotView]
                      s.cached_tokens, s.prefilled_tokens - s.cached_tokens, s.generated_tokens,
                      round(s.tokens_per_second, 2), list(s.prompt_ids) if prompt and s.state != "idle" else None)
             for s in engine.slots]
+
+
+class GenerationSettings(msgspec.Struct):
+    n_ctx: int
+    params: dict[str, Any]  # what a request that sets none gets: n_predict (-1: until the context is full), sampling
+
+
+class Props(msgspec.Struct):
+    """llama-server's GET /props, the fields a client reads to size its requests."""
+
+    default_generation_settings: GenerationSettings
+    total_slots: int
+    model_alias: str
+    model_path: str
+    chat_template: str
+    modalities: dict[str, bool]
+    build_info: str
+
+
+@get("/props", summary="The context, output cap, slots and chat template (llama-server's /props)")
+async def props(state: State) -> Props:
+    server: ServerState = state.server
+    model = server.ready()
+    engine, cap = model.engine, server.settings.max_tokens
+    params = {"n_predict": cap if cap is not None else -1, **engine.sampling_defaults.fields()}
+    return Props(GenerationSettings(engine.n_ctx, params), engine.parallel, model.name,
+                 str(engine.model_path or engine.model_name), model.chat.template.text,
+                 {"vision": False, "audio": False}, f"dflash-agent {package_version()}")
 
 
 # A character of /tokenize's content is at most 12 bytes of JSON (an escaped surrogate pair), a token id of
@@ -227,8 +256,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
 
     guards = [_auth_guard(settings.api_key)] if settings.api_key else []
     app = Litestar(
-        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, slots, tokenize,
-                        detokenize, apply_template],
+        route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, slots, props,
+                        tokenize, detokenize, apply_template],
         state=State({"server": server}),
         lifespan=[lifespan],
         guards=[*guards, _json_bodies],

@@ -261,7 +261,11 @@ async def models(state: State) -> ModelList:
     server: ServerState = state.server
     model = server.ready()
     cfg = model.engine.model.config
-    meta = {"n_ctx": model.engine.n_ctx, "n_ctx_train": cfg.max_position_embeddings, "n_vocab": cfg.vocab_size,
+    # llama-server's names, and vLLM's max_model_len: what clients size their prompts by; max_output_tokens the
+    # server's cap on an answer that sets none (None: until the context is full)
+    meta = {"n_ctx": model.engine.n_ctx, "max_model_len": model.engine.n_ctx,
+            "max_output_tokens": server.settings.max_tokens,
+            "n_ctx_train": cfg.max_position_embeddings, "n_vocab": cfg.vocab_size,
             "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "family": cfg.family,
             "draft": model.engine.drafter is not None,
             # What a request that leaves them out gets from the model (remote agents default to the same).

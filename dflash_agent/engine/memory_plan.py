@@ -41,6 +41,9 @@ from .model.quant_linear import GROUP
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# A coding agent's first prompt (its system prompt and tool definitions) runs 7-21K tokens and its session grows
+# from there: a context below this is named as too small for one.
+AGENT_CONTEXT = 32768
 RUNTIME_ALLOWANCE = 384 << 20  # cuBLAS / Triton workspaces, CUDA graph pools, allocator fragmentation
 
 
@@ -310,6 +313,10 @@ def gpu_context_size(
     plan = fit_context(free, config, checkpoint_weight_bytes(tensors, dtype, packed=True), requested,
                        dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots)
     log.info("%s", plan.describe())
+    if requested is None and plan.ctx_size < min(AGENT_CONTEXT, config.max_position_embeddings):
+        log.warning("context %d tokens, what %.1f GiB free on %s holds: coding agents need about %d (free memory "
+                    "on the card, --kv-cache q8, or a smaller model)", plan.ctx_size, free / GiB, device,
+                    AGENT_CONTEXT)
     return plan.ctx_size
 
 
@@ -377,7 +384,9 @@ def cpu_context_size(
     n_ctx = min(config.max_position_embeddings, max(largest, min(4096, whole)))
     if n_ctx < config.max_position_embeddings:
         log.warning("context %d tokens, not the model's %d: %.1f GiB of RAM available (--ctx-size sets it, up to %d "
-                    "here)", n_ctx, config.max_position_embeddings, free / GiB, whole)
+                    "here)%s", n_ctx, config.max_position_embeddings, free / GiB, whole,
+                    f"; coding agents need about {AGENT_CONTEXT}: free memory, or a smaller model"
+                    if n_ctx < AGENT_CONTEXT else "")
     else:
         log.info("context %d tokens (the model's; %.1f GiB of RAM available)", n_ctx, free / GiB)
     return n_ctx

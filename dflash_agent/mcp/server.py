@@ -14,7 +14,6 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 import anyio
@@ -50,6 +49,7 @@ from ..tools.registry import Registry, workspace_tools
 from ..tools.sandbox import Sandbox
 from ..tools.tool import ToolError, ToolResult, ToolSpec, struct_schema
 from ..tools.workspace import Workspace
+from ..version import package_version
 from .model import ModelAccess
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def build_server(model: ModelAccess, workspace: Workspace | None = None, registr
         return ReadResourceResult(contents=[TextResourceContents(uri=STATUS_URI, mime_type="application/json",
                                                                  text=text)])
 
-    return Server("dflash-agent", version=_version(), instructions=_instructions(workspace, registry),
+    return Server("dflash-agent", version=package_version(), instructions=_instructions(workspace, registry),
                   on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
                   on_read_resource=read_resource)
 
@@ -343,10 +343,3 @@ def _instructions(workspace: Workspace | None, registry: Registry | None) -> str
         lines.append(f"The workspace tools are exposed too: {', '.join(registry.names)}.")
     lines.append(f"The resource {STATUS_URI} shows the model, its speed and its cache hits.")
     return "\n".join(lines)
-
-
-def _version() -> str:
-    try:
-        return version("dflash-agent")
-    except PackageNotFoundError:
-        return "0"

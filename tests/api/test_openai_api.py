@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from dflash_agent.api.service import DEFAULT_MAX_TOKENS
+
 # Bounded arguments (an enum and an integer) so a forced call finishes within a few tokens.
 TOOLS = [
     {"type": "function", "function": {
@@ -31,6 +33,19 @@ def client(server_url):
 def test_models(client):
     (model,) = client.models.list().data
     assert model.id == "gemma-3-270m-q4_k_m.gguf" and model.owned_by == "dflash-agent"
+    # what clients size their prompts and answers by: the context (llama-server's and vLLM's names), the cap
+    meta = model.model_extra["meta"]
+    assert meta["n_ctx"] == meta["max_model_len"] > 1000 and meta["max_output_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_props_says_what_llama_servers_does(server_url):
+    """llama-server's GET /props: the context and the cap a request that sets none gets, slots, the template."""
+    props = httpx.get(f"{server_url}/props", timeout=60).json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] > 1000 and settings["params"]["n_predict"] == DEFAULT_MAX_TOKENS
+    assert props["total_slots"] == 1 and props["model_alias"] == "gemma-3-270m-q4_k_m.gguf"
+    assert props["model_path"].endswith(".gguf") and "<start_of_turn>" in props["chat_template"]
+    assert props["build_info"].startswith("dflash-agent ") and props["modalities"] == {"vision": False, "audio": False}
 
 
 def test_plain_chat_streamed_equals_non_streamed(client):

@@ -185,6 +185,7 @@ def test_cpu_context_size_from_available_ram(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="dflash_agent.engine.memory_plan"):
         assert 9900 <= cpu_context_size(*args, None, available_bytes=ram) <= 10000
     assert "not the model's 32768" in caplog.text and "--ctx-size sets it" in caplog.text
+    assert "coding agents need about 32768" in caplog.text
     assert cpu_context_size(*args, 2048, available_bytes=64 * GiB) == 2048
     assert cpu_context_size(*args, 99999, available_bytes=64 * GiB) == 32768
     tight = CPU_RESERVE + plan_memory(config, weights, 3000, dtype=torch.float32).total_bytes
