@@ -41,6 +41,9 @@ class LazyGroup(click.Group):
                           "continuations)."),
         "bench": ("dflash_agent.bench.commands:bench",
                   "Speed benchmarks, each measured against its baseline in the same run."),
+        "connect": ("dflash_agent.connect:connect",
+                    "Print (or --write) CLIENT's configuration for a running server, with the server's context and "
+                    "output cap."),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

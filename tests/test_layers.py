@@ -34,6 +34,7 @@ DEPENDS: dict[str, set[str]] = {
     "bench": {"api", "options"},
     "train": {"options"},
     "serve": {"api", "mcp", "options"},
+    "connect": {"options"},
     "cli": {"options", "chat"},
     "__main__": {"cli"},
     "__init__": set(),
