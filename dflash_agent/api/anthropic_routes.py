@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -110,9 +111,17 @@ def _event(name: str, payload: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode({"type": name, **payload}) + b"\n\n"
 
 
+# Claude Code aborts a stream after 300 s without an event (pings do not count; CLAUDE_STREAM_IDLE_TIMEOUT_MS
+# only raises it) and then retries without streaming, prefilling again from the start: a CPU's prefill of its
+# first prompt can take longer. While nothing has been written yet, a message_delta that changes nothing (the
+# API allows one or more; stop_reason stays null) restarts that timer, this often: each one also adds the usage
+# so far to Claude Code's running totals once more, so few of them.
+PREFILL_KEEPALIVE_S = 120.0
+
+
 def _message_events(generation: Generation, message_id: str, model: str, n_prompt: int, cached: list[int],
-                    stop: tuple[str, ...]) -> AsyncIterator[bytes]:
-    return frames(generation, _MessageEvents(message_id, model, n_prompt, cached, stop))
+                    stop: tuple[str, ...], keepalive_s: float = PREFILL_KEEPALIVE_S) -> AsyncIterator[bytes]:
+    return frames(generation, _MessageEvents(message_id, model, n_prompt, cached, stop, keepalive_s))
 
 
 @dataclass
@@ -124,7 +133,9 @@ class _MessageEvents(StreamEncoder):
     n_prompt: int
     cached: list[int]  # what the prefix cache serves, once the engine has told
     stop: tuple[str, ...]
+    keepalive_s: float = PREFILL_KEEPALIVE_S  # the no-op message_delta's period before the first block
     started: bool = False
+    quiet_since: float = 0.0  # when the last event a client's idle timer counts went out
     called: bool = False
     index: int = -1
     open: Any = None  # the open block: "thinking", "text" or ("tool", call index)
@@ -135,7 +146,7 @@ class _MessageEvents(StreamEncoder):
         prefills."""
         if self.started:
             return []
-        self.started = True
+        self.started, self.quiet_since = True, time.monotonic()
         # Anthropic's split, as message_delta and the non-streamed usage have it: input_tokens excludes the
         # cache reads, so a client adding the two counts each token once.
         usage = msgspec.to_builtins(MessageUsage(self.n_prompt - n_cached, 0, 0, n_cached))
@@ -145,9 +156,14 @@ class _MessageEvents(StreamEncoder):
         }}), _event("ping", {})]
 
     def heartbeat(self) -> list[bytes]:
-        if self.started:
-            return [_event("ping", {})]
-        return self.begin(sum(self.cached)) if self.cached else super().heartbeat()
+        if not self.started:
+            return self.begin(sum(self.cached)) if self.cached else super().heartbeat()
+        out = [_event("ping", {})]
+        if self.index < 0 and time.monotonic() - self.quiet_since >= self.keepalive_s:  # still prefilling
+            self.quiet_since = time.monotonic()
+            out.append(_event("message_delta", {"delta": {"stop_reason": None, "stop_sequence": None},
+                                                "usage": {"output_tokens": 0}}))
+        return out
 
     def feed(self, event: object) -> list[bytes]:
         out = self.begin(sum(self.cached))

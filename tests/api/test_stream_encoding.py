@@ -156,6 +156,33 @@ def test_anthropic_stream_pings_while_a_long_prompt_prefills():
     assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use", "tool_use", "text"]
 
 
+def test_a_prefill_longer_than_claude_codes_idle_timer_sends_message_deltas_that_change_nothing():
+    """Claude Code restarts its stream idle timer on every event but ping: until the first block a message_delta
+    with no stop reason comes every keepalive_s, none after; the SDK's accumulation ends with the same message."""
+    cached: list[int] = []
+    raw = _slow_stream(lambda g: _message_events(g, "msg_1", "m", 20, cached, (), keepalive_s=0.1), cached, 0.0, 0.5)
+    events = [json.loads(b.split("\n")[1].removeprefix("data: "))
+              for b in b"".join(raw).decode().strip().split("\n\n") if not b.startswith(":")]
+    kinds = [e["type"] for e in events]
+    first_block = kinds.index("content_block_start")
+    keepalives = [e for e in events[:first_block] if e["type"] == "message_delta"]
+    assert 2 <= len(keepalives) <= 6 and kinds[first_block:].count("message_delta") == 1
+    assert all(e["delta"] == {"stop_reason": None, "stop_sequence": None} and e["usage"] == {"output_tokens": 0}
+               for e in keepalives)
+    snapshot, buffers = None, {}
+    for event in (e for e in events if e["type"] != "ping"):
+        snapshot = accumulate_event(event=TypeAdapter(RawMessageStreamEvent).validate_python(event),
+                                    current_snapshot=snapshot, json_bufs=buffers)
+    whole, whole_buffers = None, {}
+    plain = _collect(lambda g: _message_events(g, "msg_1", "m", 20, [15], ()))
+    for block in b"".join(plain).decode().strip().split("\n\n"):
+        event = json.loads(block.split("\n")[1].removeprefix("data: "))
+        if event["type"] != "ping":
+            whole = accumulate_event(event=TypeAdapter(RawMessageStreamEvent).validate_python(event),
+                                     current_snapshot=whole, json_bufs=whole_buffers)
+    assert snapshot.model_dump() == whole.model_dump() and snapshot.stop_reason == "tool_use"
+
+
 def test_openai_stream_sends_comments_while_a_long_prompt_prefills():
     cached: list[int] = []
     raw = _slow_stream(lambda g: _chat_chunks(g, "chatcmpl-1", 0, "m", include_usage=False), cached, 0.0, 0.4)
