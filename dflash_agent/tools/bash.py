@@ -31,6 +31,7 @@ from typing import Annotated
 import msgspec
 
 from ..errors import UserError
+from .git_metadata import disable_new, git_metadata
 from .sandbox import Sandbox, SandboxError
 from .terminal import terminal_text
 from .tool import ToolError, ToolSpec, elision_note
@@ -222,13 +223,15 @@ def run_command(argv: list[str], cwd: Path, env: Mapping[str, str], timeout: flo
     return CommandOutcome(streams.capture, None if killed else int(code), timed_out, detached=not streams.eof)
 
 
-def run_sandboxed(sandbox: Sandbox, argv: list[str], cwd: Path, writable: list[Path], tmp: Path,
-                  env: Mapping[str, str], timeout: float, max_output: int, cancel: threading.Event) -> CommandOutcome:
+def run_sandboxed(sandbox: Sandbox, argv: list[str], cwd: Path, writable: list[Path], read_only: list[Path],
+                  tmp: Path, env: Mapping[str, str], timeout: float, max_output: int,
+                  cancel: threading.Event) -> CommandOutcome:
     """Run argv in the sandbox (see sandbox.py), as run_command does through the launcher. No launcher:
     the PID namespace is the process group that cannot be left, and its init is out of the command's
     reach, so the command's end, or killing that init (timeout, cancel), ends everything it started.
     bwrap's exit code is the command's (128 + N for a signal)."""
-    started = sandbox.start(argv, cwd, writable=writable, tmp=tmp, env=env, stdin=subprocess.DEVNULL,
+    started = sandbox.start(argv, cwd, writable=writable, read_only=read_only, tmp=tmp, env=env,
+                            stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     proc = started.proc
     assert proc.stdout is not None
@@ -297,11 +300,12 @@ class Shell:
         env["BASH_ENV"] = seen(setup_file)
         argv = [self.bash_path, "-c", args.command]
         cancel = threading.Event()
+        git = await asyncio.to_thread(git_metadata, self.ws.root)  # read-only in the sandbox
         if tmp is not None:
             # The real ones are read-only in there: pip, uv, go and the like put their caches in
             # XDG_CACHE_HOME, npm in its own.
             env.update(TMPDIR="/tmp", XDG_CACHE_HOME="/tmp/.cache", npm_config_cache="/tmp/.npm")
-            run = functools.partial(run_sandboxed, self.sandbox, argv, self.cwd, [self.ws.root], tmp)
+            run = functools.partial(run_sandboxed, self.sandbox, argv, self.cwd, [self.ws.root], sorted(git), tmp)
         else:
             run = functools.partial(run_command, argv, self.cwd)
         running = asyncio.ensure_future(asyncio.to_thread(run, env, args.timeout, self.max_output, cancel))
@@ -311,11 +315,14 @@ class Shell:
             # The thread kills the group within a poll interval; once it has, the cancel goes on.
             cancel.set()
             await asyncio.wait({running})
+            disable_new(self.ws.root, git)  # as below, with no one left to tell
             raise
         finally:
             moved_to = _read_and_remove(cwd_file)
             with contextlib.suppress(OSError):
                 os.unlink(setup_file)
+        # what git would run outside the sandbox, made by this command (a `git init`, a nested repository)
+        notes += await asyncio.to_thread(disable_new, self.ws.root, git)
         notes += self._follow_cwd(moved_to)
         text = outcome.capture.text().rstrip("\n") or "(no output)"
         if outcome.timed_out:
@@ -380,6 +387,7 @@ def bash_tool(shell: Shell) -> ToolSpec:
         "flags. Output reads as a terminal shows it (no colours; progress bars in their last state). Long output "
         "is cut in the middle; processes still running when the command ends are killed. "
         "In the sandbox the repository's .git is read-only: git status, diff, log and show work, but not commit, add, "
-        "stash, checkout or restore; to undo a change to a file, `git show HEAD:path > path`.",
+        "stash, checkout or restore; to undo a change to a file, `git show HEAD:path > path`. A .git a command "
+        "makes (git init, a nested repository) is renamed away after it.",
         BashArgs, shell.bash, destructive=True,
     )

@@ -136,9 +136,10 @@ class FileTools:
 
     def _open_parent(self, path: str, make_dirs: bool) -> tuple[Path, int]:
         """The real path and its directory, opened by descriptor (see Workspace.open_parent), for a write: never
-        into the workspace's .git, whose config and hooks git runs outside the sandbox (read-only in there too)."""
-        if self.ws.resolve(path).relative_to(self.ws.root).parts[:1] == (".git",):
-            raise ToolError(f"{path} is in the repository's .git: its config and hooks would run outside the "
+        into a .git at any depth (the workspace's, a nested repository's or submodule's, one not made yet), whose
+        config and hooks git runs outside the sandbox at the user's next `git status` there."""
+        if ".git" in self.ws.resolve(path).relative_to(self.ws.root).parts:
+            raise ToolError(f"{path} is in a repository's .git: its config and hooks would run outside the "
                             "sandbox, so the tools do not write there")
         try:
             return self.ws.open_parent(path, make_dirs=make_dirs)

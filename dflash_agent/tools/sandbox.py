@@ -6,9 +6,10 @@ server's processes, nor read their environment or command line (API keys). It is
 second process, below bwrap's own init; when the command exits, or when the server kills that init
 (a timeout, a cancel), the kernel kills everything left in the namespace, whatever the command did
 to its parent (`kill -STOP $PPID` and `kill -9 $PPID` reach an init that ignores them). The whole
-filesystem is read-only but the workspace (its .git metadata excepted) and a private /tmp; the
-usual session, system-bus and Docker sockets are hidden; capabilities are dropped (root included);
-the network is kept or cut by option. Inside, Landlock refuses the Unix sockets made outside the
+filesystem is read-only but the workspace (its git metadata at any depth excepted) and a private /tmp; the
+usual session, system-bus and Docker sockets are hidden; capabilities are dropped (root included), and
+/proc's kernel settings (/proc/sys and the like) are read-only, which dropped capabilities alone do not make them
+for root; the network is kept or cut by option. Inside, Landlock refuses the Unix sockets made outside the
 sandbox (abstract ones from Linux 6.12, those at a path from Landlock ABI 9: confine.py).
 
 Where bwrap is missing or cannot start (not Linux, no user namespaces in a nested container), the
@@ -43,6 +44,8 @@ _STOP_S = 10.0  # how long bwrap may take to start, or to reap its init once tha
 _POLL_S = 0.05
 # Where the sockets of the user's session (D-Bus, ssh and gpg agents, Wayland), the system bus and Docker live
 _HOST_SOCKETS = ("/run/user", "/run/dbus", "/run/docker.sock", "/var/run/docker.sock")
+# What a fresh /proc holds that changes the host: sysctls, the SysRq trigger, IRQ affinities, PCI / USB devices
+_PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
 # The first program in the sandbox: Landlock keeps the command off Unix sockets made outside (confine.py)
 _CONFINE_SOURCE = Path(__file__).with_name("confine.py").read_text()
 
@@ -106,26 +109,29 @@ class Sandbox:
 
     def command(self, argv: Sequence[str], cwd: Path, writable: Sequence[Path] = (), tmp: Path | None = None,
                 private_tmp: bool = True, network: bool | None = None, info_fd: int | None = None,
-                search_path: str | None = None) -> list[str]:
+                search_path: str | None = None, read_only: Sequence[Path] = ()) -> list[str]:
         """argv run in the sandbox, in `cwd`: the filesystem read-only but `writable` (bound at the same
-        paths) and, with `private_tmp`, a /tmp of its own (`tmp` bound there, else an empty tmpfs) that
-        hides the machine's but for the tools a command needs (`tmp_tools`, with `search_path` its PATH);
+        paths, with `read_only` paths inside them bound read-only again) and, with `private_tmp`, a /tmp of
+        its own (`tmp` bound there, else an empty tmpfs) that hides the machine's but for the tools a command
+        needs (`tmp_tools`, with `search_path` its PATH);
         `network` defaults to the sandbox's. `info_fd`: where bwrap writes the namespace init's pid (JSON
         `child-pid`), then closes it."""
         assert self.bwrap is not None
         args = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        # The kernel's settings under the fresh /proc stay read-only: started by root, bwrap makes no user namespace
+        # and a sysctl write is checked against the euid, not the dropped capabilities, so a command could set
+        # kernel.core_pattern to a workspace program that the next crash runs as root on the host.
+        for path in _PROC_READ_ONLY:
+            args += ["--ro-bind-try", path, path]
         if private_tmp:
             args += ["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]
             for path in tmp_tools(search_path):
                 args += ["--ro-bind", str(path), str(path)]
         for path in writable:  # after /tmp: a workspace under /tmp is bound over the private one
             args += ["--bind", str(path), str(path)]
-            # Its repository's own metadata stays read-only (as Codex keeps it): git runs .git/config's commands
-            # (core.fsmonitor, core.pager, filters) and its hooks on the host, unsandboxed, at the user's next
-            # `git status`. Bound as a mount point, it cannot be renamed away and replaced either.
-            git = Path(path) / ".git"
-            if git.exists() or git.is_symlink():
-                args += ["--ro-bind", str(git), str(git)]
+        # Bound as mount points, these cannot be renamed away and replaced either (git metadata: git_metadata.py)
+        for path in sorted(read_only, key=lambda p: len(Path(p).parts)):
+            args += ["--ro-bind", str(path), str(path)]
         # Sockets that lead out of the sandbox to something that runs commands (the user's session bus:
         # systemd-run --user; Docker's; agents holding keys) are hidden where they usually live
         for path in _HOST_SOCKETS:
@@ -143,13 +149,13 @@ class Sandbox:
 
     def start(self, argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] = (), tmp: Path | None = None,
               private_tmp: bool = True, network: bool | None = None, env: Mapping[str, str],
-              **popen: Any) -> Started:
+              read_only: Sequence[Path] = (), **popen: Any) -> Started:
         """`command(...)` started with subprocess.Popen(**popen); once bwrap has set the namespace up.
         Call `stop()` on what it returns however the run ends."""
         info_r, info_w = os.pipe()
         try:
             proc = subprocess.Popen(self.command(argv, cwd, writable, tmp, private_tmp, network, info_fd=info_w,
-                                                 search_path=env.get("PATH")),
+                                                 search_path=env.get("PATH"), read_only=read_only),
                                     env=dict(env), pass_fds=(info_w,), **popen)
         except BaseException:
             os.close(info_r)

@@ -137,6 +137,22 @@ def test_writes_only_inside_the_workspace_and_a_private_tmp(root):
 
 
 @needs_bwrap
+def test_the_kernels_settings_are_read_only_even_to_root(root):
+    """Run as root (containers, CI), bwrap makes no user namespace and root's dropped capabilities do not stop a
+    sysctl write: kernel.core_pattern set to a workspace program would run it as root at the next crash."""
+    tools = workspace_tools(Workspace(root))
+    probe = ("import os\nfor p in ('/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches', "
+             "'/proc/sys/kernel/hostname'):\n    try:\n        os.close(os.open(p, os.O_WRONLY))\n"
+             "        print(p, 'writable')\n    except OSError as e:\n        print(p, e.errno)\n")
+    (root / "probe.py").write_text(probe)
+    result = bash(tools, f"{sys.executable} probe.py")
+    lines = [line for line in result.text.splitlines() if line.startswith("/proc/")]
+    assert len(lines) == 3 and not any(line.endswith("writable") for line in lines), result.text
+    if os.geteuid() == 0:  # refused by the read-only mount, not by permissions root would pass
+        assert all(line.endswith(" 30") for line in lines), result.text
+
+
+@needs_bwrap
 def test_the_repository_s_git_metadata_stays_read_only(root):
     """What git runs on the host (a `core.fsmonitor` command, hooks) cannot be planted from the sandbox or by the
     file tools, nor .git swapped for another; the working tree stays writable."""
@@ -151,6 +167,38 @@ def test_the_repository_s_git_metadata_stays_read_only(root):
     written = asyncio.run(tools.dispatch("write_file", {"path": ".git/hooks/post-checkout", "content": "x"}))
     assert written.is_error and "repository's .git" in written.text
     assert not (root / ".git" / "hooks" / "post-checkout").exists()
+
+
+def _git_status_runs_nothing(where) -> None:
+    """The user's next `git status` there (a git-aware prompt runs it on `cd`) runs no command the agent planted."""
+    subprocess.run(["git", "status"], cwd=where, capture_output=True, timeout=60)
+
+
+@needs_bwrap
+def test_git_metadata_at_any_depth_or_made_during_a_call_runs_nothing_on_the_host(root):
+    """A nested repository's .git is read-only too, and a .git a command makes (`git init` where there was none, a
+    gitdir file) is renamed out of git's sight after the call, with a note; the file tools refuse any .git."""
+    nested = root / "vendor" / "lib"
+    nested.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(nested)], check=True)
+    tools = workspace_tools(Workspace(root))
+    marker = root / "MARK"
+    plant = f"git config core.fsmonitor 'touch {marker}'"
+    result = bash(tools, f"cd vendor/lib && {plant}; echo x > .git/hooks/post-checkout")
+    assert "Read-only file system" in result.text and "fsmonitor" not in (nested / ".git" / "config").read_text()
+    result = bash(tools, f"cd {root} && git init -q . && {plant} && mkdir -p a b && git -C a init -q && cd a && {plant} && cd .. "
+                         f"&& cp -r a/.git b/planted && printf 'gitdir: planted\\n' > b/.git && echo planted")
+    assert "planted" in result.text and "[exit code 0]" in result.text, result.text
+    for made in (".git", "a/.git", "b/.git"):
+        assert not (root / made).exists() and (root / f"{made}-disabled-by-dflash-agent").exists()
+        assert f"the command made {made}: git would run its config and hooks outside the sandbox" in result.text
+    for where in (root, root / "a", root / "b", nested):
+        _git_status_runs_nothing(where)
+    assert not marker.exists()
+    written = asyncio.run(tools.dispatch("write_file", {"path": "vendor/lib/.git/config", "content": "x"}))
+    assert written.is_error and "a repository's .git" in written.text
+    made = asyncio.run(tools.dispatch("write_file", {"path": "c/.git/config", "content": "x"}))
+    assert made.is_error and not (root / "c" / ".git").exists()
 
 
 @needs_bwrap
