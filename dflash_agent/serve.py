@@ -16,7 +16,7 @@ from .api.app import DEFAULT_MAX_BODY_BYTES, create_app
 from .api.connections import ConnectionLimits, protocol_class
 from .api.errors import APIError
 from .api.lifecycle import access_log, request_log
-from .api.service import API_SAMPLING, DEFAULT_MAX_TOKENS, ServerSettings, ServerState
+from .api.service import API_SAMPLING, DEFAULT_MAX_TOKENS, ServerSettings, ServerState, answered_hosts
 from .chat.chat_format import LoadedModel
 from .engine.progress import progress_log
 from .mcp.http import MCPPlugin, mcp_serve_options
@@ -63,6 +63,10 @@ def mcp_admission(state: ServerState) -> Admit:
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes it).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--allowed-hosts", multiple=True, metavar="NAME",
+              help="A name requests may give in their Host header beside this machine's and --host's (repeatable; "
+                   "* for any); others get 421, so a web page on a name that resolves here (DNS rebinding) cannot "
+                   "use the server. [default: bound to 0.0.0.0 or ::, any]")
 @model_options
 @click.option("--api-key", envvar="DFLASH_AGENT_API_KEY", default=None,
               help="Require this key (Authorization: Bearer or x-api-key) on every endpoint but /health. "
@@ -100,15 +104,16 @@ def mcp_admission(state: ServerState) -> Admit:
 @mcp_serve_options
 @sandbox_options
 @user_errors
-def serve(host, port, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, prefill,
-          threads, sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue, max_tokens,
-          max_body_mb, max_connections, request_timeout, chat_template, no_access_log, log_requests,
+def serve(host, port, allowed_hosts, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights,
+          prefill, threads, sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue,
+          max_tokens, max_body_mb, max_connections, request_timeout, chat_template, no_access_log, log_requests,
           mcp_repo, mcp_expose_tools, mcp_read_only, sandbox, sandbox_network) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
     check_spec_options(no_spec, draft, spec_block)
     settings = ServerSettings(alias=alias, api_key=api_key, max_queue=max_queue, chat_template=chat_template,
-                              max_tokens=max_tokens if max_tokens > 0 else None)
+                              max_tokens=max_tokens if max_tokens > 0 else None,
+                              allowed_hosts=answered_hosts(host, allowed_hosts))
     failure: list[Exception] = []
 
     def load():

@@ -30,7 +30,7 @@ from .lifecycle import with_lifecycle
 from .metrics import CONTENT_TYPE
 from .openai_routes import openai_router
 from .responses_routes import responses_router
-from .service import ServerSettings, ServerState, check_token_ids
+from .service import ServerSettings, ServerState, check_token_ids, host_name
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,20 @@ def _auth_guard(api_key: str) -> Callable[[ASGIConnection, BaseRouteHandler], No
     return guard
 
 
+def _host_guard(allowed: tuple[str, ...]) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
+    """421 for a Host this server does not answer to (ServerSettings.allowed_hosts): a page served from a name
+    that a rebinding DNS points at 127.0.0.1 is same-origin with the server, and would read /slots' prompts and
+    post to the keyless default server. In each API's error shape, as the routers' handlers give it."""
+
+    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        header = connection.headers.get("host")
+        if header is not None and host_name(header) not in allowed:
+            raise APIError(421, f"this server does not answer to the host {header!r} (serve --allowed-hosts adds "
+                           "names)", code="misdirected_request")
+
+    return guard
+
+
 def _json_bodies(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     """POST bodies must be declared JSON. A web page can send a text/plain or form body to 127.0.0.1 without
     asking first (a CORS "simple request"), so accepting those would let any page drive the API (CSRF);
@@ -254,7 +268,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], max_body_by
                 log.warning("waiting for the model to finish its current step")
                 await asyncio.to_thread(server.model.engine.close)
 
-    guards = [_auth_guard(settings.api_key)] if settings.api_key else []
+    guards = [_host_guard(settings.allowed_hosts)] if settings.allowed_hosts is not None else []
+    guards += [_auth_guard(settings.api_key)] if settings.api_key else []
     app = Litestar(
         route_handlers=[openai_router(), responses_router(), anthropic_router(), health, metrics, slots, props,
                         tokenize, detokenize, apply_template],

@@ -47,6 +47,9 @@ class EventStream(Stream):
 DEFAULT_MAX_TOKENS = 8192
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
 @dataclass
 class ServerSettings:
     alias: str | None = None  # the model id clients see; default: the engine's model name
@@ -55,6 +58,30 @@ class ServerSettings:
     heartbeat_s: float = 15.0  # keep-alive on idle streams (long prefills, queueing)
     max_tokens: int | None = DEFAULT_MAX_TOKENS  # for a request that sets no limit; None: until the context is full
     chat_template: str | None = None  # override: gemma4, gemma3 or a file
+    # the names a request's Host may give (any port); None: any. What `serve --host` binds decides (answered_hosts)
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_NAMES
+
+
+def answered_hosts(bound: str, extra: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The Host names a server bound to `bound` answers (against DNS rebinding: a web page whose name resolves to
+    this machine is same-origin with it): this machine's names, the bound name and `extra` (--allowed-hosts;
+    "*" is any); bound to every interface with no `extra`, any."""
+    if "*" in extra:
+        return None
+    if bound in ("0.0.0.0", "::", "") and not extra:
+        return None
+    names = {*LOOPBACK_NAMES, *extra}
+    if bound not in ("0.0.0.0", "::", ""):
+        names.add(bound.strip("[]").lower())
+    return tuple(sorted(name.lower() for name in names))
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port: "[::1]:8080" -> "::1", "Example.COM:80" -> "example.com"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 class Admission:

@@ -19,7 +19,7 @@ from litestar import get
 from dflash_agent.api.app import create_app
 from dflash_agent.api.background import free_port
 from dflash_agent.api.connections import AcceptErrorLimiter, ConnectionLimits, protocol_class
-from dflash_agent.api.service import ServerSettings
+from dflash_agent.api.service import ServerSettings, answered_hosts, host_name
 
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8,"
 USER = [{"role": "user", "content": COUNT}]
@@ -147,6 +147,34 @@ def test_post_bodies_must_be_json(server_url, path, content_type):
     ok = httpx.post(f"{server_url}{path}", content=body,
                     headers={"content-type": "application/json; charset=utf-8"}, timeout=120)
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("path", ["/slots?prompt=true", "/v1/chat/completions", "/v1/messages", "/detokenize",
+                                  "/health", "/props"])
+def test_a_host_this_server_does_not_answer_to_gets_421(server_url, path):
+    """DNS rebinding: a page on attacker.example, resolved to 127.0.0.1, is same-origin with the server; every route
+    refuses its Host (in the API's own error shape) and this machine's names are answered."""
+    port = httpx.URL(server_url).port
+    body = {"messages": USER, "max_tokens": 1, "model": "m", "tokens": [1, 2]}
+    send = httpx.get if path in ("/slots?prompt=true", "/health", "/props") else httpx.post
+    kwargs = {} if send is httpx.get else {"json": body}
+    refused = send(f"{server_url}{path}", headers={"host": f"attacker.example:{port}"}, timeout=120, **kwargs)
+    assert refused.status_code == 421, refused.text
+    assert "attacker.example" in refused.json()["error"]["message"]
+    if path == "/v1/messages":
+        assert refused.json()["type"] == "error"
+    for name in ("localhost", "127.0.0.1", "LOCALHOST"):
+        ok = send(f"{server_url}{path}", headers={"host": f"{name}:{port}"}, timeout=120, **kwargs)
+        assert ok.status_code == 200, ok.text
+
+
+def test_which_hosts_a_bound_server_answers_to():
+    assert answered_hosts("127.0.0.1") == ("127.0.0.1", "::1", "localhost")
+    assert answered_hosts("10.0.0.5", ("box.lan",)) == ("10.0.0.5", "127.0.0.1", "::1", "box.lan", "localhost")
+    assert answered_hosts("0.0.0.0") is None and answered_hosts("127.0.0.1", ("*",)) is None
+    assert "box.lan" in answered_hosts("::", ("box.lan",))
+    assert [host_name(h) for h in ("[::1]:8080", "Example.COM:80", "localhost", "::1")] == [
+        "::1", "example.com", "localhost", "::1"]
 
 
 def test_anthropic_stream_usage_counts_cached_tokens_once(server_url):
@@ -319,7 +347,7 @@ def test_at_the_connection_limit_a_new_client_gets_a_503_only_when_all_are_answe
 
 def _get_on(sock: socket.socket, path: str) -> bytes:
     """One kept-alive GET on an open connection: the response's status line (b"" when the server closed it)."""
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
     head = b""
     while b"\r\n\r\n" not in head:
         chunk = sock.recv(4096)
