@@ -50,6 +50,37 @@ class _GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.timeout_keep_alive = self.limits.keep_alive_s
+        self._malformed: str | None = None  # what made the request a protocol error, where we decided it
+        self.conn.next_event = self._next_event(self.conn.next_event)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse (then it closes the connection), as a JSON error."""
+        err = APIError(400, f"malformed HTTP request: {self._malformed or 'h11 could not parse it'}; the connection "
+                       "is closed", code="malformed_request")
+        body = msgspec.json.encode(openai_payload(err))
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+    def _next_event(self, next_event: Any) -> Any:
+        """h11's events, but a request framed by both Content-Length and Transfer-Encoding is a protocol error:
+        h11 takes the chunked body and keeps the connection, so what a proxy in front read as the body (a
+        second request hidden in it) would be served as a request (smuggling; RFC 9112 section 6.1 says close).
+        uvicorn answers a protocol error with a 400 and closes the connection."""
+
+        def checked() -> Any:
+            event = next_event()
+            if isinstance(event, h11.Request):
+                names = {name.lower() for name, _ in event.headers}
+                if b"content-length" in names and b"transfer-encoding" in names:
+                    self._malformed = "Content-Length with Transfer-Encoding"
+                    raise h11.RemoteProtocolError(self._malformed)
+            return event
+
+        return checked
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._timer: asyncio.TimerHandle | None = None

@@ -376,6 +376,38 @@ def test_idle_connections_outlast_the_clients_pools():
             assert status.startswith(b"HTTP/1.1 503") if kept else status == b"", (limits, status)
 
 
+def _all_received(sock: socket.socket, seconds: float = 3.0) -> bytes:
+    """What the server sends until it closes the connection (or `seconds` pass)."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pass
+    return data
+
+
+def test_a_request_framed_two_ways_is_refused_and_its_connection_closed():
+    """Content-Length with Transfer-Encoding (RFC 9112 section 6.1): a proxy in front may read the body by one, the
+    server by the other, so a request hidden in the body would be served (smuggling). One 400, then the close."""
+    with _guarded_server(ConnectionLimits()) as (_, port):
+        hidden = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        body = b"0\r\n\r\n" + hidden
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(body) + body)
+            data = _all_received(sock)
+        assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 400"), data
+        head, _, payload = data.partition(b"\r\n\r\n")
+        assert b"connection: close" in head.lower()
+        assert "Content-Length with Transfer-Encoding" in json.loads(payload)["error"]["message"]
+        with socket.create_connection(("127.0.0.1", port)) as sock:  # any unparsable request: the same shape
+            sock.sendall(b"GET / HTTP/1.1\r\nHost localhost\r\n\r\n")
+            data = _all_received(sock)
+        assert data.startswith(b"HTTP/1.1 400") and json.loads(data.partition(b"\r\n\r\n")[2])["error"]
+
+
 def test_accept_failures_are_logged_once_per_period():
     """Out of file descriptors, asyncio reports every failed accept (335 MB of log in 144 s): one gets through per
     period, then one saying how many were left out."""
