@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class Messages(Dialect[MessagesRequest]):
 
     async def parse(self, data: MessagesRequest, server: ServerState) -> Call:
         options = _options(data.tool_choice, data.thinking, _response_format(data))
-        conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
+        conversation = await asyncio.to_thread(conversation_from_anthropic, data.messages, data.system, data.tools)
         stop = stop_strings(data.stop_sequences, "stop_sequences")
         sampling = Sampling(data.temperature, data.top_p, data.top_k)
         return Call(conversation, sampling, Limit(data.max_tokens), data.stream, options, stop, data.cache_prompt)
@@ -222,7 +223,7 @@ async def count_tokens(data: JSONBody[CountTokensRequest], state: State) -> Toke
     server.ready()
     # Forcing a call changes the output, not the prompt: no grammar to compile for a count.
     options = _options(None, data.thinking)
-    conversation = conversation_from_anthropic(data.messages, data.system, data.tools)
+    conversation = await asyncio.to_thread(conversation_from_anthropic, data.messages, data.system, data.tools)
     prepared = await server.prepare_chat(conversation, options)
     return TokenCount(len(prepared.prompt_ids))
 

@@ -186,7 +186,7 @@ async def detokenize(data: JSONBody[DetokenizeRequest], state: State) -> Detoken
 async def apply_template(data: JSONBody[ApplyTemplateRequest], state: State) -> ApplyTemplateResponse:
     server: ServerState = state.server
     server.ready()
-    conversation = conversation_from_openai(data.messages, data.tools)
+    conversation = await asyncio.to_thread(conversation_from_openai, data.messages, data.tools)
     thinking = bool((data.chat_template_kwargs or {}).get("enable_thinking", False))
     options = ChatOptions(add_generation_prompt=data.add_generation_prompt, enable_thinking=thinking)
     return ApplyTemplateResponse((await server.prepare_chat(conversation, options)).prompt)

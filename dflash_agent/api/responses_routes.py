@@ -7,6 +7,7 @@ recent conversations (the input, without its instructions, plus the output)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections import OrderedDict
@@ -119,7 +120,8 @@ class Responses(Dialect[ResponsesRequest]):
     async def parse(self, data: ResponsesRequest, server: ServerState) -> Call:
         _refuse_unsupported(data)
         history = self.store.get(data.previous_response_id)[0] if data.previous_response_id else None
-        conversation = conversation_from_responses(data.input, data.instructions, data.tools, history)
+        conversation = await asyncio.to_thread(conversation_from_responses, data.input, data.instructions, data.tools,
+                                               history)
         options = ChatOptions(
             tool_choice=_tool_choice(data.tool_choice),
             parallel_tool_calls=True if data.parallel_tool_calls is None else data.parallel_tool_calls,

@@ -268,8 +268,12 @@ class ServerState:
         """Render and tokenize a conversation in a thread (compiling a tool grammar the first time is slow
         too), after refusing one whose text alone is beyond the context."""
         model = self.ready()
-        self.check_prompt_chars(conversation_chars(conversation) + json_chars(options.response_format))
-        return await asyncio.to_thread(model.chat.prepare, conversation, options)
+
+        def prepare() -> PreparedChat:
+            self.check_prompt_chars(conversation_chars(conversation) + json_chars(options.response_format))
+            return model.chat.prepare(conversation, options)
+
+        return await asyncio.to_thread(prepare)
 
     def check_context(self, n_prompt: int) -> None:
         n_ctx = self.ready().engine.n_ctx

@@ -111,6 +111,23 @@ def test_a_prompt_far_beyond_the_context_is_refused_early_and_health_stays_live(
     assert slowest < 1.0 and time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 300_000, "max_tokens": 1}),
+    ("/v1/messages", {"model": "m", "max_tokens": 1,
+                      "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 150_000}),
+], ids=["300k-messages", "300k-anthropic-turns"])
+def test_many_small_parts_are_converted_off_the_event_loop(server_url, path, body):
+    """Megabytes of tiny messages or tools: their conversion (seconds of Python on the event loop before) runs in a
+    thread, so /health answers meanwhile; the request ends in its answer (empty messages render to nothing) or a
+    400 for its size. What still runs on the loop is the body's decoding (C, a few hundred ms for 10 MB)."""
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(httpx.post(f"{server_url}{path}", json=body, timeout=300)))
+    thread.start()
+    slowest = _slowest_health_until_done(server_url, thread)
+    assert answers[0].status_code in (200, 400), answers[0].text
+    assert slowest < 1.0, slowest  # 3.4 s each with the conversion on the loop
+
+
 def test_tokenizing_runs_off_the_event_loop(server_url):
     """A long prompt that does fit is tokenized in a thread that releases the GIL: /health answers meanwhile."""
     text = "Write a long story. " * 12_000  # 240 K characters, under the 8192-token bound; ~60 K tokens
