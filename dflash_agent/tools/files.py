@@ -27,6 +27,8 @@ MAX_READ_CHARS = 60_000  # one read's output, whatever the limit asked
 MAX_LINE_CHARS = 2000
 MAX_DIR_ENTRIES = 1000
 SNIPPET_CONTEXT = 3  # lines shown around an edit
+_EDIT_ATTEMPTS = 5  # reads and replaces of a file something else keeps changing before an edit gives up
+_LATE_APPEND_CHECKS, _LATE_APPEND_WAIT_S = 3, 0.002  # how long an edit watches the replaced file (_carry_late_appends)
 BINARY_SNIFF_BYTES = 8192
 LOCK_WAIT_S = 30.0  # how long an edit waits for a file that another process is changing
 _LOCK_POLL_S = 0.02
@@ -241,7 +243,12 @@ class FileTools:
             raise ToolError(f"{args.path} names a directory; give the path of the file to write")
         content = args.content
         _utf8(content, "content")
-        real, parent, existing = self._locked(args.path, True)
+        made = self._missing_dirs(args.path)
+        try:
+            real, parent, existing = self._locked(args.path, True)
+        except BaseException:
+            self._remove_empty(made)
+            raise
         kept = ""
         try:
             encoding = "utf-8"
@@ -256,10 +263,43 @@ class FileTools:
             data = encode_text(content, encoding)
             _stop_if(cancel)
             replace_file(parent, real.name, data, existing)
-        finally:
+        except BaseException:
             _close(parent, existing)
+            parent, existing = -1, None
+            self._remove_empty(made)  # a write that failed (a full disk) leaves no directories it made
+            raise
+        finally:
+            if parent >= 0:
+                _close(parent, existing)
         verb = "overwrote" if existing is not None else "created"
         return f"{verb} {self.ws.display(real)} ({len(split_lines(content))} lines, {len(data):,} bytes{kept})"
+
+    def _missing_dirs(self, path: str) -> list[str]:
+        """The directories a write of `path` would make, deepest first, as paths within the workspace."""
+        try:
+            parts = self.ws.resolve(path).relative_to(self.ws.root).parts[:-1]
+        except (OSError, ToolError, ValueError):
+            return []
+        missing = []
+        for depth in range(len(parts), 0, -1):
+            if os.path.lexists(self.ws.root.joinpath(*parts[:depth])):
+                break
+            missing.append(os.path.join(*parts[:depth]))
+        return missing
+
+    def _remove_empty(self, dirs: list[str]) -> None:
+        """rmdir each of `dirs` (deepest first) still empty, through descriptors, as the write opened them."""
+        for folder in dirs:
+            try:
+                _, parent = self.ws.open_parent(folder)
+            except (OSError, ToolError):
+                continue
+            try:
+                os.rmdir(Path(folder).name, dir_fd=parent)
+            except OSError:
+                pass
+            finally:
+                os.close(parent)
 
     def _locked(self, path: str, make_dirs: bool) -> tuple[Path, int, tuple[int, os.stat_result] | None]:
         """For a write: the real path, its directory (`_open_parent`) and the file there if any (`_existing`,
@@ -317,13 +357,23 @@ class FileTools:
         try:
             if existing is None:
                 raise ToolError(f"{args.path} does not exist")
-            fd, info = existing
-            with open(fd, "rb", closefd=False) as f:
-                # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
-                text, encoding = self._decode(args.path, f, info, errors="surrogateescape")
-            updated, starts, count = _replaced(text, args)
-            _stop_if(cancel)
-            replace_file(parent, real.name, encode_text(updated, encoding, "surrogateescape"), existing)
+            fd = existing[0]
+            for attempt in range(_EDIT_ATTEMPTS):
+                # a writer that takes no lock (a command appending to the file) may change it under the edit:
+                # each attempt reads what is there now and replaces it only if it is still that
+                info = os.fstat(fd)
+                with open(fd, "rb", closefd=False) as f:
+                    f.seek(0)
+                    # Bytes that are not UTF-8 (a Latin-1 comment) are carried through as they are.
+                    text, encoding = self._decode(args.path, f, info, errors="surrogateescape")
+                updated, starts, count = _replaced(text, args)
+                _stop_if(cancel)
+                if replace_file(parent, real.name, encode_text(updated, encoding, "surrogateescape"), (fd, info),
+                                unless_changed=True):
+                    break
+            else:
+                raise ToolError(f"{args.path} kept changing while it was being edited ({_EDIT_ATTEMPTS} tries: "
+                                "something is writing to it); nothing was replaced")
         finally:
             _close(parent, existing)
         # The first replacement's neighbourhood, as it reads now.
@@ -450,13 +500,16 @@ def _replaced(text: str, args: EditFileArgs) -> tuple[str, list[int], int]:
     return "".join(pieces), starts[:len(found)], len(found)
 
 
-def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.stat_result] | None) -> None:
+def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.stat_result] | None,
+                 unless_changed: bool = False) -> bool:
     """Give `name` in the directory `parent` the content `data`. All or nothing where it can: a temporary file next
     to it is written, synced and renamed over it, so a full disk or a file-size limit leaves the old file whole (and
     no new one); it keeps the mode and owner of `existing` (the file replaced: a descriptor open for writing, and
     its stat), whose other hard links, if any, keep the old content. Where the new file could not keep the owner
     (another user's file that we may write) or the directory takes no new file, the old one is written in place,
-    as an editor writes it."""
+    as an editor writes it. `unless_changed`: nothing is replaced, and False returned, where `existing` changed
+    since its stat was taken (its size, or its times: what a writer's write changes), checked just before the
+    file is replaced; else True."""
     like = None if existing is None else existing[1]
     # A part of the name, cut in bytes: the whole name may already be the 255 bytes a name can have.
     tmp = f".{os.fsencode(name)[:64].decode('utf-8', 'ignore')}.{secrets.token_hex(6)}.dflash-tmp"
@@ -465,8 +518,10 @@ def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.st
     except PermissionError:
         if existing is None:
             raise
+        if unless_changed and _changed(existing):
+            return False
         _write_in_place(existing[0], data)
-        return
+        return True
     try:
         with open(fd, "wb", closefd=False) as f:
             f.write(data)
@@ -479,19 +534,50 @@ def replace_file(parent: int, name: str, data: bytes, existing: tuple[int, os.st
                     os.close(fd)
                     fd = -1
                     os.unlink(tmp, dir_fd=parent)
+                    if unless_changed and _changed(existing):
+                        return False
                     _write_in_place(existing[0], data)
-                    return
+                    return True
             os.fchmod(fd, stat.S_IMODE(like.st_mode))  # after fchown, which clears set-user-ID
         os.fsync(fd)
         os.close(fd)
         fd = -1
+        if unless_changed and existing is not None and _changed(existing):
+            os.unlink(tmp, dir_fd=parent)
+            return False
         os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        if unless_changed and existing is not None:
+            _carry_late_appends(parent, name, existing)
     except BaseException:
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=parent)
         raise
+    return True
+
+
+def _carry_late_appends(parent: int, name: str, existing: tuple[int, os.stat_result]) -> None:
+    """What a writer that opened the old file before the rename appended to it after the last check, added to the
+    new one: else it would go with the old file. Such a write lands within moments of the rename, so the old file
+    is watched a few milliseconds more. (A writer that keeps the old file open writes on into it.)"""
+    fd, carried = existing[0], existing[1].st_size
+    for _ in range(_LATE_APPEND_CHECKS):
+        size = os.fstat(fd).st_size
+        if size > carried:
+            tail = os.pread(fd, size - carried, carried)
+            new = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            try:
+                os.write(new, tail)
+            finally:
+                os.close(new)
+            carried = size
+        time.sleep(_LATE_APPEND_WAIT_S)
+
+
+def _changed(existing: tuple[int, os.stat_result]) -> bool:
+    now, then = os.fstat(existing[0]), existing[1]
+    return (now.st_size, now.st_mtime_ns, now.st_ctime_ns) != (then.st_size, then.st_mtime_ns, then.st_ctime_ns)
 
 
 def _write_in_place(fd: int, data: bytes) -> None:

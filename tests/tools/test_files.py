@@ -126,6 +126,34 @@ def test_edit_file_unique_match(tools, root):
     assert (root / "src" / "app.py").read_text().splitlines()[1] == "    return 2"
 
 
+def test_edits_beside_a_writer_that_takes_no_lock_lose_nothing(tools, root):
+    """A command appending to a file while edits replace it: an edit whose file changed after it read it reads it
+    again, so every appended line and every edit is in the end; none is dropped by a replace of an old read."""
+    import threading
+    import time
+
+    path = root / "log.txt"
+    path.write_text("".join(f"edit-{i} old\n" for i in range(10)))
+    appended = 400
+
+    def append() -> None:
+        for i in range(appended):
+            with open(path, "a") as f:
+                f.write(f"appended {i}\n")
+            time.sleep(0.0005)
+
+    writer = threading.Thread(target=append)
+    writer.start()
+    results = [call(tools, "edit_file", path="log.txt", old_string=f"edit-{i} old", new_string=f"edit-{i} new")
+               for i in range(10)]
+    writer.join()
+    text = path.read_text()
+    assert all(not r.is_error or "kept changing" in r.text for r in results), [r.text for r in results]
+    assert all(f"appended {i}\n" in text for i in range(appended))
+    done = [i for i, r in enumerate(results) if not r.is_error]
+    assert all(f"edit-{i} new" in text for i in done)
+
+
 def test_edit_file_zero_matches_says_so_and_finds_whitespace_near_miss(tools, root):
     before = (root / "src" / "app.py").read_text()
     result = call(tools, "edit_file", path="src/app.py", old_string="return 3", new_string="x")
@@ -284,7 +312,8 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
 tools = workspace_tools(Workspace(Path(sys.argv[1])))
 calls = [("edit_file", {"path": "src/app.py", "old_string": "return 1", "new_string": "x" * 200_000}),
          ("write_file", {"path": "src/app.py", "content": "y" * 200_000}),
-         ("write_file", {"path": "src/new.py", "content": "z" * 200_000})]
+         ("write_file", {"path": "src/new.py", "content": "z" * 200_000}),
+         ("write_file", {"path": "made/for/it/new.py", "content": "z" * 200_000})]
 print(json.dumps([[r.is_error, r.text] for r in (asyncio.run(tools.dispatch(n, a)) for n, a in calls)]))
 """
 
@@ -302,6 +331,7 @@ def test_a_write_that_fails_part_way_leaves_the_file_as_it_was(root):
         assert is_error and "File too large" in text, text
     assert (root / "src" / "app.py").read_text() == before
     assert sorted(p.name for p in (root / "src").iterdir()) == ["app.py"]  # no new file, no temp file left
+    assert not (root / "made").exists()  # nor the directories made for it
 
 
 def test_writes_refuse_what_is_not_a_regular_file_without_opening_it(tools, root):
