@@ -48,9 +48,13 @@ def test_each_lazy_help_is_the_commands_own(name):
         assert kept.get_short_help_str(limit) == command.get_short_help_str(limit)
 
 
-def test_a_model_command_says_what_it_loads_before_torch_is_imported(monkeypatch, capsys):
+def test_a_model_command_says_what_it_loads_before_torch_is_imported(monkeypatch, capsys, caplog):
     """On a terminal the first line comes before torch's import (seconds) and the load (minutes for a big file)."""
+    import logging
+
     from dflash_agent import options
+
+    caplog.set_level(logging.WARNING, logger="dflash_agent.options")  # a command's default: INFO goes nowhere
     from dflash_agent.engine import Engine
 
     said = []
