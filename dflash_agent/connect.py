@@ -120,8 +120,8 @@ def write_config(config: ClientConfig, cwd: Path) -> Path:
 
 @click.command()
 @click.argument("client", type=click.Choice(sorted(CLIENTS)))
-@click.option("--server", default=lambda: os.environ.get("DFLASH_AGENT_SERVER", DEFAULT_SERVER), metavar="URL",
-              show_default=f"$DFLASH_AGENT_SERVER, else {DEFAULT_SERVER}", help="The running dflash-agent server.")
+@click.option("--server", envvar="DFLASH_AGENT_SERVER", default=DEFAULT_SERVER, show_default=True, metavar="URL",
+              help="The running dflash-agent server. Env: DFLASH_AGENT_SERVER.")
 @click.option("--write", is_flag=True, help="Write the file (never over an existing one) instead of printing it.")
 @user_errors
 def connect(client: str, server: str, write: bool) -> None:

@@ -264,13 +264,10 @@ class FileTools:
             _stop_if(cancel)
             replace_file(parent, real.name, data, existing)
         except BaseException:
-            _close(parent, existing)
-            parent, existing = -1, None
             self._remove_empty(made)  # a write that failed (a full disk) leaves no directories it made
             raise
         finally:
-            if parent >= 0:
-                _close(parent, existing)
+            _close(parent, existing)
         verb = "overwrote" if existing is not None else "created"
         return f"{verb} {self.ws.display(real)} ({len(split_lines(content))} lines, {len(data):,} bytes{kept})"
 
@@ -295,9 +292,8 @@ class FileTools:
             except (OSError, ToolError):
                 continue
             try:
-                os.rmdir(Path(folder).name, dir_fd=parent)
-            except OSError:
-                pass
+                with contextlib.suppress(OSError):  # not empty (someone else's file in it), or gone already
+                    os.rmdir(Path(folder).name, dir_fd=parent)
             finally:
                 os.close(parent)
 
