@@ -9,8 +9,11 @@ to its parent (`kill -STOP $PPID` and `kill -9 $PPID` reach an init that ignores
 filesystem is read-only but the workspace (its git metadata at any depth excepted) and a private /tmp; the
 usual session, system-bus and Docker sockets are hidden; capabilities are dropped (root included), and
 /proc's kernel settings (/proc/sys and the like) are read-only, which dropped capabilities alone do not make them
-for root; the network is kept or cut by option. Inside, Landlock refuses the Unix sockets made outside the
-sandbox (abstract ones from Linux 6.12, those at a path from Landlock ABI 9: confine.py).
+for root; a seccomp filter refuses the calls that administer the kernel, mounts and namespaces (seccomp.py); where
+the server runs as root, the command is root only in a user namespace of its own, which can make no other (its uid
+on the workspace's files stays 0: they are root's); the network is kept or cut by option. Inside, Landlock refuses
+the Unix sockets made outside the sandbox (abstract ones from Linux 6.12, those at a path from Landlock ABI 9:
+confine.py).
 
 Where bwrap is missing or cannot start (not Linux, no user namespaces in a nested container), the
 `auto` mode says so in one warning and the tools run commands as before (launcher.py): timeouts still
@@ -35,6 +38,7 @@ from typing import Any
 
 from ..errors import UserError
 from .confine import RESOLVE_UNIX_ABI, SCOPES_ABI, landlock_abi
+from .seccomp import filter_program, host_architecture
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,11 @@ class Sandbox:
         self._warned = False
         # the kernel's Landlock, for confine.py: without its scopes (Linux < 6.12) the command starts without it
         self.landlock_abi = landlock_abi()
+        arch = host_architecture()
+        self.seccomp_program = filter_program(arch) if arch is not None else None
+        # Started by root, bwrap makes no user namespace unless asked; in one, root's capabilities (dropped
+        # anyway) would reach nothing outside it. Where the kernel refuses one, the probe goes on without it
+        self.own_user_namespace = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
     def problem(self) -> str | None:
         """Why bwrap cannot start here, or None where it can; probed on the first call (a few ms)."""
@@ -109,13 +118,14 @@ class Sandbox:
 
     def command(self, argv: Sequence[str], cwd: Path, writable: Sequence[Path] = (), tmp: Path | None = None,
                 private_tmp: bool = True, network: bool | None = None, info_fd: int | None = None,
-                search_path: str | None = None, read_only: Sequence[Path] = ()) -> list[str]:
+                search_path: str | None = None, read_only: Sequence[Path] = (),
+                seccomp_fd: int | None = None) -> list[str]:
         """argv run in the sandbox, in `cwd`: the filesystem read-only but `writable` (bound at the same
         paths, with `read_only` paths inside them bound read-only again) and, with `private_tmp`, a /tmp of
         its own (`tmp` bound there, else an empty tmpfs) that hides the machine's but for the tools a command
         needs (`tmp_tools`, with `search_path` its PATH);
         `network` defaults to the sandbox's. `info_fd`: where bwrap writes the namespace init's pid (JSON
-        `child-pid`), then closes it."""
+        `child-pid`), then closes it. `seccomp_fd`: where bwrap reads the filter (`seccomp_fd()`)."""
         assert self.bwrap is not None
         args = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         # The kernel's settings under the fresh /proc stay read-only: started by root, bwrap makes no user namespace
@@ -140,6 +150,10 @@ class Sandbox:
             elif Path(path).exists():
                 args += ["--ro-bind", "/dev/null", path]
         args += ["--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        if self.own_user_namespace:
+            args.append("--unshare-user")
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
         if not (self.network if network is None else network):
             args.append("--unshare-net")
         if info_fd is not None:
@@ -153,16 +167,33 @@ class Sandbox:
         """`command(...)` started with subprocess.Popen(**popen); once bwrap has set the namespace up.
         Call `stop()` on what it returns however the run ends."""
         info_r, info_w = os.pipe()
+        seccomp_r = self.seccomp_fd()
         try:
             proc = subprocess.Popen(self.command(argv, cwd, writable, tmp, private_tmp, network, info_fd=info_w,
-                                                 search_path=env.get("PATH"), read_only=read_only),
-                                    env=dict(env), pass_fds=(info_w,), **popen)
+                                                 search_path=env.get("PATH"), read_only=read_only,
+                                                 seccomp_fd=seccomp_r),
+                                    env=dict(env), pass_fds=(info_w,) if seccomp_r is None else (info_w, seccomp_r),
+                                    **popen)
         except BaseException:
             os.close(info_r)
             raise
         finally:
             os.close(info_w)
+            if seccomp_r is not None:
+                os.close(seccomp_r)
         return Started(proc, _namespace_init(info_r, proc))
+
+    def seccomp_fd(self) -> int | None:
+        """A pipe's read end holding the seccomp filter (seccomp.py) for one bwrap to read; None on an architecture
+        it has no table for. The caller passes it to bwrap and closes it."""
+        if self.seccomp_program is None:
+            return None
+        read, write = os.pipe()
+        try:
+            os.write(write, self.seccomp_program)  # a few hundred bytes: within any pipe's buffer
+        finally:
+            os.close(write)
+        return read
 
     def run_helper(self, argv: Sequence[str], stdin: bytes | None, timeout: float,
                    cancel: threading.Event) -> HelperRun:
@@ -198,12 +229,27 @@ class Sandbox:
             return f"bubblewrap needs Linux (this is {sys.platform})"
         if self.bwrap is None:
             return "bwrap is not installed (Debian/Ubuntu: apt install bubblewrap)"
+        reason = self._try_true()
+        if reason is not None and self.own_user_namespace:
+            self.own_user_namespace = False
+            if self._try_true() is None:
+                log.info("sandbox: no user namespace of its own for root's commands (%s)", reason)
+                return None
+            self.own_user_namespace = True
+        return reason
+
+    def _try_true(self) -> str | None:
         true = shutil.which("true") or "/bin/true"
+        seccomp_r = self.seccomp_fd()
         try:
-            done = subprocess.run(self.command([true], Path("/"), network=self.network), stdin=subprocess.DEVNULL,
-                                  capture_output=True, timeout=_PROBE_TIMEOUT_S)
+            done = subprocess.run(self.command([true], Path("/"), network=self.network, seccomp_fd=seccomp_r),
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=_PROBE_TIMEOUT_S,
+                                  pass_fds=() if seccomp_r is None else (seccomp_r,))
         except (OSError, subprocess.SubprocessError) as exc:
             return f"{self.bwrap} cannot run: {exc}"
+        finally:
+            if seccomp_r is not None:
+                os.close(seccomp_r)
         if done.returncode != 0:
             said = done.stderr.decode(errors="replace").strip().splitlines()
             return f"{self.bwrap} failed ({said[-1] if said else f'exit code {done.returncode}'})"
