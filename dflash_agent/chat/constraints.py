@@ -60,6 +60,11 @@ MAX_COUNTED_ITEMS = 64
 # Calls in one turn with `parallel` (without it, one): enough for an agent's batch of reads, few
 # enough that a looping model cannot fill a turn with them.
 MAX_PARALLEL_CALLS = 16
+# Nesting a schema may have: far past any tool's, short of Python's recursion limit
+MAX_SCHEMA_DEPTH = 64
+# Object properties a constrained schema may have in all: xgrammar's compile time grows much faster than their
+# count (docs/serving.md gives the figures)
+MAX_SCHEMA_PROPERTIES = 1000
 # Gemma 3 parallel calls: the separator the history uses between blocks (gemma3_tools).
 _GEMMA3_CALL_SEPARATOR = "\n\n"
 
@@ -480,9 +485,29 @@ class _SchemaConverter:
         self._rules = rules
         self._root = root
         self._refs: dict[str, str] = {}
+        self._depth = 0
+        self._properties = 0
+        self._inlined = 0  # references being inlined (refined by siblings, or in an allOf) around this value
 
     def value(self, schema: Any) -> str:
         """An EBNF expression (usually a rule name) for the values `schema` allows."""
+        if self._depth >= MAX_SCHEMA_DEPTH:
+            raise _SchemaError("the schema refers to itself without end" if self._inlined else
+                               f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        self._depth += 1
+        try:
+            return self._value(schema)
+        finally:
+            self._depth -= 1
+
+    def _inline(self, schema: Mapping[str, Any]) -> str:
+        self._inlined += 1
+        try:
+            return self.value(schema)
+        finally:
+            self._inlined -= 1
+
+    def _value(self, schema: Any) -> str:
         if schema is True or schema == {}:
             return self._syntax.any_value()
         if schema is False:
@@ -492,17 +517,19 @@ class _SchemaConverter:
         if "$ref" in schema:
             rest = {k: v for k, v in schema.items() if k != "$ref"}
             if set(rest) - _ANNOTATIONS:  # a reference refined by siblings: inline it
-                return self.value(_merge(self._resolve(schema["$ref"]), rest))
+                return self._inline(_merge(self._resolve(schema["$ref"]), rest))
             return self._ref(schema["$ref"])
         if "allOf" in schema:
             parts = schema["allOf"]
             if not isinstance(parts, list):
                 raise _SchemaError("'allOf' must be a list")
             merged = {k: v for k, v in schema.items() if k != "allOf"}
+            referred = False
             for part in parts:
+                referred |= isinstance(part, Mapping) and "$ref" in part
                 merged = _merge(merged, self._resolve(part["$ref"]) if isinstance(part, Mapping) and "$ref" in part
                                 else part)
-            return self.value(merged)
+            return self._inline(merged) if referred else self.value(merged)
         for keyword in ("anyOf", "oneOf"):
             if keyword in schema:
                 options = schema[keyword]
@@ -612,6 +639,10 @@ class _SchemaConverter:
             return self._rules.add(f'"{{" ({member} ({syntax.member_sep} {member})*)? "}}"', "obj")
         if not isinstance(properties, Mapping):
             raise _SchemaError("'properties' must be an object")
+        self._properties += len(properties)
+        if self._properties > MAX_SCHEMA_PROPERTIES:
+            raise _SchemaError(f"the schema has more than {MAX_SCHEMA_PROPERTIES} object properties in all, the most "
+                               f"a constrained call or format takes (this one has {len(properties)} in one object)")
         missing = [name for name in required if name not in properties]
         if missing:
             raise _SchemaError(f"required property {missing[0]!r} is not among the properties")
@@ -623,29 +654,19 @@ class _SchemaConverter:
     def _members(self, members: list[str], needed: list[bool]) -> str:
         """Members in order, each optional one present or not, joined by separators.
 
-        `tail(i)`: what may follow once some member before i was written; the first member
-        written is any j up to and including the first required one."""
-        n = len(members)
+        Built from the last member back, two rules a member, so a schema of thousands of properties makes a
+        grammar linear in their count and no deep recursion: `rest` is what may follow member i-1 once some
+        member was written (member i, required or optional, then the rest), `first` what may be written when
+        none before i was (member i and the rest after it, or, where i is optional, the first of those after)."""
         sep = self._syntax.member_sep
-
-        def options(i: int, lead: str) -> list[str]:
-            out = [] if any(needed[i:]) else ['""']
-            for j in range(i, n):
-                out.append(f"{lead}{members[j]} {tail(j + 1)}".strip())
-                if needed[j]:
-                    break
-            return out
-
-        tails: dict[int, str] = {}
-
-        def tail(i: int) -> str:
-            if i == n:
-                return ""
-            if i not in tails:
-                tails[i] = self._rules.add(" | ".join(options(i, f"{sep} ")), "members")
-            return tails[i]
-
-        return "(" + " | ".join(options(0, "")) + ")" if n else ""
+        rest, first = "", '""'  # past the last member: nothing more; no member at all (every one optional)
+        for member, required in zip(reversed(members), reversed(needed)):
+            written = f"{member} {rest}".strip()
+            first = self._rules.add(written if required else f"{written} | {first}", "members")
+            mine = f"{sep} {member}"
+            rest = self._rules.add(f"{mine} {rest}".strip() if required else f"({mine})? {rest}".strip(),
+                                   "rest")
+        return first if members else ""
 
 
 # --- numeric bounds ---------------------------------------------------------------------------

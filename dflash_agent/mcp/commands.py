@@ -39,6 +39,7 @@ from ..tools.bash import DEFAULT_DENY
 from ..tools.sandbox import Sandbox
 from .model import LocalModel, ModelAccess, RemoteModel
 from .server import workspace_server
+from .wire import answered
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ async def _serve(server: Server, model: ModelAccess, loading: Future[LoadedModel
         async with anyio.create_task_group() as tasks:
             if loading is not None:
                 tasks.start_soon(_watch_load, loading)
-            async with stdio_server() as (read, write):
+            async with stdio_server() as transport, answered(*transport) as (read, write):
                 await server.run(read, write, server.create_initialization_options())
             tasks.cancel_scope.cancel()  # the client closed stdin: stop watching the load
     finally:

@@ -51,6 +51,7 @@ from ..tools.tool import ToolError, ToolResult, ToolSpec, struct_schema
 from ..tools.workspace import Workspace
 from ..version import package_version
 from .model import ModelAccess
+from .wire import initialize_first
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,11 @@ def build_server(model: ModelAccess, workspace: Workspace | None = None, registr
         return ReadResourceResult(contents=[TextResourceContents(uri=STATUS_URI, mime_type="application/json",
                                                                  text=text)])
 
-    return Server("dflash-agent", version=package_version(), instructions=_instructions(workspace, registry),
-                  on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
-                  on_read_resource=read_resource)
+    server = Server("dflash-agent", version=package_version(), instructions=_instructions(workspace, registry),
+                    on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
+                    on_read_resource=read_resource)
+    server.middleware.append(initialize_first)
+    return server
 
 
 def workspace_server(model: ModelAccess, repo: os.PathLike | str | None, expose_tools: bool = False,

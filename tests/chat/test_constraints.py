@@ -14,7 +14,12 @@ import jsonschema
 import pytest
 import torch
 
-from dflash_agent.chat.constraints import MAX_PARALLEL_CALLS, response_format_grammar, tool_call_grammar
+from dflash_agent.chat.constraints import (
+    MAX_PARALLEL_CALLS,
+    MAX_SCHEMA_PROPERTIES,
+    response_format_grammar,
+    tool_call_grammar,
+)
 from dflash_agent.chat.gemma3_tools import format_tool_call as gemma3_call
 from dflash_agent.chat.gemma3_tools import tools_prompt
 from dflash_agent.chat.gemma4_syntax import format_tool_call as gemma4_call
@@ -588,3 +593,37 @@ def test_number_of_calls_is_capped(gemma3_compiler, gemma3_tokenizer, parallel, 
     assert refused is None and can_stop(matcher, gemma3_tokenizer)
     _, refused, _ = accepted_prefix(grammar, gemma3_tokenizer, "\n\n".join([block] * (most + 1)))
     assert refused is not None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_a_flat_object_of_many_properties_compiles_and_past_the_cap_is_refused_as_such(family, request):
+    """5,000 properties were refused as "refers to itself without end": the members' grammar recursed once a
+    property (and grew with their square). It is linear now, and a call naming a few of MAX_SCHEMA_PROPERTIES
+    passes; past that cap xgrammar's compile would take minutes, and the refusal says so."""
+    compiler = request.getfixturevalue(f"{family}_compiler")
+    tokenizer = request.getfixturevalue(f"{family}_tokenizer")
+    last = f"p{MAX_SCHEMA_PROPERTIES - 1}"
+    wide = Tool("wide", "", {"type": "object", "required": [last],
+                             "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_SCHEMA_PROPERTIES)}})
+    grammar = tool_call_grammar(compiler, family, [wide], "required", parallel=False)
+    def render(arguments):
+        return gemma4_call("wide", arguments) if family == "gemma4" else gemma3_call(ToolCall("1", "wide", arguments))
+
+    # in the order the grammar takes keys: Gemma 4's template sorts them, Gemma 3 keeps the schema's
+    assert accepted_prefix(grammar, tokenizer, render({last: 2, "p7": 1} if family == "gemma4" else
+                                                      {"p7": 1, last: 2}))[1] is None
+    assert accepted_prefix(grammar, tokenizer, render({"p7": 1}))[1] is not None
+    wider = Tool("wider", "", {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}})
+    with pytest.raises(ChatError, match=f"more than {MAX_SCHEMA_PROPERTIES} object properties in all") as err:
+        tool_call_grammar(compiler, family, [wider], "required", parallel=False)
+    assert err.value.param == "tools[0]" and "5000 in one object" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_too_deep_a_schema_is_refused_for_what_it_is(family, request):
+    compiler = request.getfixturevalue(f"{family}_compiler")
+    deep = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ChatError, match="nests deeper than 64 levels"):
+        tool_call_grammar(compiler, family, [Tool("deep", "", deep)], "required", parallel=False)
