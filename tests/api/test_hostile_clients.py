@@ -24,6 +24,8 @@ from dflash_agent.api.service import ServerSettings, answered_hosts, host_name
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8,"
 USER = [{"role": "user", "content": COUNT}]
 
+log = logging.getLogger(__name__)
+
 
 def _metric(url: str, prefix: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
@@ -115,7 +117,10 @@ def test_a_prompt_far_beyond_the_context_is_refused_early_and_health_stays_live(
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 300_000, "max_tokens": 1}),
     ("/v1/messages", {"model": "m", "max_tokens": 1,
                       "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 150_000}),
-], ids=["300k-messages", "300k-anthropic-turns"])
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [
+        {"type": "function", "function": {"name": f"t{i}", "description": "d", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(100_000)]}),
+], ids=["300k-messages", "300k-anthropic-turns", "100k-tools"])
 def test_many_small_parts_are_converted_off_the_event_loop(server_url, path, body):
     """Megabytes of tiny messages or tools: their conversion (seconds of Python on the event loop before) runs in a
     thread, so /health answers meanwhile; the request ends in its answer (empty messages render to nothing) or a
@@ -125,7 +130,9 @@ def test_many_small_parts_are_converted_off_the_event_loop(server_url, path, bod
     thread.start()
     slowest = _slowest_health_until_done(server_url, thread)
     assert answers[0].status_code in (200, 400), answers[0].text
-    assert slowest < 1.0, slowest  # 3.4 s each with the conversion on the loop
+    log.info("slowest /health beside %s: %.3f s", path, slowest)
+    # the goal is 0.5 s; the bound leaves a slower CI machine room (3.4 s each with the conversion on the loop)
+    assert slowest < 1.0, slowest
 
 
 def test_tokenizing_runs_off_the_event_loop(server_url):

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +75,8 @@ class Record:
     calls: list[Call] = field(default_factory=list)
     before: dict[str, Any] = field(default_factory=dict)
     after: dict[str, Any] = field(default_factory=dict)
+    kernel_before: dict[str, str] = field(default_factory=dict)
+    kernel_after: dict[str, str] = field(default_factory=dict)
     tmp_probe_exists: bool = False
     bash_tmp_probe_exists: bool = False
     list_dir_seconds: list[float] = field(default_factory=list)
@@ -145,6 +148,8 @@ def build(base: Path, far: Path) -> Hostile:
     (ws / NEWLINE).write_text("a name with a newline\n")
     (ws / MANY_A).write_text("many a\n")
     (ws / "aaaa.txt").write_text("a" * 100_000 + "\n")
+    # A nested repository (the workspace itself has none): its .git is what a planted config would run from
+    subprocess.run(["git", "init", "-q", str(ws / "sub")], check=True)
     fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for name in DEEP:
@@ -157,6 +162,13 @@ def build(base: Path, far: Path) -> Hostile:
     finally:
         os.close(fd)
     return hostile
+
+
+KERNEL_SETTINGS = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/hostname")
+
+
+def kernel_settings() -> dict[str, str]:
+    return {path: Path(path).read_text() for path in KERNEL_SETTINGS}
 
 
 def snapshot(base: Path, skip: Path) -> dict[str, Any]:
@@ -214,6 +226,12 @@ def file_tool_calls(h: Hostile) -> list[tuple[str, dict[str, Any]]]:
         calls.append(("edit_file", {"path": path, "old_string": "SECRET", "new_string": "PWNED"}))
     for path in [*ways_to_secret, *new_outside, "fifo", "l1"]:
         calls.append(("write_file", {"path": path, "content": "pwned\n"}))
+    # Git metadata that git would run on the host at the user's next `git status` (the file tools refuse any .git)
+    fsmonitor = f"[core]\n\tfsmonitor = touch {h.markers / 'git-file-tools'}\n"
+    calls += [("write_file", {"path": "sub/.git/config", "content": fsmonitor}),
+              ("edit_file", {"path": "sub/.git/config", "old_string": "[core]", "new_string": fsmonitor}),
+              ("write_file", {"path": ".git/config", "content": fsmonitor}),
+              ("write_file", {"path": "sub/.git/hooks/pre-commit", "content": f"#!/bin/sh\n{fsmonitor}"})]
     # Legitimate writes inside, with odd names: they may succeed, and must not run the code they touch.
     calls += [("write_file", {"path": LONG, "content": "rewritten\n"}),
               ("write_file", {"path": NEWLINE, "content": "rewritten\n"}),
@@ -231,6 +249,16 @@ def bash_calls(h: Hostile) -> dict[str, str]:
         "write_outside": f"touch {h.markers / 'bash-touch'}; echo pwned > {h.outside / 'bash-target.txt'}; "
                          f"mkdir {h.outside / 'bash-dir'}; echo pwned > {h.tmp_probe}-bash; "
                          f"echo pwned > {h.far / 'target.txt'}; touch {h.far / 'bash-new'}; echo done",
+        # the third hostile pass: kernel settings (as root: a core_pattern runs as root at the next crash), mounts,
+        # namespaces, and git config planted in a repository made here and in the nested one
+        "kernel": f"{sys.executable} -c \"import os; os.write(os.open('/proc/sys/kernel/core_pattern', os.O_WRONLY), "
+                  f"b'|{h.markers / 'core'}')\"; echo core=$?; echo pwned > /proc/sys/kernel/hostname; "
+                  "echo hostname=$?; echo h > /proc/sysrq-trigger; echo sysrq=$?; unshare -U true; echo userns=$?; "
+                  "mkdir -p m && mount -t tmpfs none m; echo mount=$?; echo done",
+        "git": f"git init -q . && git config core.fsmonitor 'touch {h.markers / 'git-init'}'; "
+               f"git -C sub config core.fsmonitor 'touch {h.markers / 'git-nested'}'; echo nested=$?; "
+               f"mkdir -p new/repo && git init -q new/repo && git -C new/repo config core.fsmonitor "
+               f"'touch {h.markers / 'git-new'}'; echo done",
         "server_secrets": f"{pattern}; echo scanned $(ls -d /proc/[0-9]* | wc -l) processes; "
                           "grep -l -a -F -f .pattern /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null; "
                           "env | grep -a -F -f .pattern; rm -f .pattern; echo done",
@@ -318,11 +346,15 @@ def far() -> Iterator[Path]:
 def record(tmp_path_factory, far) -> Record:
     base = tmp_path_factory.mktemp("hostile")
     h = build(base, far)
-    rec = Record(h, before={**snapshot(base, h.ws), **snapshot(far, far)})
+    rec = Record(h, before={**snapshot(base, h.ws), **snapshot(far, far)}, kernel_before=kernel_settings())
     errlog = (base / "stderr.txt").open("w+")
     with fake_server([Reply("done.")]) as fake:
         anyio.run(scenario, h, rec, fake.url, errlog)
     time.sleep(0.5)  # what the server left running has had its chance to write
+    rec.kernel_after = kernel_settings()
+    # what the user does next in the workspace: git there and in the repositories under it, as a prompt would
+    for repo in (h.ws, h.ws / "sub", h.ws / "new" / "repo"):
+        subprocess.run(["git", "-C", str(repo), "status", "--short"], capture_output=True, timeout=60)
     rec.after = {**snapshot(base, h.ws), **snapshot(far, far)}
     rec.tmp_probe_exists = h.tmp_probe.exists()
     rec.bash_tmp_probe_exists = Path(f"{h.tmp_probe}-bash").exists()
@@ -404,3 +436,31 @@ def test_bash_cannot_read_the_server_secrets(record):
     bash = record.bash["server_secrets"]
     assert not bash.hung and "done" in bash.text and "scanned" in bash.text, bash
     assert "/proc/" not in bash.text and record.hostile.token not in bash.text, bash.text
+
+
+@pytest.mark.skipif(NO_SANDBOX is not None, reason=f"the bash sandbox cannot start here: {NO_SANDBOX}")
+def test_bash_changes_no_kernel_setting_and_mounts_nothing(record):
+    bash = record.bash["kernel"]
+    assert not bash.hung and "done" in bash.text, bash
+    assert record.kernel_after == record.kernel_before
+    said = dict(line.split("=", 1) for line in bash.text.splitlines() if "=" in line and " " not in line)
+    assert all(said[name] != "0" for name in ("core", "hostname", "sysrq", "userns", "mount")), bash.text
+
+
+@pytest.mark.skipif(NO_SANDBOX is not None, reason=f"the bash sandbox cannot start here: {NO_SANDBOX}")
+def test_no_git_config_planted_runs_on_the_host(record):
+    """The markers of the planted fsmonitor commands are checked with the repository's others
+    (test_no_code_from_the_repository_runs); here, that each attempt was refused or disabled and said so."""
+    bash = record.bash["git"]
+    assert not bash.hung and "done" in bash.text, bash
+    assert "nested=0" not in bash.text  # the nested repository's .git is read-only
+    assert ".git-disabled-by-dflash-agent" in bash.text, bash.text
+    ws = record.hostile.ws
+    assert not (ws / ".git").exists() and not (ws / "new" / "repo" / ".git").exists()
+    assert "fsmonitor" not in (ws / "sub" / ".git" / "config").read_text()
+
+
+def test_the_git_file_tool_writes_are_refused(record):
+    git_writes = [c for c in record.file_calls() if ".git/" in c.arguments.get("path", "")]
+    assert len(git_writes) == 4 and all(c.is_error for c in git_writes), [str(c) for c in git_writes]
+    assert "fsmonitor" not in (record.hostile.ws / "sub" / ".git" / "config").read_text()
