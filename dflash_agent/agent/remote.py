@@ -3,16 +3,45 @@ model, through the official `openai` client, streaming."""
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
 import json
-from typing import Any
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
+import msgspec
 import openai
 
-from ..chat.parser import ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart
+from ..chat.gemma3_tools import inline_tools
+from ..chat.parser import OutputParser, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart, make_parser
 from ..chat.types import Conversation, Message, ToolCall
 from ..engine import RequestError, SamplingDefaults, SamplingParams, Usage
 from .backend import AssistantTurn, BackendError, ContextFull, OnDelta, TurnOptions
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# 429 (rate limited) and 503 (overloaded, loading) are the server's "later": retried this many times, waiting its
+# Retry-After (at most RETRY_MAX_WAIT_S) or else 1, 2, 4, ... seconds
+RETRIES = 4
+RETRY_MAX_WAIT_S = 30.0
+_RETRIED = (429, 503)
+
+# How servers word a prompt that does not fit, beside OpenAI's code: vLLM ("This model's maximum context length
+# is N tokens", code 400, param input_tokens), SGLang ("... longer than the model's context length ...", "...
+# exceeds the model's maximum context length"), llama.cpp (type exceed_context_size_error), TGI ("must be <=")
+_CONTEXT_WORDS = re.compile(r"maximum context length|context length|context window|exceed_context_size|"
+                            r"too many tokens|prompt is too long|input_tokens.*must be", re.IGNORECASE)
+_CONTEXT_TYPES = ("exceed_context_size_error", "context_length_exceeded")
+
+# The model families whose output our parsers read, recognised in the id or path a server lists for its model
+_FAMILIES = (("gemma4", re.compile(r"gemma[-_ ]?4", re.IGNORECASE)),
+             ("gemma3", re.compile(r"gemma[-_ ]?3", re.IGNORECASE)))
 
 
 def openai_messages(conversation: Conversation) -> list[dict[str, Any]]:
@@ -68,6 +97,30 @@ class RemoteBackend:
         self.temperature = temperature
         self._sampling: dict[str, Any] | None = None
         self._cards: list[Any] | None = None  # what /v1/models listed
+        self._family: str | None | bool = False  # False: not looked up yet
+
+    async def client_family(self) -> str | None:
+        """The family whose tool syntax this client reads itself: None where the server handles tools (ours says
+        its model's family on /v1/models) or the model is of no family we know. A server that is not ours (vLLM,
+        SGLang, llama.cpp) may leave a Gemma 4 call in the text, and has no tool syntax for Gemma 3 at all."""
+        if self._family is False:
+            card = await self._card()
+            meta = (card.model_extra or {}).get("meta") if card is not None else None
+            if isinstance(meta, dict) and meta.get("family"):
+                self._family = None
+            else:
+                names = [self.model or ""] + ([str((card.model_extra or {}).get("root") or "")] if card else [])
+                self._family = next((family for family, pattern in _FAMILIES
+                                     if any(pattern.search(name) for name in names)), None)
+        return self._family
+
+    async def _card(self) -> Any:
+        model = await self.model_id()
+        try:
+            cards = await self._models()
+        except BackendError:  # a server without /v1/models lists nothing; the turn says if it is down
+            return None
+        return next((m for m in cards if m.id == model), None)
 
     async def model_id(self) -> str:
         if self.model is None:
@@ -80,36 +133,50 @@ class RemoteBackend:
     async def sampling(self) -> dict[str, Any]:
         """The sampling fields of every request (create() keyword arguments). With no temperature given, the served
         model's recommended sampling where the server lists it (`dflash-agent serve`: /v1/models meta
-        sampling_defaults), else greedy: what the same model loaded in this process would use."""
+        sampling_defaults), else none: the server applies its own defaults (vLLM's --generation-config, the
+        model's generation_config.json), as it would for any client."""
         if self._sampling is None:
             if self.temperature is not None:
                 self._sampling = {"temperature": self.temperature}
             else:
-                model = await self.model_id()
-                try:
-                    cards = await self._models()
-                except BackendError:  # a server without /v1/models lists nothing; the turn says if it is down
-                    cards = []
-                card = next((m for m in cards if m.id == model), None)
+                card = await self._card()
                 meta = (card.model_extra or {}).get("meta") if card is not None else None
                 listed = SamplingDefaults.of(meta.get("sampling_defaults") if isinstance(meta, dict) else None,
                                              self.base_url)
                 try:
-                    params = listed.resolve(SamplingParams())
-                except RequestError:  # a server listing values out of range: greedy, as with none
-                    params = SamplingParams()
-                self._sampling = sampling_arguments(params)
+                    self._sampling = sampling_arguments(listed.resolve(SamplingParams())) if listed.fields() else {}
+                except RequestError:  # a server listing values out of range: its own defaults, as with none
+                    self._sampling = {}
         return self._sampling
 
     async def _models(self) -> list[Any]:
         if self._cards is None:
             try:
-                self._cards = (await self.client.models.list()).data
+                self._cards = (await self.retried(self.client.models.list)).data
             except openai.APIError as exc:
-                raise self._error(exc) from None
+                raise self.error(exc) from None
         return self._cards
 
+    async def retried(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, again after a 429 or 503 (up to RETRIES times, each after the server's Retry-After or a
+        doubling wait); the last answer's error is raised as it came."""
+        for attempt in range(RETRIES + 1):
+            try:
+                return await call()
+            except openai.APIStatusError as exc:
+                if exc.status_code not in _RETRIED or attempt == RETRIES:
+                    raise
+                asked = _retry_after(exc.response)
+                wait = min(2.0 ** attempt if asked is None else asked, RETRY_MAX_WAIT_S)
+                log.warning("the server at %s answered %d (%s); retrying in %.0f s (%d of %d)", self.base_url,
+                            exc.status_code, _message(exc)[:200], wait, attempt + 1, RETRIES)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
     async def turn(self, conversation: Conversation, options: TurnOptions, on_delta: OnDelta) -> AssistantTurn:
+        family = await self.client_family()
+        if family == "gemma3":  # no tool syntax in its template: tools and calls as text, as our engine writes them
+            conversation = inline_tools(conversation)
         request: dict[str, Any] = {
             "model": await self.model_id(),
             "messages": openai_messages(conversation),
@@ -117,6 +184,8 @@ class RemoteBackend:
             "stream_options": {"include_usage": True},
             **await self.sampling(),
         }
+        if family == "gemma4":  # the call markers are special tokens, which vLLM and SGLang drop from the text
+            request["extra_body"] = {**request.get("extra_body", {}), "skip_special_tokens": False}
         if conversation.tools:
             request["tools"] = openai_tools(conversation)
             request["tool_choice"] = options.tool_choice
@@ -129,8 +198,10 @@ class RemoteBackend:
         reasoning: list[str] = []
         calls: dict[int, list[Any]] = {}  # stream index -> [id, name, argument fragments]
         finish, usage, timings = "stop", Usage(0, 0), None
+        # Calls the server left in the text (no tool parser, or none for the family) are read as our engine reads them
+        parser = make_parser(family) if family is not None else None
         try:
-            stream = await self.client.chat.completions.create(**request)
+            stream = await self.retried(lambda: self.client.chat.completions.create(**request))
             async for chunk in stream:
                 extra = chunk.model_extra or {}
                 if extra.get("timings"):
@@ -141,9 +212,15 @@ class RemoteBackend:
                                   (details.cached_tokens or 0) if details else 0)
                 for choice in chunk.choices:
                     finish = choice.finish_reason or finish
-                    self._read_delta(choice.delta, text, reasoning, calls, on_delta)
+                    self._read_delta(choice.delta, text, reasoning, calls, on_delta, parser)
         except openai.APIError as exc:
-            raise self._error(exc) from None
+            raise self.error(exc) from None
+        text_calls: list[ToolCall] = []
+        if parser is not None:
+            _pass_on(parser.finish(), text, reasoning, on_delta)
+            text_calls = parser.result().tool_calls
+            if text_calls and finish == "stop":
+                finish = "tool_calls"
         tool_calls, bad = [], {}
         for index in sorted(calls):
             call_id, name, fragments = calls[index]
@@ -156,17 +233,20 @@ class RemoteBackend:
                 bad[call_id] = f"the arguments are not a JSON object ({exc}): {raw[:200]!r}"
                 arguments = {}
             tool_calls.append(ToolCall(call_id, name, arguments))
+        tool_calls += text_calls
         return AssistantTurn("".join(text), "".join(reasoning) or None, tool_calls, finish, usage, timings, bad)
 
     def _read_delta(self, delta: Any, text: list[str], reasoning: list[str], calls: dict[int, list[Any]],
-                    on_delta: OnDelta) -> None:
+                    on_delta: OnDelta, parser: OutputParser | None) -> None:
         # Reasoning is not in OpenAI's schema: llama.cpp and we send `reasoning_content`, vLLM `reasoning`.
         extra = delta.model_extra or {}
         thought = extra.get("reasoning_content") or extra.get("reasoning")
         if thought:
             reasoning.append(thought)
             on_delta(ReasoningDelta(thought))
-        if delta.content:
+        if delta.content and parser is not None:
+            _pass_on(parser.feed(delta.content), text, reasoning, on_delta)
+        elif delta.content:
             text.append(delta.content)
             on_delta(TextDelta(delta.content))
         for part in delta.tool_calls or []:
@@ -178,17 +258,70 @@ class RemoteBackend:
                 calls[part.index][2].append(part.function.arguments)
                 on_delta(ToolCallArgsDelta(part.index, part.function.arguments))
 
-    def _error(self, exc: openai.APIError) -> Exception:
+    def error(self, exc: openai.APIError) -> Exception:
+        """The one-line error for what the openai client raised: ContextFull for a prompt the server says does
+        not fit (in any of the servers' wordings), else BackendError."""
         if isinstance(exc, openai.APIConnectionError):
             return BackendError(f"cannot reach the server at {self.base_url}: {exc.__cause__ or exc}")
         if isinstance(exc, openai.APIStatusError):
-            body = exc.body if isinstance(exc.body, dict) else {}
-            error = body.get("error", body) if isinstance(body.get("error", body), dict) else {}
-            message = error.get("message") or exc.message
-            if error.get("code") == "context_length_exceeded":
+            message = _message(exc)
+            if _context_overflow(exc):
                 return ContextFull(message)
-            return BackendError(f"the server at {self.base_url} answered {exc.status_code}: {message}")
+            busy = f" (after {RETRIES} retries)" if exc.status_code in _RETRIED else ""
+            return BackendError(f"the server at {self.base_url} answered {exc.status_code}{busy}: {message}")
         return BackendError(f"the server at {self.base_url} sent a bad response: {exc}")
 
     async def close(self) -> None:
         await self.client.close()
+
+
+# Parser events whose calls are numbered past any the server itself streams in the same answer
+_TEXT_CALL_INDEX = 1 << 20
+
+
+def _pass_on(deltas: list[Any], text: list[str], reasoning: list[str], on_delta: OnDelta) -> None:
+    """What our parser read from the server's text: kept (text, reasoning) and passed to the view."""
+    for delta in deltas:
+        if isinstance(delta, TextDelta):
+            text.append(delta.text)
+        elif isinstance(delta, ReasoningDelta):
+            reasoning.append(delta.text)
+        elif isinstance(delta, (ToolCallStart, ToolCallArgsDelta)):
+            delta = msgspec.structs.replace(delta, index=delta.index + _TEXT_CALL_INDEX)
+        on_delta(delta)
+
+
+def _error_fields(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.body if isinstance(exc.body, dict) else {}
+    error = body.get("error", body)
+    return error if isinstance(error, dict) else {}
+
+
+def _message(exc: openai.APIStatusError) -> str:
+    message = _error_fields(exc).get("message")
+    return message if isinstance(message, str) and message else exc.message
+
+
+def _context_overflow(exc: openai.APIStatusError) -> bool:
+    error = _error_fields(exc)
+    if error.get("code") in _CONTEXT_TYPES or error.get("type") in _CONTEXT_TYPES:
+        return True
+    return exc.status_code in (400, 413, 422) and bool(_CONTEXT_WORDS.search(_message(exc)))
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds to wait from Retry-After (seconds or an HTTP date) or OpenAI's retry-after-ms; None without one."""
+    headers = response.headers
+    try:
+        if "retry-after-ms" in headers:
+            return max(float(headers["retry-after-ms"]) / 1000, 0.0)
+        value = headers.get("retry-after")
+        if value is None:
+            return None
+        try:
+            return max(float(value), 0.0)
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value)
+            return max(when.timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, OverflowError):
+        return None

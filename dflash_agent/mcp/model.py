@@ -182,6 +182,35 @@ class LocalModel:
         pass  # the engine belongs to whoever loaded it
 
 
+# Prometheus samples of each server, by the name status gives them
+SERVER_METRICS = {
+    "dflash_prompt_cache_hits_total": "prefix_cache_hits",
+    "dflash_prompt_tokens_cached_total": "prefix_cached_tokens",
+    "dflash_spec_draft_tokens_total": "draft_tokens",
+    "dflash_spec_accepted_tokens_total": "draft_accepted",
+    "dflash_decode_tokens_per_second": "decode_tokens_per_second",
+    "dflash_requests_processing": "requests_running",
+    "dflash_requests_queued": "requests_waiting",
+    # vLLM (V1 engine): the prefix cache counts tokens, queried and hit
+    "vllm:prefix_cache_hits_total": "prefix_cached_tokens",
+    "vllm:prefix_cache_queries_total": "prefix_queried_tokens",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "draft_accepted",
+    "vllm:num_requests_running": "requests_running",
+    "vllm:num_requests_waiting": "requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generated_tokens",
+    # SGLang
+    "sglang:num_running_reqs": "requests_running",
+    "sglang:num_queue_reqs": "requests_waiting",
+    "sglang:cache_hit_rate": "prefix_cache_hit_rate",
+    "sglang:spec_accept_length": "spec_accept_length",
+    "sglang:prompt_tokens_total": "prompt_tokens",
+    "sglang:generation_tokens_total": "generated_tokens",
+}
+
+
 class RemoteModel:
     """A running OpenAI-compatible server (`dflash-agent serve`, llama.cpp, vLLM): chat through the
     agent's RemoteBackend, completions through its `openai` client, and status from the server's
@@ -213,13 +242,12 @@ class RemoteModel:
 
     async def complete(self, prompt: str, max_tokens: int, temperature: float | None = None) -> Completion:
         backend = await self._backend(temperature)
+        sampling = await backend.sampling()
         try:
-            out = await backend.client.completions.create(model=backend.model, prompt=prompt, max_tokens=max_tokens,
-                                                          **await backend.sampling())
-        except openai.APIConnectionError as exc:
-            raise BackendError(f"cannot reach the server at {self.base_url}: {exc.__cause__ or exc}") from None
-        except openai.APIStatusError as exc:
-            raise BackendError(f"the server at {self.base_url} answered {exc.status_code}: {exc.message}") from None
+            out = await backend.retried(lambda: backend.client.completions.create(
+                model=backend.model, prompt=prompt, max_tokens=max_tokens, **sampling))
+        except openai.APIError as exc:
+            raise backend.error(exc) from None
         if not out.choices:
             raise BackendError(f"the server at {self.base_url} sent a completion without choices")
         timings = (out.model_extra or {}).get("timings")
@@ -236,17 +264,20 @@ class RemoteModel:
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             return {**out, "state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
         if card:
-            meta = card.get("meta") or {}
-            out.update(model=card.get("id", self.name), state="ready", n_ctx=meta.get("n_ctx"),
-                       family=meta.get("family"), drafter=meta.get("draft"))
+            meta = card.get("meta") if isinstance(card.get("meta"), dict) else {}
+            # ours and llama.cpp's say n_ctx in meta; vLLM says max_model_len on the card itself
+            out.update(model=card.get("id", self.name), state="ready",
+                       n_ctx=meta.get("n_ctx") or card.get("max_model_len"), family=meta.get("family"),
+                       drafter=meta.get("draft"))
         out["server_metrics"] = await self._metrics()
         out["requests"] = self.last.requests
         out["last_request"] = self.last.as_dict()
         return out
 
     async def _metrics(self) -> dict[str, float] | None:
-        """Prefix-cache and speculation totals from the server's Prometheus /metrics (ours; absent on
-        servers that do not have them)."""
+        """Prefix-cache, speculation and queue figures from the server's Prometheus /metrics, in one set of names
+        whichever server it is (ours, vLLM's, SGLang's; None where it has none). A figure with labels (vLLM's
+        model_name, engine) is their sum."""
         from prometheus_client.parser import text_string_to_metric_families
 
         root = self.base_url.removesuffix("/v1")
@@ -256,17 +287,13 @@ class RemoteModel:
             return None
         if response.status_code != 200:
             return None
-        wanted = {"dflash_prompt_cache_hits_total": "prefix_cache_hits",
-                  "dflash_prompt_tokens_cached_total": "prefix_cached_tokens",
-                  "dflash_spec_draft_tokens_total": "draft_tokens",
-                  "dflash_spec_accepted_tokens_total": "draft_accepted",
-                  "dflash_decode_tokens_per_second": "decode_tokens_per_second"}
         found: dict[str, float] = {}
         try:
             for family in text_string_to_metric_families(response.text):
                 for sample in family.samples:
-                    if sample.name in wanted:
-                        found[wanted[sample.name]] = sample.value
+                    if sample.name in SERVER_METRICS:
+                        name = SERVER_METRICS[sample.name]
+                        found[name] = found.get(name, 0.0) + sample.value
         except ValueError:
             return None
         return found or None

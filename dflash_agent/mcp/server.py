@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 STATUS_URI = "dflash-agent://status"
 MAX_STEPS = 200  # what one run_task may ask for
+MAX_TURN_TOKENS = 32768
 # Failures a caller can read and act on: they become the tool's error text, not a logged crash.
 # Engine and chat errors are ValueErrors, a missing file an OSError: the caller's to fix, so a tool error.
 EXPECTED_ERRORS = (ToolError, BackendError, ContextFull, ValueError, OSError)
@@ -69,6 +70,11 @@ class RunTaskArgs(msgspec.Struct, forbid_unknown_fields=True):
                                                    "(default: the workspace itself); it must be inside it.")] = "."
     max_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS, description="Model turns before the agent "
                                                                             "stops.")] = AgentConfig.max_steps
+    max_turn_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TURN_TOKENS, description=(
+        "Tokens the model may write in one turn."))] = AgentConfig.max_turn_tokens
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, description=(
+        "Tokens the model may write over the whole task, all turns together (default: no limit but "
+        "max_steps x max_turn_tokens); the agent stops with what it has when they run out."))] | None = None
 
 
 TEMPERATURE = "0 is greedy. Unset: the model's recommended sampling where it has one, else greedy."
@@ -116,7 +122,8 @@ def agent_factory(model: ModelAccess, deny: tuple[str, ...] = DEFAULT_DENY,
         transcript = Transcript(default_transcript_path(workspace.root, workspace.read_only))
         transcript.event("start", command="mcp run_task", repo=str(workspace.root), model=model.name,
                          read_only=workspace.read_only, tools=registry.names,
-                         config={"max_steps": config.max_steps, "temperature": temperature})
+                         config={"max_steps": config.max_steps, "max_turn_tokens": config.max_turn_tokens,
+                                 "max_tokens": config.max_tokens, "temperature": temperature})
         return Agent(backend, registry, system_prompt(workspace), config, on_event, transcript)
 
     return make
@@ -200,7 +207,8 @@ def _agent_tools(workspace: Workspace | None, make_agent: AgentFactory | None) -
         return []
 
     async def run_task(args: RunTaskArgs, ctx: ServerRequestContext) -> CallToolResult:
-        config = AgentConfig(max_steps=args.max_steps)
+        config = AgentConfig(max_steps=args.max_steps, max_turn_tokens=args.max_turn_tokens,
+                             max_tokens=args.max_tokens)
         progress = StepProgress(config.max_steps)
         agent = await make_agent(_task_workspace(workspace, args.repo), config, progress.on_event)
         try:

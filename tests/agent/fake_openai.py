@@ -26,10 +26,17 @@ class Reply:
 class Failure:
     status: int
     error: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)  # Retry-After, say
+
+
+FAKE_CARD = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "test"}
 
 
 class FakeServer:
-    def __init__(self, replies: list[Reply | Failure]) -> None:
+    def __init__(self, replies: list[Reply | Failure], card: dict[str, Any] | None = None,
+                 metrics: str | None = None) -> None:
+        self.card = card or FAKE_CARD  # what /v1/models lists: vLLM's and ours differ
+        self.metrics = metrics  # Prometheus text at /metrics, if any
         self.replies = list(replies)
         self.requests: list[dict[str, Any]] = []
         self.authorization: list[str | None] = []
@@ -66,9 +73,11 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: Any) -> None:
             pass
 
-        def _json(self, status: int, body: Any) -> None:
+        def _json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -76,8 +85,14 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [
-                    {"id": "fake-model", "object": "model", "created": 0, "owned_by": "test"}]})
+                self._json(200, {"object": "list", "data": [fake.card]})
+            elif self.path == "/metrics" and fake.metrics is not None:
+                data = fake.metrics.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             else:
                 self._json(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
 
@@ -90,7 +105,7 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
                 return
             reply = fake.replies.pop(0)
             if isinstance(reply, Failure):
-                self._json(reply.status, {"error": reply.error})
+                self._json(reply.status, {"error": reply.error}, reply.headers)
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -104,8 +119,9 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_server(replies: list[Reply | Failure]) -> Iterator[FakeServer]:
-    fake = FakeServer(replies)
+def fake_server(replies: list[Reply | Failure], card: dict[str, Any] | None = None,
+                metrics: str | None = None) -> Iterator[FakeServer]:
+    fake = FakeServer(replies, card, metrics)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
     fake.url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)

@@ -129,3 +129,110 @@ def test_request_bodies_are_json_all_the_way(tmp_path):
         one_turn(fake.url, conversation=odd)
     assert fake.requests[0]["messages"][3]["content"] == 'quote " backslash \\ nul \x00 é'
     json.dumps(fake.requests[0])
+
+
+def turn_with(url, conversation=CONVERSATION, temperature=0.0):
+    deltas = []
+
+    async def go():
+        backend = RemoteBackend(url, None, temperature)
+        try:
+            return await backend.turn(conversation, TurnOptions(), deltas.append)
+        finally:
+            await backend.close()
+
+    return asyncio.run(go()), deltas
+
+
+@pytest.mark.parametrize("error", [
+    # vLLM 0.3x: a 400 whose code is the status and whose param names the input
+    {"message": "This model's maximum context length is 2048 tokens. However, your request has 3100 input tokens. "
+                "Please reduce the length of the input messages.", "type": "BadRequestError", "param": "input_tokens",
+     "code": 400},
+    # SGLang
+    {"message": "The input (3100 tokens) is longer than the model's context length (2048 tokens).",
+     "type": "BadRequestError", "code": 400},
+    # llama.cpp's server
+    {"message": "the request exceeds the available context size, try increasing it", "type":
+     "exceed_context_size_error", "code": 400, "n_prompt_tokens": 3100, "n_ctx": 2048},
+], ids=["vllm", "sglang", "llama.cpp"])
+def test_every_servers_context_overflow_is_context_full(error):
+    with fake_server([Failure(400, error)]) as fake:
+        with pytest.raises(ContextFull):
+            one_turn(fake.url)
+
+
+def test_a_busy_server_is_retried_after_its_retry_after_then_answers():
+    busy = Failure(429, {"message": "rate limited", "type": "rate_limit_error"}, {"Retry-After": "0"})
+    loading = Failure(503, {"message": "loading", "type": "server_error"}, {"Retry-After": "0"})
+    with fake_server([busy, loading, Reply("done.")]) as fake:
+        turn, _ = one_turn(fake.url)
+    assert turn.content == "done." and len(fake.requests) == 3
+
+
+def test_a_server_busy_past_the_retries_is_one_line():
+    busy = Failure(503, {"message": "overloaded", "type": "server_error"}, {"Retry-After": "0"})
+    with fake_server([busy] * 5) as fake:
+        with pytest.raises(BackendError, match=r"answered 503 \(after 4 retries\): overloaded"):
+            one_turn(fake.url)
+    assert len(fake.requests) == 5
+
+
+def test_with_no_temperature_and_no_listed_defaults_the_server_s_own_apply():
+    """vLLM lists no sampling defaults and applies the model's generation_config (Gemma's top_k 64, top_p 0.95)
+    to a request that sends none; greedy would override them."""
+    with fake_server([Reply("a"), Reply("b")]) as fake:
+        turn_with(fake.url, temperature=None)
+        turn_with(fake.url, temperature=0.7)
+    assert not {"temperature", "top_p", "top_k", "min_p"} & set(fake.requests[0])
+    assert fake.requests[1]["temperature"] == 0.7
+
+
+VLLM_GEMMA3 = {"id": "gemma3-270m", "object": "model", "created": 0, "owned_by": "vllm",
+               "root": "/models/gemma-3-270m-it", "max_model_len": 2048}
+VLLM_GEMMA4 = {"id": "google/gemma-4-E2B-it", "object": "model", "created": 0, "owned_by": "vllm",
+               "root": "google/gemma-4-E2B-it", "max_model_len": 8192}
+
+
+def test_gemma3_behind_another_server_gets_its_tools_as_text_and_its_calls_read_back():
+    """No server but ours has a tool syntax for Gemma 3 (its template has none): the client writes the tools, the
+    earlier calls and the results as text, as our engine does, and reads the fenced call back."""
+    answer = 'Reading it.\n\n```tool_call\n{"name": "read_file", "arguments": {"path": "b.py"}}\n```'
+    with fake_server([Reply(answer)], card=VLLM_GEMMA3) as fake:
+        turn, deltas = one_turn(fake.url)
+    sent = fake.requests[0]
+    assert "tools" not in sent and "tool_choice" not in sent
+    assert [m["role"] for m in sent["messages"]] == ["system", "user", "assistant", "user"]
+    assert "# Tools" in sent["messages"][0]["content"] and "read_file" in sent["messages"][0]["content"]
+    assert "```tool_result" in sent["messages"][3]["content"]
+    assert '"path": "calc.py"' in sent["messages"][2]["content"]
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [("read_file", {"path": "b.py"})]
+    assert turn.content.strip() == "Reading it." and turn.finish_reason == "tool_calls"
+    assert any(isinstance(d, ToolCallStart) and d.name == "read_file" for d in deltas)
+    assert "```" not in "".join(d.text for d in deltas if isinstance(d, TextDelta))
+
+
+def test_gemma4_calls_left_in_the_text_are_read_and_its_markers_kept():
+    """vLLM without --tool-call-parser gemma4 leaves the call in the text, and drops its markers (special tokens)
+    unless asked to keep them."""
+    answer = 'Let me look.<|tool_call>call:read_file{path:<|"|>b.py<|"|>}<tool_call|>'
+    with fake_server([Reply(answer)], card=VLLM_GEMMA4) as fake:
+        turn, _ = one_turn(fake.url)
+    sent = fake.requests[0]
+    assert sent["skip_special_tokens"] is False and sent["tools"][0]["function"]["name"] == "read_file"
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [("read_file", {"path": "b.py"})]
+    assert turn.content == "Let me look." and turn.finish_reason == "tool_calls"
+
+
+def test_calls_the_server_parsed_stay_as_they_came_beside_text_without_markup():
+    with fake_server([Reply("Reading.", calls=[("read_file", '{"path": "c.py"}')])], card=VLLM_GEMMA4) as fake:
+        turn, _ = one_turn(fake.url)
+    assert [(c.id, c.name, c.arguments) for c in turn.tool_calls] == [("call_0", "read_file", {"path": "c.py"})]
+    assert turn.content == "Reading."
+
+
+def test_our_own_server_parses_its_calls_itself():
+    ours = {**VLLM_GEMMA3, "owned_by": "dflash-agent", "meta": {"family": "gemma3", "n_ctx": 2048}}
+    with fake_server([Reply("plain")], card=ours) as fake:
+        one_turn(fake.url)
+    assert fake.requests[0]["tools"] and len(fake.requests[0]["messages"]) == 4

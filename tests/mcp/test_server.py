@@ -184,6 +184,22 @@ def test_run_task_stops_at_its_step_limit_without_an_error(repo):
     assert "the step limit ran out after 2 steps" in text(result)
 
 
+def test_run_task_limits_the_tokens_of_a_turn_and_of_the_task(repo):
+    """On a slow shared server a run_task of 4,096 tokens a turn times its steps runs for many minutes: the caller
+    may bound both; each turn asks for at most what is left."""
+    access = ScriptedAccess([Say(calls=[("list_dir", {})]), Say(calls=[("list_dir", {})]), Say("done")])
+
+    async def scenario(client):
+        return await client.call_tool("run_task", {"task": "list", "max_turn_tokens": 64, "max_tokens": 100})
+
+    result = serve(access, repo)(scenario)
+    assert not result.is_error, text(result)
+    asked = [options.max_tokens for options in access.model.options]
+    assert asked[0] == 64 and all(0 < n <= 64 for n in asked), asked
+    config = transcript_events(repo)[0]["config"]
+    assert config["max_turn_tokens"] == 64 and config["max_tokens"] == 100
+
+
 def test_run_task_in_a_subdirectory_works_there(repo):
     access = ScriptedAccess([Say(calls=[("list_dir", {})]), Say("done")])
 
@@ -369,3 +385,60 @@ def test_last_request_figures_from_llama_cpp_timings():
     assert figures["acceptance_length"] == 3.0 and figures["draft_acceptance_rate"] == 0.5
     last.record({"predicted_n": 5, "predicted_per_second": 9.0})
     assert "acceptance_length" not in last.as_dict() and last.requests == 2
+
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="gemma3-270m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="gemma3-270m"} 2.0
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="gemma3-270m"} 1200.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="gemma3-270m"} 800.0
+"""
+
+
+def test_status_of_a_vllm_server_reads_its_card_and_metrics():
+    from dflash_agent.mcp.model import RemoteModel
+    from tests.agent.fake_openai import fake_server
+
+    card = {"id": "gemma3-270m", "object": "model", "created": 0, "owned_by": "vllm",
+            "root": "/models/gemma-3-270m-it", "max_model_len": 2048}
+
+    async def status(url):
+        model = RemoteModel(url)
+        try:
+            await model.backend()
+            return await model.status()
+        finally:
+            await model.aclose()
+
+    with fake_server([], card=card, metrics=VLLM_METRICS) as fake:
+        got = anyio.run(status, fake.url)
+    assert got["model"] == "gemma3-270m" and got["state"] == "ready" and got["n_ctx"] == 2048
+    assert got["server_metrics"] == {"requests_running": 1.0, "requests_waiting": 2.0,
+                                     "prefix_queried_tokens": 1200.0, "prefix_cached_tokens": 800.0}
+
+
+def test_complete_on_a_server_whose_context_is_full_is_context_full():
+    from dflash_agent.agent.backend import ContextFull
+    from dflash_agent.mcp.model import RemoteModel
+    from tests.agent.fake_openai import Failure, fake_server
+
+    error = {"message": "This model's maximum context length is 2048 tokens. However, your request has 3100 input "
+                        "tokens.", "type": "BadRequestError", "param": "input_tokens", "code": 400}
+
+    async def complete(url):
+        model = RemoteModel(url)
+        try:
+            return await model.complete("long", 8)
+        finally:
+            await model.aclose()
+
+    with fake_server([Failure(400, error)]) as fake:
+        with pytest.raises(ContextFull, match="maximum context length is 2048"):
+            anyio.run(complete, fake.url)
