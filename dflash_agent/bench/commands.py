@@ -31,6 +31,9 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--llama-cpp", "llama_cpp", default=None, metavar="DIR",
               help="The llama.cpp column: a directory with llama-bench (CPU bench) or llama-server (--concurrent, "
                    "--spec) [default: $LLAMA_CPP_BIN, PATH].")
+@click.option("--server", default=None, metavar="URL",
+              help="With --concurrent: also measure this running OpenAI-compatible server (vLLM, SGLang, a cluster) "
+                   "on the same prompts, beside ours.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: the physical cores].")
 @click.option("--prefill", type=click.Choice(PREFILL), default="auto", show_default=True,
               help="The packed engine's prompt GEMMs on the CPU (as the model commands' --prefill), for the default "
@@ -70,10 +73,9 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
                    "prefix.json, kernels.json, startup.json].")
 @user_errors
-def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, threads, prefill,
-          fidelity,
-          http, synthetic, quant, gpu_check, kernels, concurrent, prefix, turns, target_tokens, ctx_size, plan_only,
-          gpu_memory, as_json, startup, out):
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, server, threads,
+          prefill, fidelity, http, synthetic, quant, gpu_check, kernels, concurrent, prefix, turns, target_tokens,
+          ctx_size, plan_only, gpu_memory, as_json, startup, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
@@ -124,7 +126,7 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         if spec or draft or spec_block or http or synthetic or quant or kernels or prefix or fidelity or plan_only \
                 or gpu_memory or as_json:
             raise click.UsageError("--concurrent takes only --model, --decode-tokens, --repeats, --llama-cpp, "
-                                   "--threads and --out")
+                                   "--server, --threads and --out")
         try:
             streams = tuple(sorted({int(n) for n in concurrent.split(",")}))
         except ValueError:
@@ -135,9 +137,11 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
         from .concurrent import report as concurrent_report
         from .concurrent import run_concurrent_bench
 
-        concurrent_report(run_concurrent_bench(model, streams, decode_tokens, repeats, llama_cpp, threads),
+        concurrent_report(run_concurrent_bench(model, streams, decode_tokens, repeats, llama_cpp, threads, server),
                           out or Path("bench-results/concurrent.json"))
         return
+    if server is not None:
+        raise click.UsageError("--server needs --concurrent")
     if prefix:
         if spec or draft or spec_block or http or synthetic or quant or plan_only or gpu_memory or as_json:
             raise click.UsageError("--prefix takes only --model, --dtype, --turns, --target-tokens, --ctx-size, --out")

@@ -74,6 +74,17 @@ class SharedStartResult:
         return self.wall_uncached_s / self.wall_s if self.wall_s else 0.0
 
 
+@dataclass(frozen=True)
+class Target:
+    """A server the bench drives: its name in the report, its root URL, the model id to ask for (None: any), its
+    context length where it says."""
+
+    name: str
+    url: str
+    model: str | None = None
+    context: int | None = None
+
+
 @dataclass
 class ConcurrentBenchResult:
     model: str
@@ -85,12 +96,14 @@ class ConcurrentBenchResult:
     shared: list[SharedStartResult] = field(default_factory=list)
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+async def _stream(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
                   stamps: list[float] | None = None, cache: bool = False) -> tuple[float, float, int]:
     """(seconds to the first token, decode tok/s after it, completion tokens) of one streamed completion; stamps:
-    where to note when each piece of text arrived; cache: whether the server may reuse a prompt's KV."""
+    where to note when each piece of text arrived; cache: whether the server may reuse a prompt's KV (llama.cpp's
+    and our field; other servers ignore it)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": cache,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"model": target.model} if target.model else {})}
+    url = target.url
     started = time.perf_counter()
     first = last = 0.0
     pieces = n = 0
@@ -118,33 +131,33 @@ def _prompts(n: int) -> list[str]:
     return [", ".join(str(k) for k in range(100 * i + 1, 100 * i + 13)) + "," for i in range(n)]
 
 
-async def _batch(url: str, streams: int, decode_tokens: int) -> tuple[float, list[float], list[float]]:
+async def _batch(target: Target, streams: int, decode_tokens: int) -> tuple[float, list[float], list[float]]:
     """(aggregate tok/s, per-stream decode tok/s, TTFTs) of `streams` requests sent at once."""
     async with httpx.AsyncClient(timeout=None) as client:
         started = time.perf_counter()
-        results = await asyncio.gather(*(_stream(client, url, p, decode_tokens) for p in _prompts(streams)))
+        results = await asyncio.gather(*(_stream(client, target, p, decode_tokens) for p in _prompts(streams)))
         wall = time.perf_counter() - started
     return sum(n for _, _, n in results) / wall, [r for _, r, _ in results], [t for t, _, _ in results]
 
 
-async def _alone(url: str, prompt: str) -> float:
+async def _alone(target: Target, prompt: str) -> float:
     """TTFT of the arrival test's short request on an idle server."""
     async with httpx.AsyncClient(timeout=None) as client:
-        return (await _stream(client, url, prompt, SHORT_NEW))[0]
+        return (await _stream(client, target, prompt, SHORT_NEW))[0]
 
 
-async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens: int) -> tuple[float, float]:
+async def _arrival(target: Target, long_prompt: str, short_prompt: str, decode_tokens: int) -> tuple[float, float]:
     """(TTFT of a short request sent while one long prompt prefills and three streams decode, the longest the three
     went without a token while the long prompt prefilled)."""
     stamps: list[list[float]] = [[], [], []]
     async with httpx.AsyncClient(timeout=None) as client:
-        running = [asyncio.create_task(_stream(client, url, p, decode_tokens * 4, s))
+        running = [asyncio.create_task(_stream(client, target, p, decode_tokens * 4, s))
                    for p, s in zip(_prompts(3), stamps, strict=True)]
         await asyncio.sleep(1.0)  # the three are decoding
         long_sent = time.perf_counter()
-        long = asyncio.create_task(_stream(client, url, long_prompt, 8))
+        long = asyncio.create_task(_stream(client, target, long_prompt, 8))
         await asyncio.sleep(0.5)  # the long prompt is prefilling
-        ttft, _, _ = await _stream(client, url, short_prompt, SHORT_NEW)
+        ttft, _, _ = await _stream(client, target, short_prompt, SHORT_NEW)
         long_ttft, _, _ = await long
         still = [not task.done() for task in running]
         for task in running:
@@ -153,11 +166,11 @@ async def _arrival(url: str, long_prompt: str, short_prompt: str, decode_tokens:
     return ttft, longest_pause(stamps, still, long_sent, long_sent + long_ttft)
 
 
-async def _shared_start(url: str, system: str, cache: bool) -> tuple[float, float]:
+async def _shared_start(target: Target, system: str, cache: bool) -> tuple[float, float]:
     """(seconds until both answered, the later first token) of two requests sent together after one system prompt."""
     async with httpx.AsyncClient(timeout=None) as client:
         started = time.perf_counter()
-        results = await asyncio.gather(*(_stream(client, url, f"{system}\nTask {k}: list the files to read first.",
+        results = await asyncio.gather(*(_stream(client, target, f"{system}\nTask {k}: list the files to read first.",
                                                  SHORT_NEW, cache=cache) for k in (1, 2)))
         return time.perf_counter() - started, max(ttft for ttft, _, _ in results)
 
@@ -181,7 +194,11 @@ def _long_prompt(tokens: int) -> str:
 
 
 def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: int, repeats: int,
-                         llama_cpp: str | None, threads: int | None) -> ConcurrentBenchResult:
+                         llama_cpp: str | None, threads: int | None,
+                         server: str | None = None) -> ConcurrentBenchResult:
+    """Ours and llama-server (where found) started here; `server`, a running one, measured beside them on the same
+    prompts. The arrival and shared-start tests need room for a LONG_PROMPT-token prompt: a server whose context
+    is shorter is measured on the stream counts only."""
     from ..engine.engine import physical_cores
 
     threads = threads or physical_cores()
@@ -203,9 +220,11 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                                          "--no-webui"]))
     result = ConcurrentBenchResult(model, threads, decode_tokens, repeats)
     long_prompt, short_prompt = _long_prompt(LONG_PROMPT), "Write the numbers from one to ten: 1, 2,"
+    external = [remote_target(server)] if server is not None else []
     with running_servers(servers) as urls:
-        for name, url in urls:  # warm-up: first requests pay for lazy setup
-            asyncio.run(_batch(url, 1, 8))
+        urls = [*(Target(name, url) for name, url in urls), *external]
+        for target in urls:  # warm-up: first requests pay for lazy setup
+            asyncio.run(_batch(target, 1, 8))
         rates: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
         idle: dict[str, list[float]] = {}
         busy: dict[str, list[float]] = {}
@@ -213,21 +232,28 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         shared: dict[tuple[str, bool], list[tuple[float, float]]] = {}
         for repeat in range(repeats):
             for n in streams:
-                for name, url in urls:
-                    rates.setdefault((name, n), []).append(asyncio.run(_batch(url, n, decode_tokens)))
+                for target in urls:
+                    name = target.name
+                    rates.setdefault((name, n), []).append(asyncio.run(_batch(target, n, decode_tokens)))
                     log.info("repeat %d/%d, %d streams, %s: %.1f tok/s aggregate", repeat + 1, repeats, n, name,
                              rates[(name, n)][-1][0])
-            for name, url in urls:
-                idle.setdefault(name, []).append(asyncio.run(_alone(url, short_prompt)))
-                ttft, stall = asyncio.run(_arrival(url, long_prompt, short_prompt, decode_tokens))
+            for target in urls:
+                name = target.name
+                if target in external and not _fits(target, LONG_PROMPT + 64):
+                    continue
+                idle.setdefault(name, []).append(asyncio.run(_alone(target, short_prompt)))
+                ttft, stall = asyncio.run(_arrival(target, long_prompt, short_prompt, decode_tokens))
                 busy.setdefault(name, []).append(ttft)
                 stalls.setdefault(name, []).append(stall)
                 log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy; the streams' longest pause "
                          "%.2f s", repeat + 1, repeats, name, idle[name][-1], ttft, stall)
-            for name, url in urls:
+            for target in urls:
+                name = target.name
+                if target in external and not _fits(target, SHARED_PROMPT + 64):
+                    continue
                 for cache in (False, True):  # a system prompt of its own each time: nothing cached from before
                     system = f"Session {repeat}, {'cached' if cache else 'uncached'}.\n{_long_prompt(SHARED_PROMPT)}"
-                    shared.setdefault((name, cache), []).append(asyncio.run(_shared_start(url, system, cache)))
+                    shared.setdefault((name, cache), []).append(asyncio.run(_shared_start(target, system, cache)))
                 log.info("repeat %d/%d, shared start, %s: both answered in %.2f s cached, %.2f s uncached",
                          repeat + 1, repeats, name, shared[(name, True)][-1][0], shared[(name, False)][-1][0])
     for (name, n), runs in rates.items():
@@ -245,6 +271,31 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                                                statistics.median(r[0] for r in off),
                                                statistics.median(r[1] for r in off)))
     return result
+
+
+def remote_target(server: str) -> Target:
+    """A running server given as its root or API URL (http://host:8000 or .../v1), with the model it serves first
+    and its context length where /v1/models says (vLLM's max_model_len, ours and llama.cpp's meta n_ctx)."""
+    root = server.rstrip("/").removesuffix("/v1")
+    try:
+        listed = httpx.get(f"{root}/v1/models", timeout=30)
+        listed.raise_for_status()
+        card = listed.json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"--server {server}: cannot read its /v1/models ({exc})") from None
+    meta = card.get("meta") if isinstance(card.get("meta"), dict) else {}
+    context = card.get("max_model_len") or meta.get("n_ctx")
+    url = httpx.URL(root)
+    return Target(f"{url.host}:{url.port}" if url.port else url.host, root, card.get("id"),
+                  int(context) if isinstance(context, (int, float)) else None)
+
+
+def _fits(target: Target, tokens: int) -> bool:
+    if target.context is not None and target.context < tokens:
+        log.warning("%s: its context (%d tokens) cannot take the %d-token prompt of a test: measured on the stream "
+                    "counts only", target.name, target.context, tokens)
+        return False
+    return True
 
 
 def report(result: ConcurrentBenchResult, out: Path) -> None:

@@ -16,9 +16,11 @@ from dflash_agent.bench.concurrent import (
     ConcurrencyRow,
     ConcurrentBenchResult,
     SharedStartResult,
+    Target,
     _batch,
     _shared_start,
     longest_pause,
+    remote_target,
     report,
 )
 from dflash_agent.engine import SpecConfig
@@ -26,8 +28,13 @@ from dflash_agent.engine import SpecConfig
 
 def test_a_batch_of_streams_counts_every_token(embedded_engine):
     with live_server(lambda: embedded_engine(256, parallel=2, spec=SpecConfig(enabled=False))) as url:
-        aggregate, rates, ttfts = asyncio.run(_batch(url, 3, 12))  # three streams on two slots: one waits
-        wall, later = asyncio.run(_shared_start(url, "Rules: keep diffs small. " * 20, cache=True))
+        target = Target("ours", url)
+        aggregate, rates, ttfts = asyncio.run(_batch(target, 3, 12))  # three streams on two slots: one waits
+        wall, later = asyncio.run(_shared_start(target, "Rules: keep diffs small. " * 20, cache=True))
+        # --server URL: a running server, found by its /v1/models, with the model id and context it lists
+        running = remote_target(f"{url}/v1")
+        remote_aggregate, _, _ = asyncio.run(_batch(running, 2, 8))
+    assert running.url == url and running.model and running.context == 256 and remote_aggregate > 0
     assert aggregate > 0 and len(rates) == len(ttfts) == 3
     assert all(r > 0 for r in rates) and max(ttfts) > min(ttfts)
     assert wall >= later > 0
@@ -48,7 +55,8 @@ def test_report_prints_ratios_against_llama_server(tmp_path, capsys):
 def test_bad_stream_counts_and_mixed_modes_are_usage_errors():
     for args, message in ((["--concurrent", "one"], "not a list of stream counts"),
                           (["--concurrent", "0,4"], "from 1 to 64"),
-                          (["--concurrent", "1,4", "--spec"], "--concurrent takes only")):
+                          (["--concurrent", "1,4", "--spec"], "--concurrent takes only"),
+                          (["--server", "http://127.0.0.1:9"], "--server needs --concurrent")):
         result = CliRunner().invoke(bench, args)
         assert result.exit_code == 2 and message in result.output, result.output
 
