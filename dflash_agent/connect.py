@@ -54,9 +54,12 @@ def served_model(url: str, api_key: str | None = None) -> ServedModel:
     try:
         card = response.json()["data"][0]
         meta = card.get("meta") or {}
-        return ServedModel(root, card["id"], int(meta["n_ctx"]), meta.get("max_output_tokens"))
+        # ours (and llama.cpp's) say the context in meta; vLLM's card says max_model_len
+        context = meta.get("n_ctx") or card["max_model_len"]
+        return ServedModel(root, card["id"], int(context), meta.get("max_output_tokens"))
     except (ValueError, KeyError, IndexError, TypeError):
-        raise UserError(f"{root}/v1/models does not list a model as dflash-agent's server does") from None
+        raise UserError(f"{root}/v1/models lists no model with its context length (dflash-agent's server says "
+                        "meta.n_ctx, vLLM max_model_len)") from None
 
 
 def claude_code(served: ServedModel) -> ClientConfig:

@@ -77,3 +77,13 @@ def test_no_server_is_one_line():
         port = sock.getsockname()[1]
     code, out, err = connect("codex", "--server", f"http://127.0.0.1:{port}")
     assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "no dflash-agent server" in err
+
+
+def test_a_vllm_server_is_read_by_its_max_model_len():
+    from tests.agent.fake_openai import fake_server
+
+    card = {"id": "google/gemma-4-31B-it", "object": "model", "created": 0, "owned_by": "vllm",
+            "root": "google/gemma-4-31B-it", "max_model_len": 131072}
+    with fake_server([], card=card) as fake:
+        code, out, _ = connect("codex", "--server", fake.url)
+    assert code == 0 and "model_context_window = 131072" in out and 'model = "google/gemma-4-31B-it"' in out
