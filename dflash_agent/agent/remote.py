@@ -38,6 +38,8 @@ _RETRIED = (429, 503)
 _CONTEXT_WORDS = re.compile(r"maximum context length|context length|context window|exceed_context_size|"
                             r"too many tokens|prompt is too long|input_tokens.*must be", re.IGNORECASE)
 _CONTEXT_TYPES = ("exceed_context_size_error", "context_length_exceeded")
+# vLLM without --enable-auto-tool-choice / --tool-call-parser: '"auto" tool choice requires ... to be set'
+_NO_TOOL_PARSER = re.compile(r"tool.choice.*requires.*--(?:enable-auto-tool-choice|tool-call-parser)", re.IGNORECASE)
 
 # The model families whose output our parsers read, recognised in the id or path a server lists for its model
 _FAMILIES = (("gemma4", re.compile(r"gemma[-_ ]?4", re.IGNORECASE)),
@@ -98,6 +100,8 @@ class RemoteBackend:
         self._sampling: dict[str, Any] | None = None
         self._cards: list[Any] | None = None  # what /v1/models listed
         self._family: str | None | bool = False  # False: not looked up yet
+        # vLLM started without --tool-call-parser refuses tool_choice other than "none"
+        self._server_parses_calls = True
 
     async def client_family(self) -> str | None:
         """The family whose tool syntax this client reads itself: None where the server handles tools (ours says
@@ -113,6 +117,17 @@ class RemoteBackend:
                 self._family = next((family for family, pattern in _FAMILIES
                                      if any(pattern.search(name) for name in names)), None)
         return self._family
+
+    async def context_length(self) -> int | None:
+        """The served model's context in tokens where /v1/models says it: ours and llama.cpp's in meta n_ctx,
+        vLLM's as max_model_len."""
+        card = await self._card()
+        if card is None:
+            return None
+        extra = card.model_extra or {}
+        meta = extra.get("meta") if isinstance(extra.get("meta"), dict) else {}
+        context = meta.get("n_ctx") or extra.get("max_model_len")
+        return int(context) if isinstance(context, (int, float)) and context > 0 else None
 
     async def _card(self) -> Any:
         model = await self.model_id()
@@ -188,10 +203,15 @@ class RemoteBackend:
             request["extra_body"] = {**request.get("extra_body", {}), "skip_special_tokens": False}
         if conversation.tools:
             request["tools"] = openai_tools(conversation)
-            request["tool_choice"] = options.tool_choice
-            request["parallel_tool_calls"] = options.parallel_tool_calls
+            if self._server_parses_calls:
+                request["tool_choice"] = options.tool_choice
+                request["parallel_tool_calls"] = options.parallel_tool_calls
+            else:  # the model sees the tools; our parser reads its calls from the text
+                request["tool_choice"] = "none"
         if options.max_tokens is not None:
-            request["max_tokens"] = options.max_tokens
+            # vLLM refuses a max_tokens past its whole context (and shortens one that only passes what is left)
+            context = await self.context_length()
+            request["max_tokens"] = min(options.max_tokens, context) if context else options.max_tokens
         if options.enable_thinking:  # the switch vLLM, llama.cpp and `dflash-agent serve` read
             request["extra_body"] = {**request.get("extra_body", {}), "chat_template_kwargs": {"enable_thinking": True}}
         text: list[str] = []
@@ -201,7 +221,17 @@ class RemoteBackend:
         # Calls the server left in the text (no tool parser, or none for the family) are read as our engine reads them
         parser = make_parser(family) if family is not None else None
         try:
-            stream = await self.retried(lambda: self.client.chat.completions.create(**request))
+            try:
+                stream = await self.retried(lambda: self.client.chat.completions.create(**request))
+            except openai.BadRequestError as exc:
+                if parser is None or request.get("tool_choice") == "none" or not _NO_TOOL_PARSER.search(_message(exc)):
+                    raise
+                log.info("the server at %s parses no tool calls (%s): this client reads them from the text",
+                         self.base_url, _message(exc))
+                self._server_parses_calls = False
+                request["tool_choice"] = "none"
+                request.pop("parallel_tool_calls", None)
+                stream = await self.retried(lambda: self.client.chat.completions.create(**request))
             async for chunk in stream:
                 extra = chunk.model_extra or {}
                 if extra.get("timings"):
@@ -298,8 +328,14 @@ def _error_fields(exc: openai.APIStatusError) -> dict[str, Any]:
 
 
 def _message(exc: openai.APIStatusError) -> str:
-    message = _error_fields(exc).get("message")
-    return message if isinstance(message, str) and message else exc.message
+    body = exc.body if isinstance(exc.body, dict) else {}
+    # vLLM's 401 is {"error": "Unauthorized"}, which the SDK hands over as the string
+    message = _error_fields(exc).get("message") or body.get("error") or (
+        exc.body if isinstance(exc.body, str) else None)
+    message = message if isinstance(message, str) and message else exc.message
+    if exc.status_code in (401, 403):
+        message += " (the key is read from DFLASH_AGENT_API_KEY, else OPENAI_API_KEY)"
+    return message
 
 
 def _context_overflow(exc: openai.APIStatusError) -> bool:

@@ -236,3 +236,42 @@ def test_our_own_server_parses_its_calls_itself():
     with fake_server([Reply("plain")], card=ours) as fake:
         one_turn(fake.url)
     assert fake.requests[0]["tools"] and len(fake.requests[0]["messages"]) == 4
+
+
+def test_a_vllm_without_a_tool_parser_is_asked_again_with_tool_choice_none():
+    """vLLM started without --tool-call-parser refuses tool_choice auto (its words below); for Gemma 4 the client
+    asks again with "none", the tools still in the prompt, reads the call from the text, and asks so from then on."""
+    refusal = Failure(400, {"message": '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                       "to be set", "type": "BadRequestError", "param": None, "code": 400})
+    call = '<|tool_call>call:read_file{path:<|"|>b.py<|"|>}<tool_call|>'
+
+    async def two_turns(url):
+        backend = RemoteBackend(url)
+        try:
+            first = await backend.turn(CONVERSATION, TurnOptions(), lambda d: None)
+            second = await backend.turn(CONVERSATION, TurnOptions(), lambda d: None)
+            return first, second
+        finally:
+            await backend.close()
+
+    with fake_server([refusal, Reply(call), Reply("done.")], card=VLLM_GEMMA4) as fake:
+        first, second = asyncio.run(two_turns(fake.url))
+    asked = [(r.get("tool_choice"), "parallel_tool_calls" in r, bool(r.get("tools"))) for r in fake.requests]
+    assert asked == [("auto", True, True), ("none", False, True), ("none", False, True)]
+    assert [c.name for c in first.tool_calls] == ["read_file"] and second.content == "done."
+
+
+def test_max_tokens_past_the_servers_context_is_shortened_to_it():
+    """vLLM refuses max_tokens=4096 against max_model_len=2048 (400) and itself shortens one that only passes what
+    the prompt leaves: the agent's turn cap is cut to the context the server lists."""
+    with fake_server([Reply("a"), Reply("b")], card=VLLM_GEMMA3) as fake:
+        one_turn(fake.url, options=TurnOptions(max_tokens=4096))
+        one_turn(fake.url, options=TurnOptions(max_tokens=100))
+    assert [r["max_tokens"] for r in fake.requests] == [2048, 100]
+
+
+def test_a_refused_key_says_where_the_key_comes_from():
+    # vLLM's 401 body is {"error": "Unauthorized"}
+    with fake_server([Failure(401, "Unauthorized")]) as fake:
+        with pytest.raises(BackendError, match=r"answered 401: Unauthorized \(the key is read from DFLASH_AGENT_API"):
+            one_turn(fake.url)
