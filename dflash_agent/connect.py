@@ -12,7 +12,7 @@ import click
 import httpx
 
 from .errors import UserError
-from .options import user_errors
+from .options import server_api_key, user_errors
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 # Claude Code ends a stream its idle timer finds silent; a CPU's prefill of its first prompt can outlast the default
@@ -129,7 +129,7 @@ def write_config(config: ClientConfig, cwd: Path) -> Path:
 @user_errors
 def connect(client: str, server: str, write: bool) -> None:
     """Print (or --write) CLIENT's configuration for a running server, with the server's context and output cap."""
-    served = served_model(server, os.environ.get("DFLASH_AGENT_API_KEY"))
+    served = served_model(server, server_api_key())
     config = CLIENTS[client](served)
     if write:
         path = write_config(config, Path.cwd())

@@ -98,6 +98,11 @@ def sandbox_options(f):
     return f
 
 
+def server_api_key() -> str | None:
+    """The key `--server URL` sends a running server: DFLASH_AGENT_API_KEY, else OPENAI_API_KEY."""
+    return os.environ.get("DFLASH_AGENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+
 def check_spec_options(no_spec: bool, draft: str | None, spec_block: int | None) -> None:
     """Also called before the load by the commands that load in the background (`serve`, `mcp`), so the mistake
     is told at once."""

@@ -17,7 +17,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..engine import SamplingParams
-from ..options import FiniteRange, close_engine, load_engine, model_options, sandbox_options, user_errors
+from ..options import (
+    FiniteRange,
+    close_engine,
+    load_engine,
+    model_options,
+    sandbox_options,
+    server_api_key,
+    user_errors,
+)
 from ..tools.bash import DEFAULT_DENY
 from ..tools.registry import workspace_tools
 from ..tools.sandbox import Sandbox
@@ -194,7 +202,7 @@ def _backend(stack: ExitStack, ctx: click.Context, params: dict) -> tuple[Backen
                                    "has its own settings")
         model_given = ctx.get_parameter_source("model") is not click.core.ParameterSource.DEFAULT
         # The key `dflash-agent serve --api-key` reads from the environment, or an OpenAI-style one.
-        api_key = os.environ.get("DFLASH_AGENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        api_key = server_api_key()
         backend = RemoteBackend(params["server"], params["model"] if model_given else None,
                                 temperature=params["temperature"], api_key=api_key)
         return backend, params["model"] if model_given else "(the server's first)", backend.close

@@ -33,7 +33,8 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
                    "--spec) [default: $LLAMA_CPP_BIN, PATH].")
 @click.option("--server", default=None, metavar="URL",
               help="With --concurrent: also measure this running OpenAI-compatible server (vLLM, SGLang, a cluster) "
-                   "on the same prompts, beside ours.")
+                   "on the same prompts, beside ours, sending it DFLASH_AGENT_API_KEY (else OPENAI_API_KEY) as its "
+                   "key.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: the physical cores].")
 @click.option("--prefill", type=click.Choice(PREFILL), default="auto", show_default=True,
               help="The packed engine's prompt GEMMs on the CPU (as the model commands' --prefill), for the default "

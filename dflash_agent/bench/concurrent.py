@@ -26,6 +26,7 @@ import httpx
 
 from ..engine.load.weights import resolve_model_path
 from ..errors import UserError
+from ..options import server_api_key
 from .cpu import llama_cpp_binary
 from .http import decode_rate
 from .servers import running_servers
@@ -83,6 +84,7 @@ class Target:
     url: str
     model: str | None = None
     context: int | None = None
+    api_key: str | None = None
 
 
 @dataclass
@@ -104,10 +106,11 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: str, max_to
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "cache_prompt": cache,
             "stream_options": {"include_usage": True}, **({"model": target.model} if target.model else {})}
     url = target.url
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     started = time.perf_counter()
     first = last = 0.0
     pieces = n = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             raise UserError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
         async for line in response.aiter_lines():
@@ -275,10 +278,12 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
 
 def remote_target(server: str) -> Target:
     """A running server given as its root or API URL (http://host:8000 or .../v1), with the model it serves first
-    and its context length where /v1/models says (vLLM's max_model_len, ours and llama.cpp's meta n_ctx)."""
+    and its context length where /v1/models says (vLLM's max_model_len, ours and llama.cpp's meta n_ctx), sent the
+    key `--server` sends everywhere (DFLASH_AGENT_API_KEY, else OPENAI_API_KEY)."""
     root = server.rstrip("/").removesuffix("/v1")
+    key = server_api_key()
     try:
-        listed = httpx.get(f"{root}/v1/models", timeout=30)
+        listed = httpx.get(f"{root}/v1/models", timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
         listed.raise_for_status()
         card = listed.json()["data"][0]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
@@ -287,7 +292,7 @@ def remote_target(server: str) -> Target:
     context = card.get("max_model_len") or meta.get("n_ctx")
     url = httpx.URL(root)
     return Target(f"{url.host}:{url.port}" if url.port else url.host, root, card.get("id"),
-                  int(context) if isinstance(context, (int, float)) else None)
+                  int(context) if isinstance(context, (int, float)) else None, key)
 
 
 def _fits(target: Target, tokens: int) -> bool:

@@ -33,6 +33,7 @@ from ..options import (
     model_options,
     report_error,
     sandbox_options,
+    server_api_key,
     user_errors,
 )
 from ..tools.bash import DEFAULT_DENY
@@ -79,7 +80,7 @@ def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, loc
         if engine_given:
             raise click.UsageError(f"{', '.join(engine_given)} configure the in-process model; with --server the "
                                    "server has its own")
-        api_key = os.environ.get("DFLASH_AGENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        api_key = server_api_key()
         remote = RemoteModel(server, model_params["model"] if "model" in given else None, api_key)
         model: ModelAccess = remote
         where = f"the model at {remote.base_url}"
