@@ -78,6 +78,7 @@ SLOW_FILES = {
     "tests/bench/test_synthetic_plan.py",
     "tests/bench/test_spec_bench.py",
     "tests/e2e/test_real_clients.py",
+    "tests/e2e/test_vllm.py",
     "tests/e2e/test_cli.py",
     "tests/e2e/test_mcp_cli.py",
     "tests/e2e/test_agent_cli.py",
