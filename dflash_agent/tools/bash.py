@@ -32,6 +32,7 @@ import msgspec
 
 from ..errors import UserError
 from .git_metadata import disable_new, git_metadata
+from .pipes import pipe_above_std
 from .sandbox import Sandbox, SandboxError
 from .terminal import terminal_text
 from .tool import ToolError, ToolSpec, elision_note
@@ -182,8 +183,8 @@ def run_command(argv: list[str], cwd: Path, env: Mapping[str, str], timeout: flo
     """Run argv through the launcher (see launcher.py) with stdin closed, stdout and stderr together;
     blocking (call it in a thread). Setting `cancel` kills it as the timeout does. However it ends, the
     launcher kills every process the command started, those that left its session included."""
-    status_r, status_w = os.pipe()
-    control_r, control_w = os.pipe()
+    status_r, status_w = pipe_above_std()
+    control_r, control_w = pipe_above_std()
     try:
         # -I -S: the launcher needs only the standard library and starts with every call.
         proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER), str(status_w), str(control_r), "--",

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..errors import UserError
 from .confine import RESOLVE_UNIX_ABI, SCOPES_ABI, landlock_abi
+from .pipes import pipe_above_std
 from .seccomp import filter_program, host_architecture
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class Sandbox:
               read_only: Sequence[Path] = (), **popen: Any) -> Started:
         """`command(...)` started with subprocess.Popen(**popen); once bwrap has set the namespace up.
         Call `stop()` on what it returns however the run ends."""
-        info_r, info_w = os.pipe()
+        info_r, info_w = pipe_above_std()
         seccomp_r = self.seccomp_fd()
         try:
             proc = subprocess.Popen(self.command(argv, cwd, writable, tmp, private_tmp, network, info_fd=info_w,
@@ -188,7 +189,7 @@ class Sandbox:
         it has no table for. The caller passes it to bwrap and closes it."""
         if self.seccomp_program is None:
             return None
-        read, write = os.pipe()
+        read, write = pipe_above_std()
         try:
             os.write(write, self.seccomp_program)  # a few hundred bytes: within any pipe's buffer
         finally:

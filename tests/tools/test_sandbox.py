@@ -5,6 +5,7 @@ private /tmp, the network by option; and where bwrap cannot start, one warning a
 import asyncio
 import logging
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -64,6 +65,31 @@ def test_the_server_s_environment_and_command_line_are_out_of_sight(root):
     # It saw its own processes (bwrap's init, bash), and no other: not the server, not pytest.
     programs = [line.rsplit("/", 1)[-1] for line in processes.strip().splitlines()[:-1]]  # less "[exit code 0]"
     assert programs == ["bwrap", "bash"], processes
+
+
+# A server that probes the sandbox first, as the CLI does at startup (before asyncio takes descriptors of its own),
+# then runs one bash call; it writes what the probe said and the call's result to the file named third.
+PROBE_FIRST = ("import asyncio, sys; from dflash_agent.tools.registry import workspace_tools; "
+               "from dflash_agent.tools.sandbox import Sandbox; from dflash_agent.tools.workspace import Workspace; "
+               "sandbox = Sandbox(); problem = sandbox.problem(); "
+               "r = asyncio.run(workspace_tools(Workspace(sys.argv[1]), sandbox=sandbox).dispatch("
+               "'bash', {'command': sys.argv[2]})); open(sys.argv[3], 'w').write(f'{problem}\\n{r.text}')")
+
+
+@needs_bwrap
+@pytest.mark.parametrize("closed", ["<&-", ">&- 2>/dev/null"], ids=["stdin", "stdout"])
+def test_a_server_started_with_a_standard_stream_closed_still_confines(root, closed):
+    """os.pipe() hands such a server descriptor 0 (or 1); given to the child by number, Popen's stdin replaced it
+    there, and bwrap read its seccomp filter from /dev/null: the sandbox did not start (`chat <&-`)."""
+    out_file = root.parent / "out.txt"
+    command = "echo x > /etc/dflash-probe; echo done"
+    proc = subprocess.run(f"{shlex.quote(sys.executable)} -c {shlex.quote(PROBE_FIRST)} {shlex.quote(str(root))} "
+                          f"{shlex.quote(command)} {shlex.quote(str(out_file))} {closed}", shell=True,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    problem, said = out_file.read_text().split("\n", 1)
+    assert problem == "None", problem
+    assert "Read-only file system" in said and "done" in said, said
 
 
 @needs_bwrap
