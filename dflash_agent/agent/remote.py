@@ -146,22 +146,24 @@ class RemoteBackend:
         return self.model
 
     async def sampling(self) -> dict[str, Any]:
-        """The sampling fields of every request (create() keyword arguments). With no temperature given, the served
-        model's recommended sampling where the server lists it (`dflash-agent serve`: /v1/models meta
-        sampling_defaults), else none: the server applies its own defaults (vLLM's --generation-config, the
-        model's generation_config.json), as it would for any client."""
+        """The sampling fields of every request (create() keyword arguments). With no temperature given: from our
+        own server, the served model's recommended sampling (/v1/models meta sampling_defaults), else greedy, what
+        the same model loaded in this process would use; from another server, the defaults it lists the same way,
+        else none at all, so that its own apply (vLLM's: the model's generation_config.json)."""
         if self._sampling is None:
             if self.temperature is not None:
                 self._sampling = {"temperature": self.temperature}
             else:
                 card = await self._card()
                 meta = (card.model_extra or {}).get("meta") if card is not None else None
-                listed = SamplingDefaults.of(meta.get("sampling_defaults") if isinstance(meta, dict) else None,
-                                             self.base_url)
+                meta = meta if isinstance(meta, dict) else {}
+                listed = SamplingDefaults.of(meta.get("sampling_defaults"), self.base_url)
+                ours = bool(meta.get("family"))
                 try:
-                    self._sampling = sampling_arguments(listed.resolve(SamplingParams())) if listed.fields() else {}
-                except RequestError:  # a server listing values out of range: its own defaults, as with none
-                    self._sampling = {}
+                    self._sampling = sampling_arguments(listed.resolve(SamplingParams())) \
+                        if listed.fields() or ours else {}
+                except RequestError:  # a server listing values out of range: as if it listed none
+                    self._sampling = sampling_arguments(SamplingParams()) if ours else {}
         return self._sampling
 
     async def _models(self) -> list[Any]:
