@@ -109,11 +109,10 @@ class RemoteBackend:
         SGLang, llama.cpp) may leave a Gemma 4 call in the text, and has no tool syntax for Gemma 3 at all."""
         if self._family is False:
             card = await self._card()
-            meta = (card.model_extra or {}).get("meta") if card is not None else None
-            if isinstance(meta, dict) and meta.get("family"):
+            if _ours(card):
                 self._family = None
             else:
-                names = [self.model or ""] + ([str((card.model_extra or {}).get("root") or "")] if card else [])
+                names = [self.model or "", str(card.get("root") or "")]
                 self._family = next((family for family, pattern in _FAMILIES
                                      if any(pattern.search(name) for name in names)), None)
         return self._family
@@ -121,21 +120,18 @@ class RemoteBackend:
     async def context_length(self) -> int | None:
         """The served model's context in tokens where /v1/models says it: ours and llama.cpp's in meta n_ctx,
         vLLM's as max_model_len."""
-        card = await self._card()
-        if card is None:
-            return None
-        extra = card.model_extra or {}
-        meta = extra.get("meta") if isinstance(extra.get("meta"), dict) else {}
-        context = meta.get("n_ctx") or extra.get("max_model_len")
-        return int(context) if isinstance(context, (int, float)) and context > 0 else None
+        return listed_context(await self._card())
 
-    async def _card(self) -> Any:
+    async def _card(self) -> dict[str, Any]:
+        """What /v1/models says of the served model beyond OpenAI's fields (meta, max_model_len, root); {} where it
+        lists nothing (a server without /v1/models: the turn says if it is down)."""
         model = await self.model_id()
         try:
             cards = await self._models()
-        except BackendError:  # a server without /v1/models lists nothing; the turn says if it is down
-            return None
-        return next((m for m in cards if m.id == model), None)
+        except BackendError:
+            return {}
+        card = next((m for m in cards if m.id == model), None)
+        return (card.model_extra or {}) if card is not None else {}
 
     async def model_id(self) -> str:
         if self.model is None:
@@ -155,10 +151,8 @@ class RemoteBackend:
                 self._sampling = {"temperature": self.temperature}
             else:
                 card = await self._card()
-                meta = (card.model_extra or {}).get("meta") if card is not None else None
-                meta = meta if isinstance(meta, dict) else {}
-                listed = SamplingDefaults.of(meta.get("sampling_defaults"), self.base_url)
-                ours = bool(meta.get("family"))
+                listed = SamplingDefaults.of(_meta(card).get("sampling_defaults"), self.base_url)
+                ours = _ours(card)
                 try:
                     self._sampling = sampling_arguments(listed.resolve(SamplingParams())) \
                         if listed.fields() or ours else {}
@@ -305,6 +299,23 @@ class RemoteBackend:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def listed_context(card: dict[str, Any]) -> int | None:
+    """The context in tokens a /v1/models card gives (as JSON): ours and llama.cpp's say meta n_ctx, vLLM's
+    max_model_len; None where it says neither."""
+    context = _meta(card).get("n_ctx") or card.get("max_model_len")
+    return int(context) if isinstance(context, (int, float)) and context > 0 else None
+
+
+def _meta(card: dict[str, Any]) -> dict[str, Any]:
+    meta = card.get("meta")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _ours(card: dict[str, Any]) -> bool:
+    """`dflash-agent serve` says its model's family in meta, and parses and samples as the engine here does."""
+    return bool(_meta(card).get("family"))
 
 
 # Parser events whose calls are numbered past any the server itself streams in the same answer

@@ -16,7 +16,7 @@ import openai
 
 from ..agent.backend import AssistantTurn, Backend, BackendError, OnDelta, TurnOptions
 from ..agent.engine_backend import EngineBackend
-from ..agent.remote import RemoteBackend
+from ..agent.remote import RemoteBackend, listed_context
 from ..chat.chat_format import LoadedModel
 from ..chat.prompt_size import check_prompt_chars
 from ..chat.types import Conversation
@@ -265,10 +265,8 @@ class RemoteModel:
             return {**out, "state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
         if card:
             meta = card.get("meta") if isinstance(card.get("meta"), dict) else {}
-            # ours and llama.cpp's say n_ctx in meta; vLLM says max_model_len on the card itself
-            out.update(model=card.get("id", self.name), state="ready",
-                       n_ctx=meta.get("n_ctx") or card.get("max_model_len"), family=meta.get("family"),
-                       drafter=meta.get("draft"))
+            out.update(model=card.get("id", self.name), state="ready", n_ctx=listed_context(card),
+                       family=meta.get("family"), drafter=meta.get("draft"))
         out["server_metrics"] = await self._metrics()
         out["requests"] = self.last.requests
         out["last_request"] = self.last.as_dict()
