@@ -7,7 +7,8 @@ answered with and without the prompt cache, for `dflash-agent serve --parallel N
 Both servers run as processes of their own, side by side, and are driven alike through their OpenAI-compatible
 /v1/completions (streamed, greedy, no prompt cache, the same text prompts); each repeat runs ours then theirs, so
 a noisy machine hits both. Each server runs with its defaults otherwise (ours: speculation as the adaptive
-controller decides; llama-server: none).
+controller decides; llama-server: none), and ours once more with `--no-spec` on the stream counts. Every batch
+counts from numbers no batch before it used, so no server answers a repeat from what it remembers of the last.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from .servers import running_servers
 log = logging.getLogger(__name__)
 
 SHORT_NEW = 16  # the short request of the arrival test
+# ours without speculation, on the stream counts only (the arrival and shared-start tests measure the scheduler, which
+# the default server already shows)
+PLAIN = "ours --no-spec"
 LONG_PROMPT = 4096  # the prompt that prefills while it arrives
 SHARED_PROMPT = 2048  # the system prompt two requests sent together share
 
@@ -129,16 +133,21 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: str, max_to
     return first - started, decode_rate(first, last, n), n
 
 
-def _prompts(n: int) -> list[str]:
-    """Counting from a different number each: a base model continues such a list for as long as it is let."""
-    return [", ".join(str(k) for k in range(100 * i + 1, 100 * i + 13)) + "," for i in range(n)]
+def _prompts(n: int, first: int = 0) -> list[str]:
+    """Counting from a different number each: a base model continues such a list for as long as it is let. `first`
+    numbers the first of them, so that each batch counts from numbers no earlier batch has: a server that drafts from
+    the answers it remembers (ours) would otherwise copy a repeat's answer from the one before."""
+    return [", ".join(str(k) for k in range(100 * i + 1, 100 * i + 13)) + "," for i in range(first, first + n)]
 
 
-async def _batch(target: Target, streams: int, decode_tokens: int) -> tuple[float, list[float], list[float]]:
-    """(aggregate tok/s, per-stream decode tok/s, TTFTs) of `streams` requests sent at once."""
+async def _batch(target: Target, streams: int, decode_tokens: int,
+                 first: int = 0) -> tuple[float, list[float], list[float]]:
+    """(aggregate tok/s, per-stream decode tok/s, TTFTs) of `streams` requests sent at once, their prompts
+    `_prompts(streams, first)`."""
     async with httpx.AsyncClient(timeout=None) as client:
         started = time.perf_counter()
-        results = await asyncio.gather(*(_stream(client, target, p, decode_tokens) for p in _prompts(streams)))
+        results = await asyncio.gather(*(_stream(client, target, p, decode_tokens)
+                                         for p in _prompts(streams, first)))
         wall = time.perf_counter() - started
     return sum(n for _, _, n in results) / wall, [r for _, r, _ in results], [t for t, _, _ in results]
 
@@ -149,13 +158,14 @@ async def _alone(target: Target, prompt: str) -> float:
         return (await _stream(client, target, prompt, SHORT_NEW))[0]
 
 
-async def _arrival(target: Target, long_prompt: str, short_prompt: str, decode_tokens: int) -> tuple[float, float]:
+async def _arrival(target: Target, long_prompt: str, short_prompt: str, decode_tokens: int,
+                   first: int = 0) -> tuple[float, float]:
     """(TTFT of a short request sent while one long prompt prefills and three streams decode, the longest the three
     went without a token while the long prompt prefilled)."""
     stamps: list[list[float]] = [[], [], []]
     async with httpx.AsyncClient(timeout=None) as client:
         running = [asyncio.create_task(_stream(client, target, p, decode_tokens * 4, s))
-                   for p, s in zip(_prompts(3), stamps, strict=True)]
+                   for p, s in zip(_prompts(3, first), stamps, strict=True)]
         await asyncio.sleep(1.0)  # the three are decoding
         long_sent = time.perf_counter()
         long = asyncio.create_task(_stream(client, target, long_prompt, 8))
@@ -211,7 +221,8 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
     ctx = LONG_PROMPT + 1024  # per slot: the arrival test's long prompt and room to decode
     ours = [sys.executable, "-m", "dflash_agent", "serve", "--model", model, "--port", "{port}", "--parallel",
             str(slots), "--ctx-size", str(ctx), "--threads", str(threads), "--no-access-log", "--max-queue", "64"]
-    servers: list[tuple[str, list[str]]] = [("dflash-agent", ours)]
+    # without speculation too: the multiplier batching gives on its own, beside what it gives with drafting on
+    servers: list[tuple[str, list[str]]] = [("dflash-agent", ours), (PLAIN, [*ours, "--no-spec"])]
     binary = llama_cpp_binary(llama_cpp, "llama-server")
     if binary is None:
         log.warning("no llama-server found (--llama-cpp DIR or $LLAMA_CPP_BIN): only dflash-agent is measured")
@@ -228,6 +239,8 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         urls = [*(Target(name, url) for name, url in urls), *external]
         for target in urls:  # warm-up: first requests pay for lazy setup
             asyncio.run(_batch(target, 1, 8))
+        stride = max(*streams, 3)
+        fresh = (stride * block for block in itertools.count(1))  # each batch's prompts new to every server
         rates: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
         idle: dict[str, list[float]] = {}
         busy: dict[str, list[float]] = {}
@@ -235,24 +248,26 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         shared: dict[tuple[str, bool], list[tuple[float, float]]] = {}
         for repeat in range(repeats):
             for n in streams:
+                first = next(fresh)
                 for target in urls:
                     name = target.name
-                    rates.setdefault((name, n), []).append(asyncio.run(_batch(target, n, decode_tokens)))
+                    rates.setdefault((name, n), []).append(asyncio.run(_batch(target, n, decode_tokens, first)))
                     log.info("repeat %d/%d, %d streams, %s: %.1f tok/s aggregate", repeat + 1, repeats, n, name,
                              rates[(name, n)][-1][0])
+            first = next(fresh)
             for target in urls:
                 name = target.name
-                if target in external and not _fits(target, LONG_PROMPT + 64):
+                if name == PLAIN or target in external and not _fits(target, LONG_PROMPT + 64):
                     continue
                 idle.setdefault(name, []).append(asyncio.run(_alone(target, short_prompt)))
-                ttft, stall = asyncio.run(_arrival(target, long_prompt, short_prompt, decode_tokens))
+                ttft, stall = asyncio.run(_arrival(target, long_prompt, short_prompt, decode_tokens, first))
                 busy.setdefault(name, []).append(ttft)
                 stalls.setdefault(name, []).append(stall)
                 log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy; the streams' longest pause "
                          "%.2f s", repeat + 1, repeats, name, idle[name][-1], ttft, stall)
             for target in urls:
                 name = target.name
-                if target in external and not _fits(target, SHARED_PROMPT + 64):
+                if name == PLAIN or target in external and not _fits(target, SHARED_PROMPT + 64):
                     continue
                 for cache in (False, True):  # a system prompt of its own each time: nothing cached from before
                     system = f"Session {repeat}, {'cached' if cache else 'uncached'}.\n{_long_prompt(SHARED_PROMPT)}"

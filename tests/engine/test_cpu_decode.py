@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_agent.engine.backends.cpu import CpuDecodeLayers
+from dflash_agent.engine.backends.cpu import SCREEN_SIMD, CpuDecodeLayers
 from dflash_agent.engine.formats.quant import dequantize
 from dflash_agent.engine.limits import MAX_ROWS
 from dflash_agent.engine.load.weights import build_model
@@ -303,12 +303,12 @@ def test_rows_of_several_sequences_in_one_step_give_what_each_gives_alone(model_
 
 
 def test_greedy_steps_pick_what_their_logits_pick(embedded_model):
-    """StepRunner.forward(greedy=True): a verification block's picks through the head's screen (VNNI builds) are the
+    """StepRunner.forward(greedy=True): a verification block's picks through the head's screen (vector builds) are the
     argmax of each row's logits, alone and beside other sequences' rows (forward_groups, greedy and not)."""
     from dflash_agent.engine.model.gemma import RowGroup
 
     model = embedded_model
-    assert (model.cpu._screen is not None) == (cpu_dot().simd == "avx512")
+    assert (model.cpu._screen is not None) == (cpu_dot().simd in SCREEN_SIMD)
     torch.manual_seed(11)
     prompt, block = torch.randint(0, 4096, (40,)), torch.randint(0, 4096, (24,))
 
@@ -353,8 +353,8 @@ def test_a_drafters_greedy_drafts_come_from_the_screen(embedded_model):
 def test_no_screen_where_it_would_crowd_the_ram(embedded_model, monkeypatch):
     from dflash_agent.engine.backends import cpu as cpu_decode
 
-    if cpu_dot().simd != "avx512":
-        pytest.skip("the screen is built for VNNI builds only")
+    if cpu_dot().simd not in SCREEN_SIMD:
+        pytest.skip("the screen is built for the vector builds only")
     head = embedded_model.model.output_weight.cpu.matrix
     need = head.n * head.k * cpu_decode.SCREEN_BYTES_PER_WEIGHT / cpu_decode.SCREEN_SHARE
     monkeypatch.setattr(cpu_decode, "available_ram_bytes", lambda: int(need * 0.9))

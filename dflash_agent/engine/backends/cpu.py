@@ -26,6 +26,8 @@ from ..model.packed import CpuDotWeight, PackedWeight, cpu_dot
 log = logging.getLogger(__name__)
 
 SCREEN_BYTES_PER_WEIGHT = 1.375  # a HeadScreen's: the integers, and three floats per block of 32
+# the builds with a vector screen (cpu_layer.c): AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw with the signs moved
+SCREEN_SIMD = frozenset({"avx512", "avx2"})
 SCREEN_SHARE = 0.1  # of the available RAM at most for the screen: a 31B's head would take 1.4 GB
 
 
@@ -95,7 +97,7 @@ class CpuDecodeLayers:
         self._inv_freqs = [distinct[i].float().contiguous() for i in range(len(index))]
         self._head = head  # (final norm as applied, LM head, eps) when the head is repacked for the C matmuls
         self._embedding = embedding  # (the repacked embedding, its scale) likewise
-        self._screen = screen  # the head's screen for greedy blocks (VNNI builds: elsewhere it would not pay)
+        self._screen = screen  # the head's screen for greedy blocks (vector builds: the scalar one would not pay)
         self._screen_struct = None if screen is None else screen.struct()
         self._unit_norm = None if head is None else torch.ones_like(head[0])
 
@@ -154,7 +156,7 @@ class CpuDecodeLayers:
             head = (final_norm, _struct(head_matrix, keep), config.rms_norm_eps)
             ram = available_ram_bytes()
             fits = ram is None or head_matrix.n * head_matrix.k * SCREEN_BYTES_PER_WEIGHT <= ram * SCREEN_SHARE
-            if lib.simd == "avx512" and config.final_softcap is None and head_matrix.k % 32 == 0 and fits:
+            if lib.simd in SCREEN_SIMD and config.final_softcap is None and head_matrix.k % 32 == 0 and fits:
                 began = time.perf_counter()
                 screen = HeadScreen.of(lib, head_matrix)
                 log.info("LM head screen for greedy blocks: %.0f MB in %.1f s", screen.nbytes / 1e6,

@@ -533,11 +533,11 @@ done:
  * (each row alone, as everywhere here). Returns 0, or -1 when scratch memory could not be had. */
 /* The greedy pick of many rows' LM head (a verification block), without forming every logit exactly: an 8-bit copy
  * of the head (dfa_screen) multiplied with VNNI's u8 x s8 dot (64 products per instruction against the exact
- * path's 16) gives each logit to within a bound, and only a row's candidates, whose upper bound reaches the best
+ * path's 16; AVX2's vpmaddubsw and vpmaddwd, 32 in two) gives each logit to within a bound, and only a row's candidates, whose upper bound reaches the best
  * lower bound, are computed exactly, by the matmul norm_linear runs: the pick is the exact path's, bit for bit (its
  * first largest logit), which keeps greedy speculation lossless.
  *
- * Activations x (normed, as norm_linear has them) go to int8 per block of 32 at scale sx_b = max|x_b| / 127, the
+ * Activations x (normed, as norm_linear has them) go to int8 per block of 32 at scale sx_b = max|x_b| / SCREEN_X, the
  * head to int8 per block at d_b (a Q8_0 head's own integers). For head row w, the exact path computes
  * L = sum_b d_b xs_b D_b in float: within 0.51 xs_b |w_b|_1 of w . x per block (its int16 quantization, 0.51 with
  * float's rounding of x / xs) and 2^-14 |w|_1 max|x| in all (its float rounding: far more than a few thousand blocks
@@ -545,6 +545,13 @@ done:
  * 0.51 sx_b |w_b|_1 per block of w . x (err_b the block's largest |d_b q - w| at repack: 0 for Q8_0), and as much
  * rounding. The sum of these, widened by 2^-10, plus 2^-21 |S| for S's own rounding, bounds |L - S|. */
 #define SCREEN_TILE 6 /* activation rows per pass over two panels of 16 head rows: 24 accumulators */
+/* The largest |x| the screen quantizes a block's activations to: VNNI's u8 x s8 dot sums to int32 at once; AVX2's
+ * vpmaddubsw sums a pair of products to int16 first, which 255 x 127 x 2 would overflow (a coarser x: a wider bound) */
+#if defined(DFA_AVX2) && !defined(DFA_AVX512)
+#define SCREEN_X 63
+#else
+#define SCREEN_X 127
+#endif
 #define SCREEN_MAX 4096 /* candidates past which a row takes the full head instead (a row of zeros: all tie) */
 
 typedef struct {
@@ -594,12 +601,12 @@ static int screen_row(const float *x, const float *xs, int64_t K, int64_t t, con
     for (int64_t b = 0; b < B; b++) {
         float bmax = 0.0f;
         for (int i = 0; i < 32; i++) bmax = fabsf(x[b * 32 + i]) > bmax ? fabsf(x[b * 32 + i]) : bmax;
-        const float scale = bmax / 127.0f, inv = bmax > 0.0f ? 127.0f / bmax : 0.0f;
+        const float scale = bmax / (float)SCREEN_X, inv = bmax > 0.0f ? (float)SCREEN_X / bmax : 0.0f;
         int32_t sum = 0, total = 0;
         int8_t q[32];
         for (int i = 0; i < 32; i++) {
             int v = (int)nearbyintf(x[b * 32 + i] * inv);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            v = v > SCREEN_X ? SCREEN_X : (v < -SCREEN_X ? -SCREEN_X : v);
             q[i] = (int8_t)v;
             sum += v;
             total += v < 0 ? -v : v;
@@ -652,6 +659,34 @@ static inline __attribute__((always_inline)) void screen_tile(const dfa_screen *
         _mm512_storeu_ps(logit[r], acc0[r]);
         _mm512_storeu_ps(logit[r] + 16, acc1[r]);
     }
+#elif defined(DFA_AVX2)
+    /* No u8 x s8 dot without VNNI: vpmaddubsw multiplies the head's bytes q + 128 by x and sums pairs to int16, which
+     * holds them because this build's x stay within +-SCREEN_X (255 * 63 * 2 < 2^15); vpmaddwd sums the pairs to int32.
+     * A quarter of the pair's 32 head rows (8 lanes) at a time, a block's bytes held in registers while each row takes them. */
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int quarter = 0; quarter < 4; quarter++) {
+        const uint8_t *w = s->q + (2 * p + quarter / 2) * 16 * K + (quarter % 2) * 32;
+        const float *d = s->d + (2 * p + quarter / 2) * 16 * B + (quarter % 2) * 8;
+        __m256 acc[SCREEN_TILE];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < B; b++) {
+            __m256i q[8]; /* the block's bytes, kept in registers for every row */
+            for (int k4 = 0; k4 < 8; k4++) q[k4] = _mm256_loadu_si256((const __m256i *)(w + (8 * b + k4) * 64));
+            const __m256 e = _mm256_loadu_ps(d + b * 16);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++) {
+                __m256i dot = _mm256_set1_epi32(init[b * SCREEN_TILE + r]);
+#pragma GCC unroll 8
+                for (int k4 = 0; k4 < 8; k4++) {
+                    const __m256i xb = _mm256_set1_epi32(xq[(8 * b + k4) * SCREEN_TILE + r]);
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k4], xb), ones));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(e, _mm256_set1_ps(sx[b * SCREEN_TILE + r])),
+                                         acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(logit[r] + 8 * quarter, acc[r]);
+    }
 #else
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 32; j++) {
@@ -681,6 +716,20 @@ static inline __attribute__((always_inline)) void screen_tile(const dfa_screen *
                 if (err) sum = _mm512_fmadd_ps(_mm512_loadu_ps(err + b * 16), _mm512_set1_ps(abs[b]), sum);
             }
             _mm512_storeu_ps(bound + 16 * half, sum);
+#elif defined(DFA_AVX2)
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+            for (int64_t b = 0; b < B; b++) {
+                const __m256 scale = _mm256_set1_ps(delta[b]);
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(l1 + b * 16), scale, lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(l1 + b * 16 + 8), scale, hi);
+                if (err) {
+                    const __m256 size = _mm256_set1_ps(abs[b]);
+                    lo = _mm256_fmadd_ps(_mm256_loadu_ps(err + b * 16), size, lo);
+                    hi = _mm256_fmadd_ps(_mm256_loadu_ps(err + b * 16 + 8), size, hi);
+                }
+            }
+            _mm256_storeu_ps(bound + 16 * half, lo);
+            _mm256_storeu_ps(bound + 16 * half + 8, hi);
 #else
             for (int i = 0; i < 16; i++) {
                 float sum = 0.0f;
