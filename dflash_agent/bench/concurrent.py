@@ -1,7 +1,8 @@
 """Several streams at once: aggregate and per-stream tok/s at 1, 2, 4, 8 concurrent requests, the time to first
 token of a short request that arrives while a long prompt prefills and three streams decode (with the longest those
-three go without a token meanwhile), and two requests sent together with one long system prompt (two sub-agents),
-answered with and without the prompt cache, for `dflash-agent serve --parallel N` and, where a build is found,
+three go without a token meanwhile), the rate one decoding stream keeps while an 8K-token prompt prefills beside it,
+and two requests sent together with one long system prompt (two sub-agents), answered with and without the prompt
+cache, for `dflash-agent serve --parallel N` and, where a build is found,
 `llama-server -np N` on the same GGUF.
 
 Both servers run as processes of their own, side by side, and are driven alike through their OpenAI-compatible
@@ -39,6 +40,8 @@ SHORT_NEW = 16  # the short request of the arrival test
 # the default server already shows)
 PLAIN = "ours --no-spec"
 LONG_PROMPT = 4096  # the prompt that prefills while it arrives
+BESIDE_PROMPT = 8192  # the prompt that prefills beside one decoding stream: a coding agent's first prompt
+ALONE_S = 2.0  # how long that stream decodes alone before the prompt is sent (its solo rate is the last 1.5 s of it)
 SHARED_PROMPT = 2048  # the system prompt two requests sent together share
 
 
@@ -62,6 +65,21 @@ class ArrivalResult:
     @property
     def ratio(self) -> float:
         return self.busy_ttft_p50_s / self.idle_ttft_s if self.idle_ttft_s else 0.0
+
+
+@dataclass
+class BesideResult:
+    """One stream decoding when a BESIDE_PROMPT-token prompt arrives: its rate of text pieces (a token each without
+    speculation) alone and while that prompt prefilled, medians over the repeats."""
+
+    server: str
+    alone_tok_s: float
+    beside_tok_s: float
+    prefill_s: float  # the long prompt's time to its first token
+
+    @property
+    def kept(self) -> float:
+        return self.beside_tok_s / self.alone_tok_s if self.alone_tok_s else 0.0
 
 
 @dataclass
@@ -100,6 +118,7 @@ class ConcurrentBenchResult:
     rows: list[ConcurrencyRow] = field(default_factory=list)
     arrivals: list[ArrivalResult] = field(default_factory=list)
     shared: list[SharedStartResult] = field(default_factory=list)
+    beside: list[BesideResult] = field(default_factory=list)
 
 
 async def _stream(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
@@ -188,6 +207,29 @@ async def _shared_start(target: Target, system: str, cache: bool) -> tuple[float
         return time.perf_counter() - started, max(ttft for ttft, _, _ in results)
 
 
+def rate_within(stamps: list[float], start: float, end: float) -> float:
+    """Pieces of text a second that arrived from start to end."""
+    return sum(start < t <= end for t in stamps) / (end - start) if end > start else 0.0
+
+
+async def _beside_prefill(target: Target, long_prompt: str, decode_prompt: str) -> tuple[float, float, float]:
+    """(the decoding stream's rate alone, its rate while the long prompt prefilled, that prompt's time to its first
+    token) of one stream decoding when a long prompt arrives."""
+    stamps: list[float] = []
+    async with httpx.AsyncClient(timeout=None) as client:
+        running = asyncio.create_task(_stream(client, target, decode_prompt, 100_000, stamps))
+        await asyncio.sleep(ALONE_S)
+        long_sent = time.perf_counter()
+        long_ttft, _, _ = await _stream(client, target, long_prompt, 1)
+        ended = running.done()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    if ended:
+        log.warning("%s: the decoding stream ended before the long prompt's first token", target.name)
+    return (rate_within(stamps, long_sent - 1.5, long_sent), rate_within(stamps, long_sent, long_sent + long_ttft),
+            long_ttft)
+
+
 def longest_pause(stamps: list[list[float]], still: list[bool], start: float, end: float) -> float:
     """The longest any stream went without a token from start to end (a stream that ended before `end`, as `still`
     says, up to its last token)."""
@@ -218,7 +260,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
     path = resolve_model_path(model)
     # the arrival test keeps four slots busy (three decoding, one prefilling): a fifth takes the short request
     slots = max(*streams, 5)
-    ctx = LONG_PROMPT + 1024  # per slot: the arrival test's long prompt and room to decode
+    ctx = BESIDE_PROMPT + 1024  # per slot: the longest test prompt and room to decode
     ours = [sys.executable, "-m", "dflash_agent", "serve", "--model", model, "--port", "{port}", "--parallel",
             str(slots), "--ctx-size", str(ctx), "--threads", str(threads), "--no-access-log", "--max-queue", "64"]
     # without speculation too: the multiplier batching gives on its own, beside what it gives with drafting on
@@ -234,6 +276,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                                          "--no-webui"]))
     result = ConcurrentBenchResult(model, threads, decode_tokens, repeats)
     long_prompt, short_prompt = _long_prompt(LONG_PROMPT), "Write the numbers from one to ten: 1, 2,"
+    beside_prompt = _long_prompt(BESIDE_PROMPT)
     external = [remote_target(server)] if server is not None else []
     with running_servers(servers) as urls:
         urls = [*(Target(name, url) for name, url in urls), *external]
@@ -246,6 +289,7 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
         busy: dict[str, list[float]] = {}
         stalls: dict[str, list[float]] = {}
         shared: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+        beside: dict[str, list[tuple[float, float, float]]] = {}
         for repeat in range(repeats):
             for n in streams:
                 first = next(fresh)
@@ -265,6 +309,17 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                 stalls.setdefault(name, []).append(stall)
                 log.info("repeat %d/%d, arrival, %s: TTFT %.2f s idle, %.2f s busy; the streams' longest pause "
                          "%.2f s", repeat + 1, repeats, name, idle[name][-1], ttft, stall)
+            first = next(fresh)
+            for target in urls:
+                name = target.name
+                if name == PLAIN or target in external and not _fits(target, BESIDE_PROMPT + 64):
+                    continue
+                # a prompt of its own each repeat (nothing cached from before), the stream's numbers new too
+                prompt = f"Session {repeat}.\n{beside_prompt}"
+                beside.setdefault(name, []).append(asyncio.run(_beside_prefill(target, prompt, _prompts(1, first)[0])))
+                alone, during, prefill = beside[name][-1]
+                log.info("repeat %d/%d, beside a %d-token prefill, %s: %.1f tok/s alone, %.1f meanwhile (%.2f s)",
+                         repeat + 1, repeats, BESIDE_PROMPT, name, alone, during, prefill)
             for target in urls:
                 name = target.name
                 if name == PLAIN or target in external and not _fits(target, SHARED_PROMPT + 64):
@@ -288,6 +343,8 @@ def run_concurrent_bench(model: str, streams: tuple[int, ...], decode_tokens: in
                                                statistics.median(r[1] for r in on),
                                                statistics.median(r[0] for r in off),
                                                statistics.median(r[1] for r in off)))
+    for name, runs in beside.items():
+        result.beside.append(BesideResult(name, *(statistics.median(r[i] for r in runs) for i in range(3))))
     return result
 
 
@@ -336,6 +393,9 @@ def report(result: ConcurrentBenchResult, out: Path) -> None:
         print(f"  {a.server}: a {SHORT_NEW}-token request arriving during a {LONG_PROMPT}-token prefill and 3 "
               f"streams: TTFT p50 {a.busy_ttft_p50_s:.2f} s, p95 {a.busy_ttft_p95_s:.2f} s; idle {a.idle_ttft_s:.2f} s "
               f"({a.ratio:.1f}x); the 3 streams' longest pause while it prefilled: {a.stall_p50_s:.2f} s (p50)")
+    for r in result.beside:
+        print(f"  {r.server}: one stream decoding while a {BESIDE_PROMPT}-token prompt prefills ({r.prefill_s:.1f} s): "
+              f"{r.beside_tok_s:.1f} tok/s against {r.alone_tok_s:.1f} alone ({r.kept:.0%} kept)")
     for r in result.shared:
         print(f"  {r.server}: two requests sent together with one {SHARED_PROMPT}-token system prompt: both "
               f"answered in {r.wall_s:.2f} s with the prompt cache, {r.wall_uncached_s:.2f} s without "

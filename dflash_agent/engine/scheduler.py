@@ -1,13 +1,13 @@
 """Several requests at once: N slots, each a KV context of its own, served by one worker thread.
 
-Each turn of the loop admits waiting requests into free slots, runs prompt work worth about one PREFILL_CHUNK, a
-quarter of one while others decode (PREFILL_BESIDE_DECODES), the request with the least prompt left first, so a
-short request is not stuck behind a long one (a long chunk runs a layer at a time, and a request that arrives
-meanwhile is admitted and goes first before its next layer); then one step for every decoding request: their decode
-rows and verification blocks go through the target in one forward (StepRunner.forward_groups), which reads each
-weight once for all of them. Every row is computed alone, so a request's output is what it would be alone. A
-running prefill stalls the decoding requests by about a quarter chunk at a time; a cancelled request leaves its
-slot at the next turn; requests past the slots wait in order.
+Each turn of the loop admits waiting requests into free slots, runs prompt work worth about one PREFILL_CHUNK, or,
+while others decode, about as long as their last step took (at least one piece: a chunk, or a layer of a long one),
+the request with the least prompt left first, so a short request is not stuck behind a long one (a request that
+arrives meanwhile is admitted and goes first before the next piece); then one step for every decoding request: their
+decode rows and verification blocks go through the target in one forward (StepRunner.forward_groups), which reads
+each weight once for all of them. Every row is computed alone, so a request's output is what it would be alone, and
+so whatever the turns interleave. A running prefill and the decoding requests share the time about evenly, a piece
+of prompt at a time; a cancelled request leaves its slot at the next turn; requests past the slots wait in order.
 
 Each slot has its own speculation controller (what pays depends on what the request writes), its own prefix-cache
 view of its working caches, and they share the stored conversations (engine.cache.prefix_cache), so a stored
@@ -17,6 +17,7 @@ conversation resumes in any free slot; a request goes to the free slot whose cac
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,10 +46,11 @@ from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, T
 
 log = logging.getLogger(__name__)
 
-# A turn's prompt work while other requests decode, in prompt tokens (a long chunk's layers count as fractions of
-# it): a quarter chunk, so the decoding requests get a step about four times per chunk of a long prompt, at the
-# cost of those steps to it (a few per cent on a CPU). Alone, a prompt takes a whole chunk a turn.
-PREFILL_BESIDE_DECODES = speculative.PREFILL_CHUNK // 4
+# While other requests decode, a turn's prompt work lasts about as long as their step (at least one piece of it),
+# so a decoding request keeps about half its solo speed beside a long prefill, which gets the other half (a fixed
+# quarter chunk a turn kept it at a few per cent of its speed: a client's side requests crawled). The step's time is
+# followed as a moving average with this weight on the newest.
+STEP_TIME_WEIGHT = 0.3
 
 
 @dataclass
@@ -274,6 +276,7 @@ class Scheduler:
             self.slots.append(Slot(i, cache, drafter_cache, prefix))
         self.capture = drafter.capture_layers if drafter is not None and spec.enabled else ()
         self.batch_drafting = BatchDrafting()
+        self.step_seconds = 0.0  # the decoding requests' step, a moving average: the prompt work beside them
         # the CPU kernels' thread count per step (None: not the CPU kernels, or a single core)
         kernels = cpu_dot() if runner.device.type == "cpu" else None
         self.thread_count = ThreadCount(kernels, torch.get_num_threads(),
@@ -393,14 +396,17 @@ class Scheduler:
         for task in self._tasks():
             if task.job.cancelled.is_set() and task.finish is None:
                 task.finish = "cancelled"
-        # prompt work of about one PREFILL_CHUNK per turn (a quarter of it while others decode), shortest prompt
-        # first: several short prompts go in together, and a long one holds the decoding requests back by a quarter
-        # chunk at a time. A long chunk runs a layer at a time, and a request that arrives meanwhile is admitted
-        # before the next layer: its prompt, shorter, goes first, so its first token waits for one layer of the
-        # long chunk, not all of them.
+        # prompt work of about one PREFILL_CHUNK per turn (while others decode, about their step's time), shortest
+        # prompt first: several short prompts go in together, and a long one holds the decoding requests back by
+        # about one step's time. A long chunk runs a layer at a time, and a request that arrives meanwhile is
+        # admitted before the next layer: its prompt, shorter, goes first, so its first token waits for one layer
+        # of the long chunk, not all of them.
         decoding_any = any(t.running and t.prefill is None and not t.waiting for t in self._tasks())
-        budget = float(PREFILL_BESIDE_DECODES if decoding_any else speculative.PREFILL_CHUNK)
-        while budget > 0:
+        budget = float(speculative.PREFILL_CHUNK)
+        until = time.perf_counter() + self.step_seconds if decoding_any else math.inf
+        pieces = 0
+        while budget > 0 and (pieces == 0 or time.perf_counter() < until):
+            pieces += 1
             prefilling = [t for t in self._tasks() if t.running and t.prefill is not None
                           and not t.job.cancelled.is_set()]
             if not prefilling:
@@ -456,8 +462,10 @@ class Scheduler:
             self.thread_count.run(sum(len(p.ids) for _, p in planned), guarded)
         else:
             guarded()
+        seconds = time.perf_counter() - started
+        self.step_seconds += STEP_TIME_WEIGHT * (seconds - self.step_seconds)
         if len(tasks) > 1:
-            self.batch_drafting.record(len(tasks), draft, sum(committed), time.perf_counter() - started)
+            self.batch_drafting.record(len(tasks), draft, sum(committed), seconds)
 
     def guard(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run work; on an exception, end `tasks` with it (the others keep running). False when it raised."""

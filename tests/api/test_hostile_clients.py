@@ -131,8 +131,10 @@ def test_many_small_parts_are_converted_off_the_event_loop(server_url, path, bod
     slowest = _slowest_health_until_done(server_url, thread)
     assert answers[0].status_code in (200, 400), answers[0].text
     log.info("slowest /health beside %s: %.3f s", path, slowest)
-    # the goal is 0.5 s; the bound leaves a slower CI machine room (3.4 s each with the conversion on the loop)
-    assert slowest < 1.0, slowest
+    # the goal is 0.5 s; what is left is the body's decoding, which holds the GIL: a 2-core Zen 3 took 0.6-0.9 s
+    # alone and 1.1 s inside the suite. The bound leaves it room, and still fails a conversion put back on the loop
+    # (3.4 s each on a faster machine)
+    assert slowest < 1.5, slowest
 
 
 def test_tokenizing_runs_off_the_event_loop(server_url):

@@ -13,6 +13,7 @@ from dflash_agent.api.background import live_server
 from dflash_agent.bench.commands import bench
 from dflash_agent.bench.concurrent import (
     ArrivalResult,
+    BesideResult,
     ConcurrencyRow,
     ConcurrentBenchResult,
     SharedStartResult,
@@ -20,6 +21,7 @@ from dflash_agent.bench.concurrent import (
     _batch,
     _shared_start,
     longest_pause,
+    rate_within,
     remote_target,
     report,
 )
@@ -44,9 +46,11 @@ def test_report_prints_ratios_against_llama_server(tmp_path, capsys):
     result = ConcurrentBenchResult("m", 2, 128, 3, [
         ConcurrencyRow("dflash-agent", 1, 40.0, 42.0, 0.2), ConcurrencyRow("llama-server", 1, 40.0, 41.0, 0.2),
         ConcurrencyRow("dflash-agent", 4, 80.0, 20.0, 0.6), ConcurrencyRow("llama-server", 4, 64.0, 16.0, 0.8)],
-        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7, 0.4)], [SharedStartResult("dflash-agent", 3.0, 2.2, 5.4, 4.6)])
+        [ArrivalResult("dflash-agent", 0.2, 0.5, 0.7, 0.4)], [SharedStartResult("dflash-agent", 3.0, 2.2, 5.4, 4.6)],
+        [BesideResult("dflash-agent", 40.0, 12.0, 30.5)])
     report(result, tmp_path / "c.json")
     out = capsys.readouterr().out
+    assert "8192-token prompt prefills (30.5 s): 12.0 tok/s against 40.0 alone (30% kept)" in out
     assert "2.00x" in out and "1.25x" in out and "(2.5x)" in out and "longest pause while it prefilled: 0.40 s" in out
     assert "both answered in 3.00 s with the prompt cache, 5.40 s without (1.80x)" in out
     assert json.loads((tmp_path / "c.json").read_text())["rows"][2]["aggregate_tok_s"] == 80.0
@@ -66,3 +70,9 @@ def test_the_longest_pause_counts_from_the_long_prompt_to_its_first_token():
     assert longest_pause([[0.5, 1.2, 1.3, 2.9], [1.1, 1.2]], [True, False], 1.0, 3.5) == pytest.approx(1.6)
     assert longest_pause([[1.5, 3.0], [1.05]], [True, True], 1.0, 3.2) == pytest.approx(2.15)
     assert longest_pause([[0.2]], [False], 1.0, 2.0) == 0.0
+
+
+def test_a_rate_counts_the_pieces_inside_its_window_only():
+    stamps = [0.5, 1.0, 1.2, 1.9, 2.0, 2.4]
+    assert rate_within(stamps, 1.0, 2.0) == 3.0  # 1.2, 1.9 and 2.0: the start is the window before's
+    assert rate_within(stamps, 2.5, 4.5) == 0.0 and rate_within(stamps, 2.0, 2.0) == 0.0
