@@ -41,7 +41,8 @@ SHORT_NEW = 16  # the short request of the arrival test
 PLAIN = "ours --no-spec"
 LONG_PROMPT = 4096  # the prompt that prefills while it arrives
 BESIDE_PROMPT = 8192  # the prompt that prefills beside one decoding stream: a coding agent's first prompt
-ALONE_S = 2.0  # how long that stream decodes alone before the prompt is sent (its solo rate is the last 1.5 s of it)
+ALONE_S = 2.0  # how long that stream decodes alone before the prompt is sent
+SOLO_WINDOW_S = 1.5  # the last part of that, its solo rate (the first tokens come with its own prefill)
 SHARED_PROMPT = 2048  # the system prompt two requests sent together share
 
 
@@ -226,8 +227,8 @@ async def _beside_prefill(target: Target, long_prompt: str, decode_prompt: str) 
         await asyncio.gather(running, return_exceptions=True)
     if ended:
         log.warning("%s: the decoding stream ended before the long prompt's first token", target.name)
-    return (rate_within(stamps, long_sent - 1.5, long_sent), rate_within(stamps, long_sent, long_sent + long_ttft),
-            long_ttft)
+    alone = rate_within(stamps, long_sent - SOLO_WINDOW_S, long_sent)
+    return alone, rate_within(stamps, long_sent, long_sent + long_ttft), long_ttft
 
 
 def longest_pause(stamps: list[list[float]], still: list[bool], start: float, end: float) -> float:

@@ -47,8 +47,9 @@ from .types import ErrorEvent, FinalEvent, GenerateRequest, SlotInfo, Timings, T
 log = logging.getLogger(__name__)
 
 # While other requests decode, a turn's prompt work lasts about as long as their step (at least one piece of it),
-# so a decoding request keeps about half its solo speed beside a long prefill, which gets the other half (a fixed
-# quarter chunk a turn kept it at a few per cent of its speed: a client's side requests crawled). The step's time is
+# aiming at half its solo speed for a decoding request beside a long prefill, the other half the prefill's (a fixed
+# quarter chunk a turn kept it at a few per cent of its speed: a client's side requests crawled). Where one piece,
+# a layer of a long chunk, outlasts the step, the decoding request gets less. The step's time is
 # followed as a moving average with this weight on the newest.
 STEP_TIME_WEIGHT = 0.3
 

@@ -26,7 +26,7 @@ from ..model.packed import CpuDotWeight, PackedWeight, cpu_dot
 log = logging.getLogger(__name__)
 
 SCREEN_BYTES_PER_WEIGHT = 1.375  # a HeadScreen's: the integers, and three floats per block of 32
-# the builds with a vector screen (cpu_layer.c): AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw with the signs moved
+# the builds with a vector screen (cpu_layer.c): AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw on 7-bit activations
 SCREEN_SIMD = frozenset({"avx512", "avx2"})
 SCREEN_SHARE = 0.1  # of the available RAM at most for the screen: a 31B's head would take 1.4 GB
 

@@ -533,9 +533,9 @@ done:
  * (each row alone, as everywhere here). Returns 0, or -1 when scratch memory could not be had. */
 /* The greedy pick of many rows' LM head (a verification block), without forming every logit exactly: an 8-bit copy
  * of the head (dfa_screen) multiplied with VNNI's u8 x s8 dot (64 products per instruction against the exact
- * path's 16; AVX2's vpmaddubsw and vpmaddwd, 32 in two) gives each logit to within a bound, and only a row's candidates, whose upper bound reaches the best
- * lower bound, are computed exactly, by the matmul norm_linear runs: the pick is the exact path's, bit for bit (its
- * first largest logit), which keeps greedy speculation lossless.
+ * path's 16; AVX2's vpmaddubsw and vpmaddwd, 32 in two) gives each logit to within a bound, and only a row's
+ * candidates, whose upper bound reaches the best lower bound, are computed exactly, by the matmul norm_linear runs:
+ * the pick is the exact path's, bit for bit (its first largest logit), which keeps greedy speculation lossless.
  *
  * Activations x (normed, as norm_linear has them) go to int8 per block of 32 at scale sx_b = max|x_b| / SCREEN_X, the
  * head to int8 per block at d_b (a Q8_0 head's own integers). For head row w, the exact path computes
@@ -662,7 +662,8 @@ static inline __attribute__((always_inline)) void screen_tile(const dfa_screen *
 #elif defined(DFA_AVX2)
     /* No u8 x s8 dot without VNNI: vpmaddubsw multiplies the head's bytes q + 128 by x and sums pairs to int16, which
      * holds them because this build's x stay within +-SCREEN_X (255 * 63 * 2 < 2^15); vpmaddwd sums the pairs to int32.
-     * A quarter of the pair's 32 head rows (8 lanes) at a time, a block's bytes held in registers while each row takes them. */
+     * A quarter of the pair's 32 head rows (8 lanes) at a time, a block's bytes held in registers while each row
+     * takes them. */
     const __m256i ones = _mm256_set1_epi16(1);
     for (int quarter = 0; quarter < 4; quarter++) {
         const uint8_t *w = s->q + (2 * p + quarter / 2) * 16 * K + (quarter % 2) * 32;
@@ -681,8 +682,8 @@ static inline __attribute__((always_inline)) void screen_tile(const dfa_screen *
                     const __m256i xb = _mm256_set1_epi32(xq[(8 * b + k4) * SCREEN_TILE + r]);
                     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k4], xb), ones));
                 }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(e, _mm256_set1_ps(sx[b * SCREEN_TILE + r])),
-                                         acc[r]);
+                const __m256 scale = _mm256_mul_ps(e, _mm256_set1_ps(sx[b * SCREEN_TILE + r]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
             }
         }
         for (int r = 0; r < R; r++) _mm256_storeu_ps(logit[r] + 8 * quarter, acc[r]);
