@@ -82,8 +82,9 @@ def model_options(f):
 
 
 kv_cache_option = click.option(
-    "--kv-cache", type=click.Choice(["auto", "q8"]), default="auto", show_default=True,
-    help="KV cache storage: auto (the model's dtype) or q8 (8-bit, about half the memory: longer contexts).")
+    "--kv-cache", type=click.Choice(["auto", "model", "q8"]), default="auto", show_default=True,
+    help="KV cache storage: model (the model's dtype), q8 (8-bit, about half the memory: longer contexts) or auto "
+         "(on a GPU the model's where the context fits, else q8 where that holds more; on the CPU the model's).")
 
 
 def sandbox_options(f):

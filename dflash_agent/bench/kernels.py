@@ -44,13 +44,13 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..engine.cache.kv_cache import Q8_BLOCK
+from ..engine.cache.kv_cache import Q8_BLOCK, keeps_values_only
 from ..engine.formats.config import ModelConfig
 from ..engine.formats.drafter_config import DrafterConfig
 from ..engine.limits import BUCKETS, DEFAULT_SLACK, PREFILL_CHUNK
 from ..engine.model.gemma import GemmaModel
-from ..engine.types import KV_DTYPES
-from ..kernels.attention import OFFSETS_PER_CACHE
+from ..engine.types import STORED_KV_DTYPES
+from ..kernels.attention import OFFSETS_PER_CACHE, KeysFromValues
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK
 from .synthetic import DEFAULT_CTX, SYNTHETIC_CONFIGS, quant_types
 
@@ -147,24 +147,30 @@ def _attention_launches(model: str, config: ModelConfig,
     rows = _phase_rows(drafter)
     kinds = {}
     for spec in config.layers:  # one per distinct layer kind
-        kinds[(spec.sliding, spec.head_dim, spec.num_kv_heads)] = spec
+        kinds[(spec.sliding, spec.head_dim, spec.num_kv_heads, keeps_values_only(spec))] = spec
     for context in (RING_KEYS_PER_CHUNK, KEYS_PER_CHUNK, DEFAULT_CTX):
         cases = []
-        for (sliding, d, kv_heads), _ in kinds.items():
+        for (sliding, d, kv_heads, values_only), _ in kinds.items():
             slots = min(context, config.sliding_window + DEFAULT_SLACK) if sliding else context
-            for kv_dtype in KV_DTYPES:
+            for kv_dtype in STORED_KV_DTYPES:
                 for phase, ms in rows.items():
                     for t in ms:
                         if sliding and t > DEFAULT_SLACK + 1:
                             continue  # model._plan: blocks past the ring's slack attend through SDPA
                         name = f"{model} {'sliding' if sliding else 'full'} d={d} {kv_dtype} KV"
                         cases.append((phase, name, config.num_heads, kv_heads, d, slots,
-                                      config.sliding_window if sliding else None, sliding, kv_dtype, t))
+                                      config.sliding_window if sliding else None, sliding, kv_dtype, t,
+                                      values_only))
         # the drafter's captured step: its block of queries over its whole cache, slot = position
         for window in sorted(set(drafter.window), key=lambda w: w or 0):
             cases.append(("verify", f"drafter window={window}", drafter.num_heads, drafter.num_kv_heads,
-                          drafter.head_dim, context, window, False, "auto", drafter.block_size))
-        for phase, name, heads, kv_heads, d, slots, window, ring, kv_dtype, t in cases:
+                          drafter.head_dim, context, window, False, "model", drafter.block_size, False))
+        for phase, name, heads, kv_heads, d, slots, window, ring, kv_dtype, t, values_only in cases:
+            # a layer that keeps V alone: its keys rebuilt from it as the kernel reads them
+            # (in the model's dtype: an 8-bit cache keeps its keys, GemmaModel.new_cache)
+            values_only = values_only and kv_dtype == "model"
+            keys_from = KeysFromValues(torch.empty(d, device=meta), torch.empty(d // 2, device=meta)) \
+                if values_only else None
             q = torch.empty(t, heads, d, dtype=DTYPE, device=meta)
             q8 = kv_dtype == "q8"
             k = torch.empty(slots, kv_heads, d, dtype=torch.int8 if q8 else DTYPE, device=meta)
@@ -173,7 +179,7 @@ def _attention_launches(model: str, config: ModelConfig,
             if phase == "slots":  # each request's decode row over its own cache, all in one launch (JointAttention)
                 offsets = torch.empty(t, OFFSETS_PER_CACHE, dtype=torch.long, device=meta)
                 k_pos = torch.empty(t, slots, dtype=torch.long, device=meta) if ring else None
-                plan = rows_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, offsets, scales, scales)
+                plan = rows_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, offsets, scales, scales, keys_from)
                 # the new keys (LayerKV.write_rows): int8 ones and their scales a launch each
                 for stored in [k] if scales is None else [k, scales]:
                     new = torch.empty(t, kv_heads, stored.shape[-1], dtype=stored.dtype, device=meta)
@@ -181,8 +187,8 @@ def _attention_launches(model: str, config: ModelConfig,
                     yield "write_rows", phase, f"{stored.dtype} d={stored.shape[-1]}", f"{name}: rows={t}", write
             else:
                 k_pos = torch.empty(slots, dtype=torch.long, device=meta) if ring else None
-                plan = cache_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, scales, scales)
-            kv = "int8 KV" if q8 else "bf16 KV"
+                plan = cache_attention_launch(q, k, k, pos, k_pos, window, d**-0.5, scales, scales, keys_from)
+            kv = ("int8" if q8 else "bf16") + (" V-only KV" if values_only else " KV")
             split = "split keys" if plan.combine is not None else "one pass"
             use = f"{name}: T={t} S={slots}"
             yield "cache_attention", phase, f"d={d} group={heads // kv_heads} {kv} {split}", use, plan.launch

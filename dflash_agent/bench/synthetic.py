@@ -45,6 +45,7 @@ from ..engine.memory_plan import (
 )
 from ..engine.model.drafter import Drafter
 from ..engine.model.gemma import GemmaModel
+from ..engine.types import STORED_KV_DTYPES
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ STREAMS = (1, 4, 8)  # concurrent requests decoding in one batched step (the ser
 STREAMS_GOAL = 3.5  # 4 streams' aggregate tok/s over one stream's, with the default KV cache
 # The streams' KV caches: the model's dtype (the default), and 8-bit, which a 24 GB card's slots need for their
 # contexts; each stream's KV is read apart from the others', so halving it raises what several streams can reach
-STREAMS_KV = ("auto", "q8")
+STREAMS_KV = STORED_KV_DTYPES
 PLAN_BUDGET = 23 * GiB  # the goal: the 32K plan within 23 GiB of a 24 GB card
 
 
@@ -177,7 +178,7 @@ def synthetic_weight_bytes(config: ModelConfig, quant: str, dtype: torch.dtype =
 
 
 def synthetic_plan(quant: str, ctx_size: int, gpu_memory: int | None, draft_quant: str | None = DRAFT_QUANT,
-                   kv_dtype: str = "auto", model: str = "gemma4-31b") -> MemoryPlan:
+                   kv_dtype: str = "model", model: str = "gemma4-31b") -> MemoryPlan:
     """The memory plan of a synthetic target (bf16 compute) + its drafter at `ctx_size` tokens."""
     target, draft = SYNTHETIC_CONFIGS[model]
     config = target()
@@ -598,12 +599,20 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
         weights = synthetic_weight_bytes(config, quant)
         drafter = DrafterPlan(draft(), DRAFT_QUANT)
         plan = fit_context(budget, config, weights, requested=ctx, drafter=drafter)  # refuses what does not fit
-        largest = largest_context(budget, config, weights, drafter=drafter)
+        # the largest context with and without the drafter, in each KV dtype a cache stores
+        largest = {name: {kv: largest_context(budget, config, weights, drafter=d, kv_dtype=kv)
+                          for kv in STORED_KV_DTYPES}
+                   for name, d in (("drafter", drafter), ("no_drafter", None))}
         if as_json:
             return json.dumps({"model": model, "quant": quant, "draft_quant": DRAFT_QUANT, "gpu_memory_bytes": budget,
-                               "largest_ctx_size": largest, **plan.to_json()})
-        return (f"{model} {quant} + {DRAFT_QUANT} drafter\n{plan.describe()}\n"
-                f"  largest context that fits: {largest} tokens")
+                               "largest_ctx_size": largest["drafter"]["model"], "largest_ctx": largest,
+                               **plan.to_json()})
+        lines = [f"{model} {quant} + {DRAFT_QUANT} drafter", plan.describe(),
+                 f"  largest context that fits in {budget / GiB:.2f} GiB (tokens):",
+                 f"    {'':<16}" + "".join(f"{kv + ' KV':>10}" for kv in STORED_KV_DTYPES)]
+        lines += [f"    {name.replace('_', ' ') if name != 'drafter' else 'with drafter':<16}"
+                  + "".join(f"{n:>10}" for n in row.values()) for name, row in largest.items()]
+        return "\n".join(lines)
     if gpu_memory is not None:
         raise UserError("--gpu-memory goes with --plan-only (the benchmark plans for the GPU's own free memory)")
     result = run_synthetic_bench(model, quant, ctx_size)

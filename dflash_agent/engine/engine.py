@@ -55,7 +55,7 @@ class Engine:
         spec: SpecConfig | None = None,
         model_path: Path | None = None,
         prefix_cache: PrefixCacheConfig | None = DEFAULT_PREFIX_CACHE,
-        kv_dtype: str = "auto",
+        kv_dtype: str = "model",
         sampling_defaults: SamplingDefaults | None = None,
         parallel: int = 1,
         runner: StepRunner | None = None,
@@ -128,12 +128,14 @@ class Engine:
         mtp = draft_path is not None and is_mtp_checkpoint(draft_path)
         planned_drafter = drafter_plan(draft_path, config.draft_quant) if draft_path is not None and not mtp else None
         if torch_device.type == "cuda":
-            n_ctx = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, config.ctx_size,
-                                     config.kv_dtype, planned_drafter, slots=parallel)
+            n_ctx, kv_dtype = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, config.ctx_size,
+                                               config.kv_dtype, planned_drafter, slots=parallel)
         else:
             if weights == "auto":  # the C kernels where a vector build runs, else by what fits in RAM
                 weights = cpu_weights(ckpt.tensors, torch_dtype, cpu_dot() is not None)
-            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, config.ctx_size, config.kv_dtype,
+            # the model's dtype: the C layers read only float32 caches, and an 8-bit one would leave them
+            kv_dtype = "model" if config.kv_dtype == "auto" else config.kv_dtype
+            n_ctx = cpu_context_size(ckpt.config, ckpt.tensors, torch_dtype, config.ctx_size, kv_dtype,
                                      planned_drafter, slots=parallel, packed=weights == "packed")
         repack_cpu = weights == "packed"
         prefill_gemm = prefill_dtype(config.prefill)
@@ -158,7 +160,7 @@ class Engine:
                  f" x {parallel} slots" if parallel > 1 else "")
         name = Path(path).name if config.model == EMBEDDED else config.model
         return cls(net, tokenizer, n_ctx, model_name=name, drafter=drafter, spec=config.spec, model_path=path,
-                   prefix_cache=DEFAULT_PREFIX_CACHE if config.prefix_cache else None, kv_dtype=config.kv_dtype,
+                   prefix_cache=DEFAULT_PREFIX_CACHE if config.prefix_cache else None, kv_dtype=kv_dtype,
                    sampling_defaults=defaults, parallel=parallel, runner=runner)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinalEvent]:

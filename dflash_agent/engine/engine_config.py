@@ -33,7 +33,8 @@ class EngineConfig:
     model's bundled one, if it has one and speculation is on (spec.enabled).
     prefix_cache: reuse the KV of earlier requests (PrefixCacheConfig's defaults: stored
     conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
-    kv_dtype: "auto" (the model's dtype) or "q8" (8-bit keys and values).
+    kv_dtype: "model" (the model's dtype), "q8" (8-bit keys and values, about half the memory) or "auto" (the
+    model's where the context fits, else q8 where that holds more: engine.memory_plan.choose_kv_dtype).
     weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu.cpu_dot on the CPU where a
     vector build of it runs, else dequantized where that fits in RAM, else packed: memory_plan.cpu_weights),
     "packed" (also on the CPU without the C kernels, through torch's int4 / int8 kernels;

@@ -1,10 +1,11 @@
 """How much GPU memory a model, a drafter and a context length take, itemised, before anything is allocated.
 
 `plan_memory` is a pure function of shapes and byte counts: target weights, drafter weights, the
-target's KV cache (full-attention layers grow with the context, sliding layers keep a ring of
-window + slack slots), the drafter's context K/V (every drafter layer keeps max_len slots), and a
-workspace for the largest step. The caches' figures come from engine.cache.kv_cache / engine.cache.drafter_cache
-allocating them on the meta device, so they are the caches' own whatever their layout. `fit_context` turns a
+target's KV cache (full-attention layers grow with the context, one tensor a layer where they keep V alone;
+sliding layers keep a ring of window + slack slots), the drafter's context K/V (its full layers grow with the
+context, its sliding ones keep rings), and a workspace for the largest step. The caches' figures come from
+engine.cache.kv_cache / engine.cache.drafter_cache allocating them on the meta device, so they are the caches'
+own whatever their layout. `fit_context` turns a
 free-memory figure into a context length, or refuses one that does not fit and names the largest that does.
 
 The workspace terms are estimates from the shapes of one prefill chunk and one verify block (activations,
@@ -24,10 +25,11 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..kernels.attention import KeysFromValues
 from ..kernels.dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS, VERIFY_ROWS
 from .backends.cuda import MAX_GROUP_GRAPHS
 from .cache.drafter_cache import DrafterCache
-from .cache.kv_cache import KVCache
+from .cache.kv_cache import KVCache, keeps_values_only
 from .errors import MemoryPlanError, OptionError
 from .formats.config import ModelConfig
 from .formats.drafter_config import DrafterConfig
@@ -143,10 +145,16 @@ def drafter_weight_bytes(drafter: DrafterPlan, target_hidden: int, dtype: torch.
 # --- caches ------------------------------------------------------------------------------------------------------
 
 
-def target_kv_bytes(config: ModelConfig, ctx_size: int, kv_dtype: str, dtype: torch.dtype) -> tuple[int, int]:
+def target_kv_bytes(config: ModelConfig, ctx_size: int, kv_dtype: str, dtype: torch.dtype,
+                    values_only: bool = True) -> tuple[int, int]:
     """(full-attention layers, sliding rings with their slot map) of engine.cache.kv_cache.KVCache, built on the
-    meta device so the figures are the cache's own, whatever its layout."""
-    cache = KVCache(config, ctx_size, device="meta", dtype=dtype, kv_dtype=kv_dtype)
+    meta device so the figures are the cache's own, whatever its layout. values_only: in the model's dtype, the
+    layers that may keep V alone do (GemmaModel.new_cache's)."""
+    keys_from = {i: KeysFromValues(torch.empty(spec.head_dim, device="meta"),
+                                   torch.empty(spec.head_dim // 2, device="meta"))
+                 for i, spec in enumerate(config.layers) if keeps_values_only(spec)} \
+        if values_only and kv_dtype == "model" else None
+    cache = KVCache(config, ctx_size, device="meta", dtype=dtype, kv_dtype=kv_dtype, keys_from=keys_from)
     full = sum(t.nbytes for layer in cache.owned if not layer.sliding for t in layer.storage())
     rings = sum(t.nbytes for layer in cache.owned if layer.sliding for t in layer.storage())
     return full, rings + (cache.ring_pos.nbytes if cache.has_rings else 0)
@@ -154,7 +162,7 @@ def target_kv_bytes(config: ModelConfig, ctx_size: int, kv_dtype: str, dtype: to
 
 def drafter_kv_bytes(drafter: DrafterConfig, ctx_size: int, dtype: torch.dtype) -> int:
     cache = DrafterCache(drafter, ctx_size, torch.device("meta"), dtype)
-    return sum(t.nbytes for t in (*cache.k, *cache.v))
+    return sum(t.nbytes for t in (*cache.k, *cache.v, cache.ring_pos))
 
 
 # --- workspace ---------------------------------------------------------------------------------------------------
@@ -206,18 +214,20 @@ def plan_memory(
     target_weight_bytes: int,
     ctx_size: int,
     dtype: torch.dtype = torch.bfloat16,
-    kv_dtype: str = "auto",
+    kv_dtype: str = "model",
     drafter: DrafterPlan | None = None,
     budget_bytes: int | None = None,
     slots: int = 1,
+    values_only: bool = True,
 ) -> MemoryPlan:
     """Itemised GPU memory of the target (+ drafter) with `slots` contexts of `ctx_size` tokens (one per
-    concurrent request: engine.scheduler), computing in `dtype`."""
+    concurrent request: engine.scheduler), computing in `dtype`, the KV stored as `kv_dtype` (engine.types'
+    STORED_KV_DTYPES); values_only: the layers that may keep V alone do (engine.runner.StepRunner.new_cache)."""
     if ctx_size < 1:
         raise OptionError(f"context size must be positive, got {ctx_size}")
     if slots < 1:
         raise OptionError(f"slots must be >= 1, got {slots}")
-    full, rings = (slots * n for n in target_kv_bytes(config, ctx_size, kv_dtype, dtype))
+    full, rings = (slots * n for n in target_kv_bytes(config, ctx_size, kv_dtype, dtype, values_only))
     items = {"target weights": target_weight_bytes}
     if drafter is not None:
         items["drafter weights"] = drafter_weight_bytes(drafter, config.hidden_size, dtype)
@@ -295,6 +305,41 @@ def drafter_plan(path: Path, quant: str | None) -> DrafterPlan:
     return DrafterPlan(DrafterConfig.from_dict(raw, str(config_path)), quant)
 
 
+def choose_kv_dtype(
+    free_bytes: int,
+    config: ModelConfig,
+    target_weight_bytes: int,
+    requested: int | None,
+    kv_dtype: str,
+    memory: str = "GPU memory is free",
+    **plan_args,
+) -> tuple[str, MemoryPlan]:
+    """The stored KV dtype (engine.types.STORED_KV_DTYPES) and the plan `fit_context` makes with it. kv_dtype "auto":
+    the model's dtype where the context asked for (without one, the model's whole) fits, else 8-bit where that fits
+    the asked context or, without one, holds more than the model's dtype does (said in the log); a request that fits
+    neither is refused with the largest 8-bit context."""
+    if kv_dtype != "auto":
+        return kv_dtype, fit_context(free_bytes, config, target_weight_bytes, requested, memory, kv_dtype=kv_dtype,
+                                     **plan_args)
+    wanted = requested or config.max_position_embeddings
+    model = plan_memory(config, target_weight_bytes, wanted, budget_bytes=free_bytes, **plan_args)
+    if model.fits:
+        return "model", model
+    if requested is not None:  # fits in 8 bits, or is refused naming the largest 8-bit context
+        plan = fit_context(free_bytes, config, target_weight_bytes, requested, memory, kv_dtype="q8", **plan_args)
+        log.info("8-bit KV cache: a %d-token context in the model's dtype needs %.2f GiB, %.2f GiB of %s "
+                 "(--kv-cache model keeps it, with a shorter context)", requested, model.total_bytes / GiB,
+                 free_bytes / GiB, memory)
+        return "q8", plan
+    in_model = largest_context(free_bytes, config, target_weight_bytes, **plan_args)
+    in_q8 = largest_context(free_bytes, config, target_weight_bytes, kv_dtype="q8", **plan_args)
+    if in_q8 <= in_model:
+        return "model", fit_context(free_bytes, config, target_weight_bytes, None, memory, **plan_args)
+    log.info("8-bit KV cache: %d tokens of context where the model's dtype holds %d (--kv-cache model keeps it)",
+             in_q8, in_model)
+    return "q8", fit_context(free_bytes, config, target_weight_bytes, None, memory, kv_dtype="q8", **plan_args)
+
+
 def gpu_context_size(
     config: ModelConfig,
     tensors: dict[str, torch.Tensor | PackedTensor],
@@ -304,20 +349,21 @@ def gpu_context_size(
     kv_dtype: str = "auto",
     drafter: DrafterPlan | None = None,
     slots: int = 1,
-) -> int:
-    """The context the engine allocates (per slot) on a CUDA device, from its free memory before the weights load:
-    `requested` if it fits (a MemoryPlanError naming the largest that does if not), else the largest."""
+) -> tuple[int, str]:
+    """The context the engine allocates (per slot) on a CUDA device and the KV dtype it stores, from its free memory
+    before the weights load: `requested` if it fits (a MemoryPlanError naming the largest that does if not), else
+    the largest; kv_dtype "auto" as choose_kv_dtype picks it."""
     free, _ = torch.cuda.mem_get_info(device)
     if requested is not None:
         requested = min(requested, config.max_position_embeddings)
-    plan = fit_context(free, config, checkpoint_weight_bytes(tensors, dtype, packed=True), requested,
-                       dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots)
+    stored, plan = choose_kv_dtype(free, config, checkpoint_weight_bytes(tensors, dtype, packed=True), requested,
+                                   kv_dtype, dtype=dtype, drafter=drafter, slots=slots)
     log.info("%s", plan.describe())
     if requested is None and plan.ctx_size < min(AGENT_CONTEXT, config.max_position_embeddings):
         log.warning("context %d tokens, what %.1f GiB free on %s holds: coding agents need about %d (free memory "
-                    "on the card, --kv-cache q8, or a smaller model)", plan.ctx_size, free / GiB, device,
-                    AGENT_CONTEXT)
-    return plan.ctx_size
+                    "on the card%s, or a smaller model)", plan.ctx_size, free / GiB, device, AGENT_CONTEXT,
+                    "" if stored == "q8" else ", --kv-cache q8")
+    return plan.ctx_size, stored
 
 
 # --- the engine on the CPU ---------------------------------------------------------------------------------------
@@ -356,7 +402,7 @@ def cpu_context_size(
     tensors: dict[str, torch.Tensor | PackedTensor],
     dtype: torch.dtype,
     requested: int | None,
-    kv_dtype: str = "auto",
+    kv_dtype: str = "model",
     drafter: DrafterPlan | None = None,
     available_bytes: int | None = None,
     slots: int = 1,
@@ -373,14 +419,16 @@ def cpu_context_size(
         return min(requested or config.max_position_embeddings, config.max_position_embeddings)
     usable = max(0, free - CPU_RESERVE)
     weights = checkpoint_weight_bytes(tensors, dtype, packed=packed)
-    plan_args = dict(dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots, memory="RAM available "
+    # the C layers' float32 caches keep K beside V (StepRunner.new_cache): planned so, whether or not they run
+    plan_args = dict(dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots, values_only=False,
+                     memory="RAM available "
                      f"(of {free / GiB:.2f} GiB, {CPU_RESERVE / GiB:.1f} GiB kept for the system)")
     if requested is not None:
         return fit_context(usable, config, weights, min(requested, config.max_position_embeddings),
                            **plan_args).ctx_size
     whole = fit_context(usable, config, weights, **plan_args).ctx_size  # refuses a model that does not fit at all
     shared = weights + int(max(0, usable - weights) * CPU_SHARE)
-    largest = largest_context(shared, config, weights, dtype=dtype, kv_dtype=kv_dtype, drafter=drafter, slots=slots)
+    largest = largest_context(shared, config, weights, **{k: v for k, v in plan_args.items() if k != "memory"})
     n_ctx = min(config.max_position_embeddings, max(largest, min(4096, whole)))
     if n_ctx < config.max_position_embeddings:
         log.warning("context %d tokens, not the model's %d: %.1f GiB of RAM available (--ctx-size sets it, up to %d "

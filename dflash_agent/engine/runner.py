@@ -57,10 +57,11 @@ class StepRunner:
     def device(self) -> torch.device:
         return self.model.device
 
-    def new_cache(self, max_len: int, kv_dtype: str = "auto") -> KVCache:
+    def new_cache(self, max_len: int, kv_dtype: str = "model") -> KVCache:
         # the C layers verify prompt lookup's long drafts, so their rings keep room to roll such a block back
         slack = LOOKUP_SLACK if self.cpu is not None else DEFAULT_SLACK
-        return self.model.new_cache(max_len, kv_dtype, slack)
+        # the C layers read keys as stored: where they run, the layers that could keep V alone keep K too
+        return self.model.new_cache(max_len, kv_dtype, slack, values_only=self.cpu is None)
 
     def forward(self, ids: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None = None,
                 capture: tuple[int, ...] = (), greedy: bool = False) -> ForwardOutput:

@@ -23,9 +23,12 @@ WEIGHTS = ("auto", "exact", "packed")
 # natively (AVX512_BF16 or AMX) and torch's bf16 GEMM measures faster, else int8 where the VNNI kernels run, else
 # float32 (packed_linear.prefill_dtype).
 PREFILL = ("auto", "float32", "bfloat16", "int8")
-# The KV caches' dtype (EngineConfig's `kv_dtype`, engine.cache.kv_cache): auto = the model's dtype, q8 = 8-bit
-# keys and values.
-KV_DTYPES = ("auto", "q8")
+# What a KV cache stores (engine.cache.kv_cache): the model's dtype, or 8-bit keys and values.
+STORED_KV_DTYPES = ("model", "q8")
+# The KV caches' dtype (EngineConfig's `kv_dtype`): one of those, or auto = by the memory plan: the model's dtype
+# where the asked context (without one, the model's whole) fits, else q8 where that holds more
+# (engine.memory_plan.choose_kv_dtype).
+KV_DTYPES = ("auto", *STORED_KV_DTYPES)
 
 
 def check_kv_dtype(kv_dtype: str) -> None:

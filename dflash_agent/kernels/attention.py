@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,25 @@ OFFSETS_PER_CACHE = 4
 # The kernels read a cache at its offsets as 16-element aligned (vector loads), which every whole cache tensor is
 # (CUDA's allocator aligns blocks to 512 bytes, the CPU's to 64, and a cache element takes at most 4 bytes).
 OFFSET_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class KeysFromValues:
+    """How a layer that keeps only V rebuilds its keys: K = rope(V * weight) at each key's position (NeoX pairs: dim
+    i with i + d / 2), computed in float32. weight: k_norm's, its offset applied; inv_freq: the layer's RoPE
+    inverse frequencies [d / 2] (zero where a pair does not rotate)."""
+
+    weight: torch.Tensor  # [d] float32
+    inv_freq: torch.Tensor  # [d / 2] float32
+
+    def keys(self, values: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """values [S, heads, d] (in a float dtype) at positions [S] -> keys [S, heads, d] in `dtype`."""
+        x = values.float() * self.weight
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = (torch.cat((f, f), dim=-1)[:, None, :] for f in (angles.cos(), angles.sin()))
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos + rotated * sin).to(dtype)
 
 
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -118,16 +138,19 @@ def cache_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    keys_from: KeysFromValues | None = None,
 ) -> torch.Tensor:
     """q [T, H, d], k / v [S, kv_heads, d] (int8 with k_scale / v_scale [S, kv_heads, blocks] scaling runs of
     d / blocks values, or [S, kv_heads]: one block), q_pos [T],
-    k_pos [S] or None (slot index = position) -> [T, H, d] in q's dtype."""
+    k_pos [S] or None (slot index = position) -> [T, H, d] in q's dtype. keys_from: the cache keeps V alone (k is
+    v), and the keys are rebuilt from it at their positions."""
     S, kv_heads = k.shape[0], k.shape[1]
     if k_pos is None:
         k_pos = torch.arange(S, device=k.device)
     group = q.shape[1] // kv_heads
-    keys = _expand(k, k_scale, q.dtype).repeat_interleave(group, dim=1)
-    values = _expand(v, v_scale, q.dtype).repeat_interleave(group, dim=1)
+    values = _expand(v, v_scale, q.dtype)
+    keys = _expand(k, k_scale, q.dtype) if keys_from is None else keys_from.keys(values, k_pos.clamp_min(0), q.dtype)
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
         attn_mask=visibility(q_pos, k_pos, window), scale=scale,
@@ -157,6 +180,7 @@ def cache_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     contiguous: bool = False,
+    keys_from: KeysFromValues | None = None,
 ) -> torch.Tensor:
     """As `cache_attention_reference`, on the fastest path that applies.
 
@@ -167,7 +191,8 @@ def cache_attention(
     k_pos is a sliding ring's map, a window's slots whatever the context: the Triton kernel splits its keys in
     shorter chunks than a full cache's (kernels.dispatch.RING_KEYS_PER_CHUNK), whose partials the memory plan sizes.
     """
-    if contiguous and k_pos is None and k_scale is None and flash_attn_takes(q.device, q.dtype, q.shape[-1]):
+    if (contiguous and k_pos is None and k_scale is None and keys_from is None
+            and flash_attn_takes(q.device, q.dtype, q.shape[-1])):
         from flash_attn import flash_attn_func
 
         out = flash_attn_func(q[None], k[None], v[None], softmax_scale=scale, causal=True,
@@ -176,8 +201,8 @@ def cache_attention(
     if triton_runs(q) and triton_takes(q.shape[-1]):
         from .triton.attention_triton import triton_cache_attention
 
-        return triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
-    return cache_attention_reference(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale)
+        return triton_cache_attention(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, keys_from)
+    return cache_attention_reference(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, keys_from)
 
 
 def rows_cache_attention(
@@ -191,6 +216,7 @@ def rows_cache_attention(
     offsets: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    keys_from: KeysFromValues | None = None,
 ) -> torch.Tensor:
     """Row t of q [T, H, d] (one new token of its own sequence, at q_pos[t]) over its own cache: k / v (and scales)
     are the first row's, the others' lie offsets[t] elements further (cache_offsets, as a [T, OFFSETS_PER_CACHE]
@@ -199,7 +225,7 @@ def rows_cache_attention(
     from .triton.attention_triton import rows_attention_launch
 
     q = q.contiguous() if q.stride(-1) != 1 else q
-    return rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale, v_scale).run()
+    return rows_attention_launch(q, k, v, q_pos, k_pos, window, scale, offsets, k_scale, v_scale, keys_from).run()
 
 
 def write_rows(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

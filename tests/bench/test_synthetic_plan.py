@@ -80,6 +80,8 @@ def test_26b_a4b_plans_a_long_context_on_24_gib_with_its_drafter() -> None:
     assert plan["fits"] and plan["items"]["drafter weights"] > 0
     # a few times the 31B's reach (about 50K tokens): 5 full-attention layers of 2 KV heads, 14 GB of weights
     assert plan["largest_ctx_size"] > 200_000
+    # issue 64's goal: the model's whole 256K with the drafter, in 8 bits
+    assert plan["largest_ctx"]["drafter"]["q8"] == 262144
 
 
 @pytest.mark.parametrize("draft_quant", ["q4", "q8"])
@@ -110,9 +112,14 @@ def test_plan_only_prints_the_plan_without_a_gpu() -> None:
     data = json.loads(result.output)
     assert data["ctx_size"] == 32768 and data["quant"] == "Q4_0" and data["fits"]
     assert data["total_bytes"] == sum(data["items"].values()) <= 23 * GiB
-    assert data["largest_ctx_size"] > 32768
+    assert data["largest_ctx_size"] == data["largest_ctx"]["drafter"]["model"] > 32768
+    reach = data["largest_ctx"]  # 8 bits hold more than the model's dtype, and so does leaving the drafter out
+    assert reach["drafter"]["q8"] > reach["drafter"]["model"] < reach["no_drafter"]["model"] < reach["no_drafter"]["q8"]
+    # issue 64's goal for one 24 GB card in bf16: the full layers keep V alone, the drafter's sliding layers a ring
+    assert reach["drafter"]["model"] >= 96 * 1024
     text = run_cli("--synthetic", "gemma4-31b", "--quant", "Q4_K_M", "--plan-only", "--gpu-memory", "24GiB")
     assert text.exit_code == 0 and "target weights" in text.output and "largest context that fits" in text.output
+    assert "model KV" in text.output and "q8 KV" in text.output and "no drafter" in text.output
 
 
 def test_too_large_context_is_refused_with_what_fits() -> None:
@@ -200,13 +207,13 @@ def test_measurements_run_end_to_end_on_a_tiny_config(layout) -> None:
     # the slots: 1, 4 and 8 streams decoding together at the shortest context, against one stream with the same
     # KV cache (the default, then 8-bit)
     assert [(st.streams, st.context, st.kv_cache) for st in result.streams] == [
-        (n, 32, kv) for kv in ("auto", "q8") for n in (1, 4, 8)]
+        (n, 32, kv) for kv in ("model", "q8") for n in (1, 4, 8)]
     one = {st.kv_cache: st for st in result.streams if st.streams == 1}
-    assert one["auto"].over_one_stream == one["q8"].over_one_stream == 1.0
+    assert one["model"].over_one_stream == one["q8"].over_one_stream == 1.0
     for st in result.streams:
         assert st.tok_s > 0 and st.per_stream_tok_s == pytest.approx(st.tok_s / st.streams)
         assert st.over_one_stream == pytest.approx(st.tok_s / one[st.kv_cache].tok_s)
         assert st.roofline_tok_s > result.decode[0].roofline_tok_s * (st.streams > 1)  # the weights read once
         assert st.verify16_ms > 0 and st.verify16_ms_eager > 0  # each stream's block in one step
-    assert one["q8"].roofline_tok_s > one["auto"].roofline_tok_s  # half the KV bytes
+    assert one["q8"].roofline_tok_s > one["model"].roofline_tok_s  # half the KV bytes
     assert "4 streams >= 3.5x one" in result.goals

@@ -33,7 +33,7 @@ def _runner(ckpt) -> StepRunner:
     return StepRunner.build(build_model(ckpt, "cpu", torch.float32, progress=False, repack_cpu=True))
 
 
-def _eager(runner: StepRunner, cache_kind: str = "auto"):
+def _eager(runner: StepRunner, cache_kind: str = "model"):
     """run_steps on the same model and weights without the C layers."""
     return run_steps(StepRunner(runner.model), cache_kind)
 

@@ -15,6 +15,7 @@ import torch
 
 from dflash_agent.engine.backends import cuda as cuda_graphs
 from dflash_agent.engine.backends.cuda import BUCKETS, DraftStepGraph, TargetStepGraphs
+from dflash_agent.engine.cache.drafter_cache import DrafterCache
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.model.drafter import init_drafter_checkpoint, load_drafter
 from dflash_agent.engine.runner import StepRunner
@@ -232,7 +233,9 @@ def test_draft_graph_matches_drafter(tmp_path) -> None:
     (path / "config.json").write_text(json.dumps(raw))
     drafter = load_drafter(path, cfg.hidden_size, cfg.num_layers, cfg.vocab_size, torch.device("cpu"),
                            torch.float32)
-    cache = drafter.new_cache(64)
+    # rings of the window and a block's slack: the context wraps them, and the block's keys overwrite their oldest
+    cache = DrafterCache(drafter.config, 64, torch.device("cpu"), torch.float32, slack=6)
+    assert cache.ring_slots == 10
     features = torch.randn(11, len(drafter.config.target_layer_ids) * cfg.hidden_size)
     drafter.append_context(features, cache)
     graph = DraftStepGraph(drafter, target.output_weight, cache, block=6)
@@ -243,4 +246,6 @@ def test_draft_graph_matches_drafter(tmp_path) -> None:
         want = drafter.logits(drafter.draft(embeds, cache)[1:], target.output_weight).argmax(-1)
         assert torch.equal(graph.draft(embeds), want)
         assert cache.length == length  # the block is not committed
+        # nor does it disturb what an eager draft reads: the window before it, not the block's slots
+        assert torch.equal(drafter.logits(drafter.draft(embeds, cache)[1:], target.output_weight).argmax(-1), want)
         drafter.append_context(features[:3], cache)  # the next context overwrites the block's slots

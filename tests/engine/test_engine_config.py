@@ -24,7 +24,7 @@ LOAD_DEFAULTS = {
 }
 
 BAD_OPTIONS = [
-    ({"kv_dtype": "int4"}, r"unknown KV cache type 'int4' \(auto, q8\)"),
+    ({"kv_dtype": "int4"}, r"unknown KV cache type 'int4' \(auto, model, q8\)"),
     ({"parallel": 0}, r"parallel must be >= 1 slot, got 0"),
     ({"weights": "fast"}, r"unknown weights mode 'fast' \(auto, exact, packed\)"),
     ({"prefill": "fp16"}, r"unknown prefill dtype 'fp16' \(auto, float32, bfloat16, int8\)"),

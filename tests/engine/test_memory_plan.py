@@ -9,13 +9,14 @@ import torch
 
 from dflash_agent.bench.synthetic import build_synthetic_drafter, gemma4_31b_config, gemma4_31b_drafter_config
 from dflash_agent.engine.formats.drafter_config import DrafterConfig
-from dflash_agent.engine.limits import DEFAULT_SLACK
+from dflash_agent.engine.limits import DEFAULT_SLACK, LOOKUP_SLACK
 from dflash_agent.engine.load.weights import build_model
 from dflash_agent.engine.memory_plan import (
     DrafterPlan,
     GiB,
     MemoryPlanError,
     checkpoint_weight_bytes,
+    choose_kv_dtype,
     drafter_kv_bytes,
     drafter_weight_bytes,
     fit_context,
@@ -34,15 +35,20 @@ def _nbytes(tensors) -> int:
 
 def test_q8_kv_is_about_half() -> None:
     config = gemma4_31b_config()
-    full, rings = target_kv_bytes(config, 32768, "auto", torch.bfloat16)
+    full, rings = target_kv_bytes(config, 32768, "model", torch.bfloat16, values_only=False)
     full_q8, rings_q8 = target_kv_bytes(config, 32768, "q8", torch.bfloat16)
     assert 0.5 < full_q8 / full < 0.6 and 0.5 < rings_q8 / rings < 0.6
+    # an 8-bit cache keeps its keys: in bf16 the full layers keeping V alone take about what 8 bits do
+    assert 0.9 < full_q8 / target_kv_bytes(config, 32768, "model", torch.bfloat16)[0] < 1.1
 
 
 def test_drafter_kv_is_the_caches() -> None:
     drafter = gemma4_31b_drafter_config()
-    # every drafter layer keeps max_len slots of 8 KV heads x 128 (K and V, bf16)
-    assert drafter_kv_bytes(drafter, 32768, torch.bfloat16) == 5 * 32768 * 2 * 8 * 128 * 2
+    # slots of 8 KV heads x 128 (K and V, bf16): max_len in the full layer, window + slack in the four sliding ones
+    # (the slack: prompt lookup's longest rollback), and their shared int64 slot -> position map
+    slot = 2 * 8 * 128 * 2
+    ring = 2048 + LOOKUP_SLACK
+    assert drafter_kv_bytes(drafter, 32768, torch.bfloat16) == 32768 * slot + 4 * ring * slot + ring * 8
 
 
 @pytest.mark.parametrize("quant", [None, "q8", "q4"])
@@ -70,10 +76,13 @@ def test_target_weight_figure_is_what_the_model_keeps() -> None:
 def test_31b_kv_matches_the_fact_sheet() -> None:
     # shared/reference/gemma4.md 3.3: full layers 80 KiB / token in bf16 (2.5 GiB at 32K); sliding layers
     # 16 KiB / token / layer over 50 layers, held for window + slack slots
+    # sliding layers 16 KiB / token / layer over 50 layers, held for window + slack slots; where the full layers
+    # keep V alone (attention_k_eq_v: GemmaModel.new_cache), half the 80 KiB
     config = gemma4_31b_config()
-    full, rings = target_kv_bytes(config, 32768, "auto", torch.bfloat16)
+    full, rings = target_kv_bytes(config, 32768, "model", torch.bfloat16, values_only=False)
     assert full == 32768 * 80 * 1024 == int(2.5 * GiB)
     assert rings == (1024 + 16) * 50 * 16384 + (1024 + 16) * 8  # + the int64 slot -> position map
+    assert target_kv_bytes(config, 32768, "model", torch.bfloat16) == (full // 2, rings)
 
 
 def test_plan_itemises_and_totals() -> None:
@@ -141,6 +150,35 @@ def test_fit_context_picks_the_largest_and_refuses_what_does_not_fit() -> None:
         fit_context(8 * GiB, config, weights, requested=1024)
 
 
+def test_auto_kv_is_the_models_while_the_context_fits_else_8_bit(caplog) -> None:
+    """kv_dtype "auto": the model's dtype where the asked context (without one, the model's whole) fits; else 8-bit
+    where that fits the asked one or holds more, said in the log; a request that fits neither is refused naming the
+    largest 8-bit context; a named dtype is kept as named."""
+    config = gemma4_31b_config()
+    weights = 16 * GiB
+    drafter = DrafterPlan(gemma4_31b_drafter_config(), "q4")
+    budget = 22 * GiB
+    in_model = largest_context(budget, config, weights, drafter=drafter)
+    in_q8 = largest_context(budget, config, weights, drafter=drafter, kv_dtype="q8")
+    assert in_model < in_q8 < config.max_position_embeddings
+    args = (budget, config, weights)
+    kv, plan = choose_kv_dtype(*args, 8192, "auto", drafter=drafter)
+    assert (kv, plan.ctx_size) == ("model", 8192)
+    with caplog.at_level(logging.INFO, logger="dflash_agent.engine.memory_plan"):
+        kv, plan = choose_kv_dtype(*args, in_model + 1, "auto", drafter=drafter)
+    assert (kv, plan.ctx_size) == ("q8", in_model + 1) and plan.fits
+    assert f"8-bit KV cache: a {in_model + 1}-token context in the model's dtype needs" in caplog.text
+    kv, plan = choose_kv_dtype(*args, None, "auto", drafter=drafter)
+    assert (kv, plan.ctx_size) == ("q8", in_q8)
+    with pytest.raises(MemoryPlanError, match=rf"the largest context that fits is {in_q8} tokens"):
+        choose_kv_dtype(*args, in_q8 + 1, "auto", drafter=drafter)
+    with pytest.raises(MemoryPlanError, match=rf"the largest context that fits is {in_model} tokens"):
+        choose_kv_dtype(*args, in_model + 1, "model", drafter=drafter)
+    assert choose_kv_dtype(*args, None, "model", drafter=drafter)[1].ctx_size == in_model
+    small = tiny_gemma4_config()  # its whole context fits in its own dtype
+    assert choose_kv_dtype(8 * GiB, small, 10 << 20, None, "auto")[0] == "model"
+
+
 def test_small_model_gets_its_whole_context() -> None:
     config = tiny_gemma4_config()
     plan = fit_context(8 * GiB, config, 10 << 20)
@@ -159,10 +197,15 @@ def test_gpu_context_size_from_free_memory(monkeypatch, tmp_path) -> None:
     free = plan_memory(config, weights, 100, drafter=drafter).total_bytes  # exactly a 100-token context
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
     args = (config, ckpt.tensors, torch.device("cuda"), torch.bfloat16)
-    assert gpu_context_size(*args, None, drafter=drafter) == 100
-    assert gpu_context_size(*args, 64, drafter=drafter) == 64
+    assert gpu_context_size(*args, None, "model", drafter=drafter) == (100, "model")
+    assert gpu_context_size(*args, 64, "model", drafter=drafter) == (64, "model")
     with pytest.raises(MemoryPlanError, match="--ctx-size 200 needs .* the largest context that fits is 100 tokens"):
-        gpu_context_size(*args, 200, drafter=drafter)
+        gpu_context_size(*args, 200, "model", drafter=drafter)
+    # the default: the model's dtype where the asked context fits, 8 bits where it takes them
+    assert gpu_context_size(*args, 64, "auto", drafter=drafter) == (64, "model")
+    assert gpu_context_size(*args, 101, "auto", drafter=drafter) == (101, "q8")
+    n_ctx, kv = gpu_context_size(*args, None, "auto", drafter=drafter)
+    assert kv == "q8" and 101 <= n_ctx < config.max_position_embeddings
     with pytest.raises(DrafterError, match="cannot read the drafter config"):
         drafter_plan(tmp_path / "nowhere", None)
 
@@ -180,7 +223,8 @@ def test_cpu_context_size_from_available_ram(caplog) -> None:
     weights = checkpoint_weight_bytes(ckpt.tensors, torch.float32, packed=False)
     args = (config, ckpt.tensors, torch.float32)
     assert cpu_context_size(*args, None, available_bytes=64 * GiB) == 32768
-    total = plan_memory(config, weights, 10000, dtype=torch.float32).total_bytes
+    # the CPU plans its caches with K beside V, as the C layers read them
+    total = plan_memory(config, weights, 10000, dtype=torch.float32, values_only=False).total_bytes
     ram = CPU_RESERVE + weights + int((total - weights) / CPU_SHARE) + 1
     with caplog.at_level(logging.WARNING, logger="dflash_agent.engine.memory_plan"):
         assert 9900 <= cpu_context_size(*args, None, available_bytes=ram) <= 10000
@@ -188,7 +232,7 @@ def test_cpu_context_size_from_available_ram(caplog) -> None:
     assert "coding agents need about 32768" in caplog.text
     assert cpu_context_size(*args, 2048, available_bytes=64 * GiB) == 2048
     assert cpu_context_size(*args, 99999, available_bytes=64 * GiB) == 32768
-    tight = CPU_RESERVE + plan_memory(config, weights, 3000, dtype=torch.float32).total_bytes
+    tight = CPU_RESERVE + plan_memory(config, weights, 3000, dtype=torch.float32, values_only=False).total_bytes
     assert 2900 <= cpu_context_size(*args, None, available_bytes=tight) <= 3000  # under 4096: what fits
     with pytest.raises(MemoryPlanError, match=r"--ctx-size 20000 needs .* GiB of RAM available .* the largest "
                                               r"context that fits is \d+ tokens"):

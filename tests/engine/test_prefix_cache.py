@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 
+from dflash_agent.engine.cache import drafter_cache
 from dflash_agent.engine.cache.kv_cache import dequantize_q8, quantize_q8
 from dflash_agent.engine.cache.prefix_cache import PrefixCacheConfig, PrefixKV, PrefixStore, common_prefix
 from dflash_agent.engine.decode import speculative
@@ -47,7 +48,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 class Pair:
     """The same target (and drafter) behind an engine with the prefix cache and one without."""
 
-    def __init__(self, target, drafter, config: PrefixCacheConfig = CONFIG, kv_dtype: str = "auto") -> None:
+    def __init__(self, target, drafter, config: PrefixCacheConfig = CONFIG, kv_dtype: str = "model") -> None:
         spec = SpecConfig(block=BLOCK, ngram=False) if drafter is not None else SpecConfig(enabled=False)
         self.cached = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=config,
                              kv_dtype=kv_dtype)
@@ -131,7 +132,15 @@ def test_branches_inside_and_beyond_the_window(engines):
     assert retry.timings.cache_n == 40 and retry.timings.prompt_n == 0
 
 
-def test_checkpoints_inside_a_long_prefill(pair, monkeypatch):
+@pytest.fixture(params=["drafter rings", "tight drafter rings"])
+def drafter_rings(request, monkeypatch):
+    """The drafter's rings as the engine makes them, or with a block's slack only: as short as the target's, so
+    these conversations wrap them and a restore needs their checkpoints too."""
+    if request.param == "tight drafter rings":
+        monkeypatch.setattr(drafter_cache, "LOOKUP_SLACK", BLOCK)
+
+
+def test_checkpoints_inside_a_long_prefill(pair, monkeypatch, drafter_rings):
     """Ring checkpoints every `checkpoint_every` prefilled tokens let a branch inside a long prompt reuse
     up to the last one before it."""
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
@@ -163,7 +172,7 @@ def proposals(monkeypatch) -> list[list[int]]:
     return seen
 
 
-def test_drafter_context_after_a_hit(pair, proposals):
+def test_drafter_context_after_a_hit(pair, proposals, drafter_rings):
     """After a hit the drafter proposes exactly what it proposes without the cache: its context K/V
     for the cached prefix was kept with the target's."""
     target, drafter = pair
@@ -188,7 +197,7 @@ def test_drafter_context_after_a_hit(pair, proposals):
 
 
 @pytest.mark.parametrize("device_bytes", [0, 100_000])
-def test_many_conversations_under_a_small_budget(pair, device_bytes, monkeypatch):
+def test_many_conversations_under_a_small_budget(pair, device_bytes, monkeypatch, drafter_rings):
     """Five conversations sharing a system prompt, interleaved, with room for about two stored ones: hits
     and evictions both happen and every output equals uncached decoding (no conversation gets another's
     KV). With `device_bytes`, stored states start on the device and move to the host under pressure."""
@@ -288,16 +297,17 @@ def test_q8_quantizer():
 
 def test_q8_kv_cache_is_smaller_and_close(pair):
     target, _ = pair
-    caches = {kv: target.new_cache(N_CTX, kv) for kv in ("auto", "q8")}
+    # both keeping K and V (an 8-bit cache always does; one in the model's dtype may keep V alone: test_values_only_kv)
+    caches = {kv: target.new_cache(N_CTX, kv, values_only=False) for kv in ("model", "q8")}
     size = {kv: sum(t.nbytes for layer in c.layers for t in layer.storage()) for kv, c in caches.items()}
-    assert size["q8"] < 0.3 * size["auto"]  # against float32
+    assert size["q8"] < 0.3 * size["model"]  # against float32
     prompt = torch.tensor(_tokens(40, seed=14))
     logits = {}
     for kv, cache in caches.items():
         target(prompt[:30], cache)
         logits[kv] = target(prompt[30:], cache, logits_at=torch.arange(10)).logits
     # This random model is touchy (a bf16 KV cache moves its logits by ~2%); see the embedded test for outputs.
-    assert (logits["q8"] - logits["auto"]).norm() / logits["auto"].norm() < 0.1
+    assert (logits["q8"] - logits["model"]).norm() / logits["model"].norm() < 0.1
 
 
 def test_q8_with_the_prefix_cache(pair):
@@ -315,9 +325,11 @@ def test_q8_with_the_prefix_cache(pair):
 
 def test_bad_kv_dtype(pair):
     target, _ = pair
-    with pytest.raises(ValueError, match="unknown KV cache type 'q4'"):
+    with pytest.raises(ValueError, match="a KV cache stores model or q8, not 'q4'"):
         target.new_cache(N_CTX, "q4")
-    with pytest.raises(ValueError, match=r"unknown KV cache type 'int4' \(auto, q8\)"):
+    with pytest.raises(ValueError, match="not 'auto'"):  # the memory plan's to resolve, before a cache is made
+        target.new_cache(N_CTX, "auto")
+    with pytest.raises(ValueError, match=r"unknown KV cache type 'int4' \(auto, model, q8\)"):
         Engine.load("embedded", kv_dtype="int4")
 
 

@@ -394,7 +394,7 @@ def test_a_prompt_gives_the_same_bits_on_the_counts_a_step_may_take(embedded_eng
     thread_count = ThreadCount(cpu_dot(), max(2, threads), products_in_c(model.matmul_weights(experts=True)))
 
     def prompt(n: int) -> None:
-        cache = model.new_cache(1024, "auto")
+        cache = model.new_cache(1024, "model")
         with torch.inference_mode():
             logits[n] = torch.cat([model.forward(ids[a:a + 512], cache,
                                                  logits_at=torch.arange(min(512, len(ids) - a))).logits

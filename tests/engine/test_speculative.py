@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from dflash_agent.engine.cache.drafter_cache import DrafterCache
 from dflash_agent.engine.decode.draft_policy import Arm, DraftPolicy, Source
 from dflash_agent.engine.decode.sampling import Sampler, SamplingParams
 from dflash_agent.engine.decode.speculative import CopyMemory, NgramIndex, RequestDecoder, SpecConfig
@@ -21,7 +22,7 @@ from tests.helpers.decoding import decode, prefill
 from tests.helpers.references import VOCAB
 from tests.helpers.tokenizers import word_tokenizer
 
-from .dflash_pair import BLOCK, MASK_ID, TARGET_LAYER_IDS, save_drafter, save_pair
+from .dflash_pair import BLOCK, DRAFT_WINDOW, MASK_ID, TARGET_LAYER_IDS, save_drafter, save_pair
 
 dflash_model = pytest.importorskip("dflash.model")
 
@@ -152,6 +153,41 @@ def test_drafter_matches_reference_forward(pair):
         ref_logits = ref_drafter.compute_logits(ref[1:], ref_target.lm_head)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drafter.logits(ours[1:], target.output_weight), ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_drafter_rings_draft_as_the_reference_over_a_long_context(pair):
+    """The drafter's sliding layers keep a ring of window + slack slots: wrapped many times over a long context, fed
+    in uneven pieces, rolled back within the slack, and restored from a snapshot, a draft is the reference's over
+    the whole context; a rollback past the slack is refused."""
+    ref_target, ref_drafter, target, drafter, _ = pair
+    ids = torch.randint(5, VOCAB, (100,), generator=torch.Generator().manual_seed(9))
+    out = target(ids, target.new_cache(N_CTX), capture=tuple(TARGET_LAYER_IDS))
+    features = torch.cat([out.captured[i] for i in TARGET_LAYER_IDS], -1)
+    block = torch.tensor([11] + [MASK_ID] * (BLOCK - 1))
+    embeds = target.embed_tokens.weight[block]
+
+    def reference(n: int) -> torch.Tensor:
+        with torch.no_grad():
+            return ref_drafter(target_hidden=features[None, :n],
+                               noise_embedding=ref_target.get_input_embeddings().weight[block][None],
+                               position_ids=torch.arange(n + BLOCK)[None])[0]
+
+    cache = DrafterCache(drafter.config, N_CTX, torch.device("cpu"), torch.float32, slack=BLOCK)
+    assert cache.ring_slots == DRAFT_WINDOW + BLOCK and cache.k[0].shape[0] == cache.ring_slots
+    assert cache.k[2].shape[0] == N_CTX  # the full layer keeps every position
+    for start, end in ((0, 7), (7, 60), (60, 61), (61, 100)):
+        drafter.append_context(features[start:end], cache)
+        if end == 60:
+            full, rings = cache.full_snapshot(60, "cpu"), cache.ring_snapshot("cpu")
+    torch.testing.assert_close(drafter.draft(embeds, cache), reference(100), atol=1e-4, rtol=1e-4)
+    cache.rollback(100 - BLOCK)
+    torch.testing.assert_close(drafter.draft(embeds, cache), reference(100 - BLOCK), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no longer hold the window"):
+        cache.rollback(100 - BLOCK - DRAFT_WINDOW)
+    cache.restore(60, full, rings)
+    torch.testing.assert_close(drafter.draft(embeds, cache), reference(60), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no longer hold the window"):
+        cache.restore(30, None, None)
 
 
 def _chi_square_p(a: Counter, b: Counter) -> float:

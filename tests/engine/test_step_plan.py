@@ -84,7 +84,7 @@ def test_long_chunks_over_a_wrapped_ring_match_short_steps(monkeypatch) -> None:
     assert not blocked
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "q8"])
+@pytest.mark.parametrize("kv_dtype", ["model", "q8"])
 def test_a_cache_finds_where_the_others_lie_once_per_list(kv_dtype: str, monkeypatch) -> None:
     """KVCache.offsets_of (the slots' joint attention, eager steps included): every layer's element offsets from this
     cache, as cache_offsets finds them; the same tensor for the same list again; found anew for a cache that took a

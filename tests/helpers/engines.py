@@ -76,5 +76,6 @@ class EngineFactory:
         n_ctx = cpu_context_size(loaded.model.config, {}, loaded.model.dtype, ctx_size)
         return Engine(loaded.model, loaded.tokenizer, n_ctx, loaded.model_name,
                       drafter=loaded.drafter if drafts else None, spec=spec, model_path=loaded.model_path,
-                      prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None, kv_dtype=kv_dtype,
+                      prefix_cache=DEFAULT_PREFIX_CACHE if prefix_cache else None,
+                      kv_dtype="model" if kv_dtype == "auto" else kv_dtype,  # as Engine.load resolves it on the CPU
                       sampling_defaults=loaded.sampling_defaults, parallel=parallel, runner=loaded.runner)

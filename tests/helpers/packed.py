@@ -82,7 +82,7 @@ def tiny_packed_checkpoint(seed: int = 0, config: ModelConfig | None = None) -> 
     return Checkpoint(Path("tiny-packed.gguf"), "gguf", config, tensors)
 
 
-def run_steps(model: GemmaModel | StepRunner, cache_kind: str = "auto") -> list[torch.Tensor]:
+def run_steps(model: GemmaModel | StepRunner, cache_kind: str = "model") -> list[torch.Tensor]:
     """Prefill past the sliding window, a decode step, a verify block, a rollback and another decode."""
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (30,)).to(model.device)

@@ -121,6 +121,53 @@ def test_int8_cache(kernels, builder, per_32) -> None:
     assert float((kq_ref - k).abs().max()) <= float(k.abs().max()) / 127
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+@pytest.mark.parametrize("builder", ["decode-full-d512-gqa8", "verify-full-d512-gqa8", "decode-split-chunks"])
+def test_keys_rebuilt_from_the_values_a_cache_keeps(kernels, builder, cache) -> None:
+    """A cache that keeps V alone (attention_k_eq_v's full layers): the kernel rebuilds each key as rope(V * w) at its
+    position, as the reference does from the same values, and as attending over those keys stored gives; several
+    caches' rows in one launch come out as each alone."""
+    attn, at = kernels.load("attention"), kernels.load("triton.attention_triton")
+    torch.manual_seed(3)
+    build, args = CASES[builder]
+    d = args["d"]
+    dtype = torch.float32 if cache == "float32" else torch.bfloat16
+    q, _, v, q_pos, _ = build(**args, dtype=torch.float32)
+    q = (q / d ** 0.5).to(dtype)
+    # a Gemma 4 full layer's RoPE: a quarter of the pairs rotate, the exponent over the whole head
+    angles = d // 8
+    inv_freq = torch.cat((1e6 ** (-2 * torch.arange(angles) / d), torch.zeros(d // 2 - angles)))
+    keys_from = attn.KeysFromValues(torch.rand(d) + 0.5, inv_freq.float())
+    stored, scales, values = v.to(dtype), [], v.to(dtype).float()
+    keys = keys_from.keys(values, torch.arange(v.shape[0]), torch.float32)
+    out = on_device(kernels, lambda *a: attn.cache_attention(*a, keys_from=attn.KeysFromValues(
+        keys_from.weight.to(kernels.device), keys_from.inv_freq.to(kernels.device))),
+        q, stored, stored, q_pos, None, None, 1.0, *scales)
+    ref = attn.cache_attention_reference(q.float(), keys, values, q_pos, None, None, 1.0)
+    check(out, ref.to(dtype), values[: args["end"]])
+    rebuilt = attn.cache_attention_reference(q.float(), stored, stored, q_pos, None, None, 1.0, *scales,
+                                             keys_from=keys_from)
+    check(rebuilt, ref, values[: args["end"]])
+    if args["T"] == 1:  # two caches' decode rows in one launch, each as its own launch gives it
+        dev = kernels.device
+        caches = [[stored.to(dev).clone(), *(x.to(dev) for x in scales[:1])] for _ in range(2)]
+        tensors = [[c[0], c[0], *(c[1:] * 2)] for c in caches]
+        offsets = torch.tensor(attn.cache_offsets(tensors), device=dev)
+        on_dev = attn.KeysFromValues(keys_from.weight.to(dev), keys_from.inv_freq.to(dev))
+        rows_q, rows_pos = torch.cat([q, q]).to(dev), torch.cat([q_pos, q_pos - 5]).to(dev)
+        together = at.rows_attention_launch(rows_q, *tensors[0][:2], rows_pos, None, None, 1.0, offsets,
+                                            *tensors[0][2:], keys_from=on_dev).run()
+        for t, row in enumerate(tensors):
+            alone = attn.cache_attention(rows_q[t:t + 1], *(x[: int(rows_pos[t]) + 1] for x in row[:2]),
+                                         rows_pos[t:t + 1], None, None, 1.0,
+                                         *(x[: int(rows_pos[t]) + 1] for x in row[2:]), keys_from=on_dev)
+            assert torch.equal(together[t:t + 1], alone), f"row {t}"
+    if kernels.device.type == "cuda" or "TRITON_INTERPRET" in __import__("os").environ:
+        with pytest.raises(ValueError, match="in the model's dtype"):  # 8-bit caches keep their keys
+            vq, vs = quantize_int8(v, d // 32)
+            at.cache_attention_launch(q, vq, vq, q_pos, None, None, 1.0, vs, vs, keys_from)
+
+
 def test_visibility_rule(kernels) -> None:
     attn = kernels.load("attention")
     q_pos = torch.tensor([5, 6])

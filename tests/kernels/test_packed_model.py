@@ -13,7 +13,7 @@ from dflash_agent.kernels.dispatch import CPU_KERNELS_ENV
 from tests.helpers.packed import run_steps, tiny_family_config, tiny_packed_checkpoint
 
 
-@pytest.mark.parametrize("cache_kind", ["auto", "q8"])
+@pytest.mark.parametrize("cache_kind", ["model", "q8"])
 def test_kernel_path_matches_cpu_model(kernels, cache_kind) -> None:
     ckpt = tiny_packed_checkpoint()
     packed = build_model(ckpt, kernels.device, torch.float32, progress=False, packed=True)
@@ -50,7 +50,7 @@ def test_gemma4_family_on_the_kernel_path(kernels, kind) -> None:
 
 
 
-@pytest.mark.parametrize("kind,kv_dtype", [("dense", "auto"), ("dense", "q8"), ("moe", "auto"), ("ple", "auto")])
+@pytest.mark.parametrize("kind,kv_dtype", [("dense", "model"), ("dense", "q8"), ("moe", "model"), ("ple", "model")])
 def test_several_sequences_in_one_step_come_out_as_each_alone(kernels, kind, kv_dtype) -> None:
     """forward_groups on the Triton kernels (concurrent requests' slots): one forward over three sequences' decode rows
     and verification blocks, in the scheduler's order (a block before decode rows), the decode rows and the blocks
@@ -144,7 +144,7 @@ def test_slots_graph_attends_decode_rows_in_one_launch_beside_a_padded_block(ker
         assert torch.equal(outs[i].logits, model(ids[i], eager, asked[i]).logits)
 
 
-@pytest.mark.parametrize("kind,kv_dtype", [("dense", "auto"), ("dense", "q8"), ("moe", "auto"), ("ple", "auto")])
+@pytest.mark.parametrize("kind,kv_dtype", [("dense", "model"), ("dense", "q8"), ("moe", "model"), ("ple", "model")])
 def test_graphs_captured_on_a_gpu_replay_what_eager_steps_give(kernels, kind, kv_dtype) -> None:
     """Real CUDA-graph captures (the other graph tests stand an eager replay in for one): a slot's own decode step and
     verification block, several slots' decode rows, and blocks beside decode rows, the combinations formed again

@@ -195,7 +195,8 @@ class CpuDecodeLayers:
     @staticmethod
     def takes(rows: int, kv: list[LayerKV]) -> bool:
         """Whether a forward of `rows` new tokens over caches `kv` runs here (before its plan is made)."""
-        return rows <= MAX_ROWS and all(layer.k_scale is None and layer.k.dtype == torch.float32 for layer in kv)
+        return rows <= MAX_ROWS and all(layer.k_scale is None and layer.keys_from is None
+                                        and layer.k.dtype == torch.float32 for layer in kv)
 
     def forward(self, x: torch.Tensor, plan, kv: list[LayerKV], capture: tuple[int, ...],
                 per_layer: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

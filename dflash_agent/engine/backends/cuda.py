@@ -267,8 +267,8 @@ class DraftStepGraph:
     """The drafter's greedy draft of a `block`-token block (drafter.draft, its LM head and argmax) as one graph.
 
     The block's keys are written into the drafter cache just past its context (slots the next
-    append_context overwrites) so attention reads one preallocated buffer per layer; bidirectional layers
-    mask by the block's last position instead of each query's.
+    append_context overwrites; a ring's map says their positions until then) so attention reads one preallocated
+    buffer per layer; bidirectional layers mask by the block's last position instead of each query's.
     """
 
     def __init__(self, drafter: Drafter, head_weight: torch.Tensor, cache: DrafterCache, block: int) -> None:
@@ -300,8 +300,11 @@ class DraftStepGraph:
     def _step(self) -> torch.Tensor:
         drafter, cache, config = self.drafter, self.cache, self.drafter.config
         last = self.pos[-1:].expand(self.block)
-        plans = [DraftLayerPlan("cache", cache.k[i], cache.v[i], slots=self.pos, window=config.window[i],
-                                query_positions=self.pos if config.causal[i] else last)
+        if any(cache.sliding):  # the block's positions in the rings' map, as the next append_context leaves them
+            cache.ring_pos.index_copy_(0, cache.slots(self.pos, cache.sliding.index(True)), self.pos)
+        plans = [DraftLayerPlan("cache", cache.k[i], cache.v[i], slots=cache.slots(self.pos, i),
+                                window=config.window[i], query_positions=self.pos if config.causal[i] else last,
+                                key_positions=cache.key_positions(i))
                  for i in range(config.num_layers)]
         hidden = drafter.layers_forward(self.embeds, drafter.rope(self.pos), plans)
         return drafter.logits(hidden[1:], self.head_weight).argmax(-1)

@@ -3,6 +3,10 @@
 Keys and values are kept in the model's dtype, or in 8 bits ("q8": int8 with one scale per 32 values
 of a token's head, llama.cpp's q8_0 layout), which nearly halves a bf16 cache so longer contexts fit
 beside a large model.
+
+A full-attention layer of a config with attention_k_eq_v takes its keys and values from one projection:
+V = rms(k_raw) and K = rope(V * k_norm.weight). Such a layer can keep V alone (`KeysFromValues`) and have K
+rebuilt where attention reads it, which halves what the context costs it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.attention import cache_offsets, write_rows
+from ...kernels.attention import KeysFromValues, cache_offsets, write_rows
 from ..errors import OptionError
-from ..formats.config import ModelConfig
+from ..formats.config import LayerSpec, ModelConfig
 from ..limits import DEFAULT_SLACK
-from ..types import check_kv_dtype
+from ..types import STORED_KV_DTYPES
 
 Q8_BLOCK = 32  # values per scale, as llama.cpp's q8_0: one scale per head row flattens rows with outliers
 
@@ -46,14 +50,24 @@ class LayerKV:
     sliding: bool
     k_scale: torch.Tensor | None = None  # [slots, num_kv_heads, head_dim / block] in the model dtype, or None
     v_scale: torch.Tensor | None = None
+    # set where the layer keeps V alone: k is v (and k_scale v_scale), and attention rebuilds the keys from it
+    keys_from: KeysFromValues | None = None
 
-    def storage(self) -> list[torch.Tensor]:
-        """Every tensor that holds this layer's state, slot-major (what a snapshot copies)."""
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """Keys, values and (quantized) their scales as the attention kernels take them (one tensor twice where the
+        layer keeps V alone)."""
         if self.k_scale is None or self.v_scale is None:
             return [self.k, self.v]
         return [self.k, self.v, self.k_scale, self.v_scale]
 
+    def storage(self) -> list[torch.Tensor]:
+        """Every tensor that holds this layer's state, slot-major (what a snapshot copies), each once."""
+        tensors = self.kernel_tensors()
+        return tensors if self.keys_from is None else tensors[1::2]
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.keys_from is not None:  # the keys are V's: writing V writes both
+            k = v
         if self.k_scale is None or self.v_scale is None:
             # slot-major after any leading batch dimension (train.target's batched caches)
             self.k[..., slots, :, :] = k
@@ -67,6 +81,8 @@ class LayerKV:
         """Row t of k / v [T, kv_heads, d] into slot slots[t] of row t's cache, this layer being the first row's and
         the others lying `offsets` [T, 4] from it (kernels.attention.cache_offsets), in one launch per tensor pair:
         each row quantizes alone, as write gives it."""
+        if self.keys_from is not None:
+            k = v
         if self.k_scale is None or self.v_scale is None:
             write_rows(k, v, self.k, self.v, slots, offsets)
             return
@@ -75,13 +91,22 @@ class LayerKV:
         write_rows(qk, qv, self.k, self.v, slots, offsets)
         write_rows(k_scale, v_scale, self.k_scale, self.v_scale, slots, offsets[:, 2:])
 
-    def read(self, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [:end] (all slots when end is None), in the model's dtype."""
+    def read(self, end: int | None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [:end] (all slots when end is None), in the model's dtype (`dtype`: what an int8
+        cache's scales do not say, where it keeps V alone: the keys it rebuilds)."""
         k, v = (self.k, self.v) if end is None else (self.k[..., :end, :, :], self.v[..., :end, :, :])
-        if self.k_scale is None or self.v_scale is None:
-            return k, v
-        ks, vs = (self.k_scale, self.v_scale) if end is None else (self.k_scale[:end], self.v_scale[:end])
-        return dequantize_q8(k, ks), dequantize_q8(v, vs)
+        if self.k_scale is not None and self.v_scale is not None:
+            ks, vs = (self.k_scale, self.v_scale) if end is None else (self.k_scale[:end], self.v_scale[:end])
+            k, v = dequantize_q8(k, ks), dequantize_q8(v, vs)
+        if self.keys_from is not None:  # a full layer's: slot = position
+            k = self.keys_from.keys(v, torch.arange(v.shape[-3], device=v.device), dtype or v.dtype)
+        return k, v
+
+
+def keeps_values_only(spec: LayerSpec) -> bool:
+    """Whether a layer may keep V alone: a full-attention layer that owns its K / V and takes both from one
+    projection (attention_k_eq_v)."""
+    return spec.k_eq_v and not spec.sliding and spec.kv_source is None
 
 
 @dataclass
@@ -96,7 +121,48 @@ class RingSnapshot:
         return self.ring_pos.nbytes + sum(t.nbytes for t in self.rings)
 
 
-class KVCache:
+class Snapshots:
+    """Copies and restores of a cache's state for the prefix cache, on what the cache says it holds: `full_state()`
+    (tensors slot = position), `ring_state()` (rings and their position map), `rings_hold(length)`, `length`."""
+
+    length: int
+    ring_pos: torch.Tensor
+
+    def full_state(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def ring_state(self) -> RingSnapshot:
+        raise NotImplementedError
+
+    def rings_hold(self, length: int) -> bool:
+        raise NotImplementedError
+
+    def full_snapshot(self, length: int, device: torch.device | str) -> list[torch.Tensor]:
+        """Copies of the full layers' state for positions [:length]."""
+        return [t[:length].to(device, copy=True) for t in self.full_state()]
+
+    def ring_snapshot(self, device: torch.device | str) -> RingSnapshot:
+        state = self.ring_state()
+        return RingSnapshot(state.ring_pos.to(device, copy=True), [t.to(device, copy=True) for t in state.rings])
+
+    def restore(self, length: int, full: list[torch.Tensor] | None, ring: RingSnapshot | None) -> None:
+        """Set the cache to `length` tokens: full layers from `full` (None: keep what they hold, which must
+        cover [:length]), rings from `ring` (None: roll back within the rings' reach)."""
+        if full is None and length > self.length:
+            raise ValueError(f"cannot extend a cache of {self.length} tokens to {length} without their keys")
+        if full is not None:
+            for dst, src in zip(self.full_state(), full, strict=True):
+                dst[:length].copy_(src[:length])
+        if ring is not None:
+            for dst, src in zip(self.ring_state().rings, ring.rings, strict=True):
+                dst.copy_(src)
+            self.ring_pos.copy_(ring.ring_pos)
+        elif not self.rings_hold(length):
+            raise ValueError(f"the sliding rings no longer hold the window before position {length}")
+        self.length = length
+
+
+class KVCache(Snapshots):
     """Keys and values of the tokens committed so far, for a single sequence.
 
     A sliding ring holds `window + slack` slots, so after a forward of up to `slack + 1` tokens the cache can be
@@ -111,9 +177,14 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         slack: int = DEFAULT_SLACK,
-        kv_dtype: str = "auto",
+        kv_dtype: str = "model",
+        keys_from: dict[int, KeysFromValues] | None = None,
     ) -> None:
-        check_kv_dtype(kv_dtype)
+        """keys_from: the layers that keep V alone (full-attention layers of a config with attention_k_eq_v,
+        `keeps_values_only`), with how each rebuilds its keys; in the model's dtype only (the Triton kernel that
+        rebuilt keys from int8 values ran out of registers at head size 512)."""
+        if kv_dtype not in STORED_KV_DTYPES:  # "auto" is the memory plan's to resolve
+            raise OptionError(f"a KV cache stores {' or '.join(STORED_KV_DTYPES)}, not {kv_dtype!r}")
         self.max_len = max_len
         self.slack = slack
         self.window = config.sliding_window
@@ -125,22 +196,28 @@ class KVCache:
         # one per layer; a layer that shares another's K / V (spec.kv_source) holds that layer's LayerKV
         self.layers: list[LayerKV] = []
         quantized = kv_dtype == "q8"
+        if quantized and keys_from:
+            raise ValueError("an 8-bit cache keeps its keys: only one in the model's dtype keeps V alone")
         for spec in config.layers:
             if spec.kv_source is not None:
                 self.layers.append(self.layers[spec.kv_source])
                 continue
             shape = (self.ring_slots if spec.sliding else max_len, spec.num_kv_heads, spec.head_dim)
             store = torch.int8 if quantized else dtype
-            k, v = torch.zeros(shape, device=device, dtype=store), torch.zeros(shape, device=device, dtype=store)
+            rebuild = (keys_from or {}).get(len(self.layers))
+            if rebuild is not None and not keeps_values_only(spec):
+                raise ValueError(f"layer {len(self.layers)} keeps its own keys: it cannot rebuild them from V")
+            tensors = 1 if rebuild is not None else 2
+            v = torch.zeros(shape, device=device, dtype=store)
+            k = v if tensors == 1 else torch.zeros(shape, device=device, dtype=store)
+            scales: list[torch.Tensor | None] = [None, None]
             if quantized:
                 block = min(Q8_BLOCK, spec.head_dim)
                 if spec.head_dim % block:
                     raise OptionError(f"q8 KV needs a head size that is a multiple of {Q8_BLOCK}, not {spec.head_dim}")
                 scales = [torch.zeros((*shape[:2], spec.head_dim // block), device=device, dtype=dtype)
                           for _ in range(2)]
-                self.layers.append(LayerKV(k, v, spec.sliding, *scales))
-            else:
-                self.layers.append(LayerKV(k, v, spec.sliding))
+            self.layers.append(LayerKV(k, v, spec.sliding, *scales, keys_from=rebuild))
         # offsets_of's tables by the other caches' ids, with weak references that tell a reused id from its cache
         self._offsets: dict[tuple[int, ...], tuple[list[weakref.ref[KVCache]], torch.Tensor | None]] = {}
 
@@ -158,7 +235,7 @@ class KVCache:
             return known[1]
         table = []
         for i, layer in enumerate(self.layers):
-            offsets = cache_offsets([layer.storage(), *(cache.layers[i].storage() for cache in caches)])
+            offsets = cache_offsets([layer.kernel_tensors(), *(cache.layers[i].kernel_tensors() for cache in caches)])
             if offsets is None:
                 table = None
                 break
@@ -208,26 +285,3 @@ class KVCache:
         them at a length they hold (`rings_hold`) gets what this one holds there."""
         return RingSnapshot(self.ring_pos, [t for layer in self.owned if layer.sliding for t in layer.storage()])
 
-    def full_snapshot(self, length: int, device: torch.device | str) -> list[torch.Tensor]:
-        """Copies of the full-attention layers' state for positions [:length]."""
-        return [t[:length].to(device, copy=True) for t in self.full_state()]
-
-    def ring_snapshot(self, device: torch.device | str) -> RingSnapshot:
-        state = self.ring_state()
-        return RingSnapshot(state.ring_pos.to(device, copy=True), [t.to(device, copy=True) for t in state.rings])
-
-    def restore(self, length: int, full: list[torch.Tensor] | None, ring: RingSnapshot | None) -> None:
-        """Set the cache to `length` tokens: full layers from `full` (None: keep what they hold, which must
-        cover [:length]), rings from `ring` (None: roll back within the rings' reach)."""
-        if full is None and length > self.length:
-            raise ValueError(f"cannot extend a cache of {self.length} tokens to {length} without their keys")
-        if full is not None:
-            for dst, src in zip(self.full_state(), full, strict=True):
-                dst[:length].copy_(src[:length])
-        if ring is not None:
-            for dst, src in zip(self.ring_state().rings, ring.rings, strict=True):
-                dst.copy_(src)
-            self.ring_pos.copy_(ring.ring_pos)
-        elif not self.rings_hold(length):
-            raise ValueError(f"the sliding rings no longer hold the window before position {length}")
-        self.length = length

@@ -96,10 +96,12 @@ class RingCheckpoint:
     position: int
     ring: RingSnapshot
     logits: torch.Tensor | None = None  # at prompt ends
+    drafter_ring: RingSnapshot | None = None  # the drafter's rings there, where it has a cache
 
     @property
     def nbytes(self) -> int:
-        return self.ring.nbytes + (self.logits.nbytes if self.logits is not None else 0)
+        return (self.ring.nbytes + (self.logits.nbytes if self.logits is not None else 0)
+                + (self.drafter_ring.nbytes if self.drafter_ring is not None else 0))
 
 
 @dataclass(eq=False)
@@ -110,12 +112,13 @@ class PrefixKV:
     ids: list[int]  # the tokens whose keys this state holds
     checkpoints: list[RingCheckpoint]  # ascending positions, all <= len(ids)
     full: list[torch.Tensor] | None = None  # full-layer state [:len(ids)]; None while in the working cache
-    drafter: list[torch.Tensor] | None = None
+    drafter: list[torch.Tensor] | None = None  # the drafter's full layers' [:len(ids)]
     on_device: bool = False
     last_used: int = 0
     # Another slot's working caches, lent while its request runs (PrefixCache.lend): `full`, `drafter` and these
     # rings are its tensors themselves, valid until that request's next step; never stored
     lender: KVCache | None = None
+    drafter_lender: DrafterCache | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -228,9 +231,9 @@ class PrefixCache:
         """This slot's working caches as a source another slot may restore from while this slot's request runs:
         `ids` the tokens they hold for sure (its prompt's chunks done). Read in place, between steps: the full
         layers up to len(ids), the rings at any position they still hold, and the checkpoints taken so far."""
-        drafter = self.drafter_cache.state() if self.drafter_cache is not None else None
+        drafter = self.drafter_cache.full_state() if self.drafter_cache is not None else None
         return PrefixKV(list(ids), [c for c in self.own_checkpoints() if c.position <= len(ids)],
-                        self.cache.full_state(), drafter, lender=self.cache)
+                        self.cache.full_state(), drafter, lender=self.cache, drafter_lender=self.drafter_cache)
 
     def reusable(self, prompt: list[int], lent: Sequence[PrefixKV] = ()) -> int:
         """How many of prompt's tokens `acquire` would reuse now."""
@@ -296,7 +299,7 @@ class PrefixCache:
         self._pending = [c for c in self._pending if c.position != position]
         self._pending.append(RingCheckpoint(
             position, self.cache.ring_snapshot(self._host),
-            logits.to(self._host, copy=True) if logits is not None else None,
+            logits.to(self._host, copy=True) if logits is not None else None, self._drafter_rings(position),
         ))
         self.store.thin(self._pending)
         self.store.fit()
@@ -326,8 +329,8 @@ class PrefixCache:
                 continue
             if entry is live or entry.lender is not None:
                 limit = min(common, len(prompt) - 1)
-                rings = self.cache if entry is live else entry.lender
-                if limit > best[0] and rings.rings_hold(limit):
+                rings = (self.cache, self.drafter_cache) if entry is live else (entry.lender, entry.drafter_lender)
+                if limit > best[0] and all(c is None or c.rings_hold(limit) for c in rings):
                     best = (limit, entry, None)
             for checkpoint in reversed(entry.checkpoints):
                 usable = checkpoint.position < len(prompt) or checkpoint.logits is not None
@@ -342,14 +345,21 @@ class PrefixCache:
         assert rollback or checkpoint is not None
         self.cache.restore(position, None, None if rollback else checkpoint.ring)
         if self.drafter_cache is not None:
-            self.drafter_cache.restore(position, None)
+            rollback = self.drafter_cache.rings_hold(position)
+            assert rollback or checkpoint is not None
+            self.drafter_cache.restore(position, None, None if rollback else self._checkpoint_drafter(checkpoint))
 
     def _load(self, entry: PrefixKV, position: int, checkpoint: RingCheckpoint | None) -> None:
         self.cache.restore(position, entry.full, entry.lender.ring_state() if checkpoint is None else checkpoint.ring)
         if self.drafter_cache is not None:
             if entry.drafter is None:
                 raise RuntimeError("a stored conversation lacks the drafter's context K/V")
-            self.drafter_cache.restore(position, entry.drafter)
+            if checkpoint is None:
+                assert entry.drafter_lender is not None
+                rings = entry.drafter_lender.ring_state()
+            else:
+                rings = self._checkpoint_drafter(checkpoint)
+            self.drafter_cache.restore(position, entry.drafter, rings)
         if entry.lender is not None:
             self.stats.lent += 1
             return
@@ -358,6 +368,20 @@ class PrefixCache:
             entry.last_used = next(self.store.clock)
         else:
             self.store.entries.remove(entry)  # moved into the working cache; stored again when it is left
+
+    def _drafter_rings(self, position: int) -> RingSnapshot | None:
+        """A copy of the drafter's rings for a checkpoint at `position`, which its cache must be at."""
+        if self.drafter_cache is None:
+            return None
+        if self.drafter_cache.length != position:
+            raise RuntimeError(f"the drafter's cache holds {self.drafter_cache.length} tokens, not {position}")
+        return self.drafter_cache.ring_snapshot(self._host)
+
+    @staticmethod
+    def _checkpoint_drafter(checkpoint: RingCheckpoint) -> RingSnapshot:
+        if checkpoint.drafter_ring is None:
+            raise RuntimeError("a checkpoint lacks the drafter's rings")
+        return checkpoint.drafter_ring
 
     def _reset(self) -> None:
         self.cache.reset()
@@ -384,16 +408,17 @@ class PrefixCache:
             return
         per_token = sum(t[0].nbytes for t in self.cache.full_state())
         if self.drafter_cache is not None:
-            per_token += sum(t[0].nbytes for t in self.drafter_cache.state())
+            per_token += sum(t[0].nbytes for t in self.drafter_cache.full_state())
         on_device = n * per_token <= self.config.device_bytes - self.store.usage()[1]
         where = self.cache.device if on_device else self._host
         checkpoints = list(live.checkpoints)
         if not checkpoints or checkpoints[-1].position != n:
-            checkpoints.append(RingCheckpoint(n, self.cache.ring_snapshot(self._host)))
+            checkpoints.append(RingCheckpoint(n, self.cache.ring_snapshot(self._host),
+                                              drafter_ring=self._drafter_rings(n)))
             self.store.thin(checkpoints)
         entry = PrefixKV(
             list(live.ids), checkpoints, self.cache.full_snapshot(n, where),
-            self.drafter_cache.snapshot(n, where) if self.drafter_cache is not None else None,
+            self.drafter_cache.full_snapshot(n, where) if self.drafter_cache is not None else None,
             on_device, live.last_used,
         )
         self.store.entries.append(entry)

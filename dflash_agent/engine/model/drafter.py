@@ -41,7 +41,8 @@ class DraftLayerPlan:
     mode "concat" (eager drafts, training): SDPA over the layer's context keys followed by the block's own,
     with `mask` (None: every key visible). mode "cache" (CUDA graphs): the block's keys are written into the
     layer's drafter cache at `slots` (just past the context) and kernels.attention reads the whole cache,
-    slot j visible to query i iff j <= query_positions[i] and within `window`.
+    the key of slot j (at position key_positions[j], or j where None) visible to query i iff at or before
+    query_positions[i] and within `window`.
     """
 
     mode: Literal["concat", "cache"]
@@ -51,6 +52,7 @@ class DraftLayerPlan:
     slots: torch.Tensor | None = None  # cache: [T] the slots the block's keys are written to
     query_positions: torch.Tensor | None = None  # cache: [T] the position each query masks slots by
     window: int | None = None  # cache: sliding window (concat layers put theirs in the mask)
+    key_positions: torch.Tensor | None = None  # cache: a ring's slot -> position map; None: slot = position
 
     def __post_init__(self) -> None:
         if self.mode == "cache" and (self.slots is None or self.query_positions is None):
@@ -62,7 +64,8 @@ class DraftLayerPlan:
             assert self.slots is not None and self.query_positions is not None
             self.keys.index_copy_(0, self.slots, k)
             self.values.index_copy_(0, self.slots, v)
-            return cache_attention(q, self.keys, self.values, self.query_positions, None, self.window, scale)
+            return cache_attention(q, self.keys, self.values, self.query_positions, self.key_positions, self.window,
+                                   scale)
         keys, values = torch.cat((self.keys, k)), torch.cat((self.values, v))
         return grouped_attention(q, keys, values, self.mask, scale)
 
@@ -163,9 +166,8 @@ class Drafter(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         cos, sin = self.rope(torch.arange(start, start + C, device=self.device))
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(ctx, cos, sin)
-            cache.k[i][start : start + C] = k
-            cache.v[i][start : start + C] = v
+            cache.write(i, start, *layer.self_attn.context_kv(ctx, cos, sin))
+        cache.advance(start, start + C)
         cache.length = start + C
 
     @torch.inference_mode()
@@ -173,9 +175,15 @@ class Drafter(nn.Module):
         """Hidden states [T, H] for a block at positions cache.length..; the cache is read, not written."""
         T, start = block_embeds.shape[0], cache.length
         pos = torch.arange(start, start + T, device=self.device)
-        k_pos = torch.arange(start + T, device=self.device)[None, :]
-        plans = [DraftLayerPlan("concat", cache.k[i][:start], cache.v[i][:start], self._mask(i, pos[:, None], k_pos))
-                 for i in range(self.config.num_layers)]
+        plans = []
+        for i in range(self.config.num_layers):
+            ring = cache.key_positions(i)
+            if ring is None:  # slot = position
+                keys, values, held = cache.k[i][:start], cache.v[i][:start], torch.arange(start, device=self.device)
+            else:  # a ring's slots, the empty ones and those past the context (a rolled-back tail) masked out
+                keys, values, held = cache.k[i], cache.v[i], torch.where(ring < start, ring, -1)
+            k_pos = torch.cat((held, pos))[None, :]
+            plans.append(DraftLayerPlan("concat", keys, values, self._mask(i, pos[:, None], k_pos)))
         return self.layers_forward(block_embeds.to(self.dtype), self.rope(pos), plans)
 
     def layers_forward(
@@ -189,10 +197,11 @@ class Drafter(nn.Module):
         return self.norm(x)
 
     def _mask(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """[T, keys] True where a key at k_pos [1, keys] (-1: an empty slot) is visible to a query at q_pos [T, 1]."""
         causal, window = self.config.causal[layer], self.config.window[layer]
         if not causal and window is None:
             return None
-        visible = torch.ones(q_pos.shape[0], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
+        visible = (k_pos >= 0).expand(q_pos.shape[0], -1).clone()
         if causal:
             visible &= k_pos <= q_pos
         if window is not None:

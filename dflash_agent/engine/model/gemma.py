@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.attention import (
+    KeysFromValues,
     cache_attention,
     flash_attn_takes,
     grouped_attention,
@@ -19,7 +20,7 @@ from ...kernels.attention import (
     triton_takes,
 )
 from ...kernels.dispatch import triton_runs
-from ..cache.kv_cache import KVCache, LayerKV
+from ..cache.kv_cache import KVCache, LayerKV, keeps_values_only
 from ..errors import ContextOverflowError
 from ..formats.config import LayerSpec, ModelConfig, MoESpec
 from ..limits import DEFAULT_SLACK
@@ -200,7 +201,7 @@ class Attention(nn.Module):
         pos = plan.positions
         assert pos is not None
         return rows_cache_attention(q, first.k, first.v, pos.query, pos.key, pos.window, self.scale, offsets,
-                                    first.k_scale, first.v_scale)
+                                    first.k_scale, first.v_scale, first.keys_from)
 
 
 class MLP(nn.Module):
@@ -407,7 +408,7 @@ class LayerPlan:
             return StepKeys(*kv.read(self.end))
         n = self.end
         return StepKeys(kv.k[:n], kv.v[:n], None if kv.k_scale is None else kv.k_scale[:n],
-                        None if kv.v_scale is None else kv.v_scale[:n])
+                        None if kv.v_scale is None else kv.v_scale[:n], kv.keys_from)
 
     def attend(self, q: torch.Tensor, keys: StepKeys, scale: float) -> torch.Tensor:
         """Attention of queries q [..., T, heads, d] over `keys` (what `store` returned, for this layer or for the
@@ -416,7 +417,8 @@ class LayerPlan:
             assert self.positions is not None
             pos = self.positions
             return cache_attention(q, keys.k, keys.v, pos.query, pos.key, pos.window, scale, keys.k_scale,
-                                   keys.v_scale, contiguous=pos.key is None and self.end is not None)
+                                   keys.v_scale, contiguous=pos.key is None and self.end is not None,
+                                   keys_from=keys.keys_from)
         return grouped_attention(q, keys.k, keys.v, self.mask, scale)
 
 
@@ -429,6 +431,7 @@ class StepKeys:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    keys_from: KeysFromValues | None = None  # mode "kernel", a cache that keeps V alone: how K is rebuilt from it
 
 
 @dataclass(frozen=True)
@@ -500,8 +503,21 @@ class GemmaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def new_cache(self, max_len: int, kv_dtype: str = "auto", slack: int = DEFAULT_SLACK) -> KVCache:
-        return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, slack=slack, kv_dtype=kv_dtype)
+    def new_cache(self, max_len: int, kv_dtype: str = "model", slack: int = DEFAULT_SLACK,
+                  values_only: bool = True) -> KVCache:
+        """values_only: in the model's dtype, the full-attention layers of an attention_k_eq_v config keep V alone and
+        rebuild K from it (engine.cache.kv_cache), as every path but the C layers reads them."""
+        keys_from = self.keys_from_values() if values_only and kv_dtype == "model" else None
+        return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, slack=slack, kv_dtype=kv_dtype,
+                       keys_from=keys_from)
+
+    def keys_from_values(self) -> dict[int, KeysFromValues]:
+        """How each layer that may keep V alone (kv_cache.keeps_values_only) rebuilds its keys: its k_norm weight
+        and RoPE frequencies, as its forward applies them to the same projection."""
+        return {i: KeysFromValues((layer.self_attn.k_norm.offset + layer.self_attn.k_norm.weight.float()).contiguous(),
+                                  self._inv_freq[_rope_key(spec)])
+                for i, (layer, spec) in enumerate(zip(self.layers, self.config.layers, strict=True))
+                if keeps_values_only(spec)}
 
     def forward(
         self,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention import NO_WINDOW, OFFSET_ALIGN, blocked_scales
+from ..attention import NO_WINDOW, OFFSET_ALIGN, KeysFromValues, blocked_scales
 from ..dispatch import KEYS_PER_CHUNK, RING_KEYS_PER_CHUNK, SPLIT_ROWS
 from .triton_support import Launch, dot_dtype
 
@@ -35,7 +35,7 @@ class Tiles:
     stages: int  # software pipelining depth of the K / V loads
 
 
-def _tiles(d: int, quantized: bool) -> Tiles:
+def _tiles(d: int, quantized: bool, values_only: bool = False) -> Tiles:
     """Tiles by head_dim and cache type, sized from compiles for sm_86 / 89 / 90 / 120 (`dflash-agent bench
     --kernels`): no spills anywhere, shared memory within 99 KB (RTX cards), and 2-stage pipelined K / V loads.
 
@@ -43,8 +43,12 @@ def _tiles(d: int, quantized: bool) -> Tiles:
     so rows and keys shrink as d grows: at d = 512 a 16-row program with 16 keys (bf16) keeps ~100 registers and
     48 KB of shared memory, two programs per SM. int8 caches are widened to float32 and scaled before the dot,
     which costs registers rather than shared memory, so they take 32-key tiles (fewer, larger loads). The
-    drafter's d = 128 takes 64 x 64 tiles on 8 warps: on 4 warps it spilled on sm_120.
+    drafter's d = 128 takes 64 x 64 tiles on 8 warps: on 4 warps it spilled on sm_120. A cache that keeps V alone
+    rebuilds each key tile from its values, in halves of the head: at d = 512 16-key tiles with one stage of loads
+    (~235 registers; two stages spilled).
     """
+    if values_only and d > 256:
+        return Tiles(16, 16, 8, 1)
     if d <= 128:
         return Tiles(64, 64, 8, 2)
     if d <= 256:
@@ -52,16 +56,35 @@ def _tiles(d: int, quantized: bool) -> Tiles:
     return Tiles(16, 32 if quantized else 16, 8, 2)
 
 
+@triton.jit
+def _rope_cos_sin(position, inv_freq):
+    """cos and sin of the float32 angle position x inv_freq (as the reference and transformers round it), reduced to
+    [-pi, pi] exactly enough (2 pi in two parts, fma) for polynomials to x^16 / x^15: within 2e-6 of the true values
+    at any position up to 2^18. libdevice's cosf / sinf keep a local-memory path for large arguments, which the
+    kernels' no-spill budget rules out."""
+    angle = position * inv_freq
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+    # 2 pi = 6.28125 (8 bits: turns x it is exact) + 0.0019353071795864769
+    r = tl.fma(-turns, 6.28125, angle)
+    r = tl.fma(-turns, 0.0019353071795864769, r)
+    r2 = r * r
+    cos = 1.0 + r2 * (-1 / 2 + r2 * (1 / 24 + r2 * (-1 / 720 + r2 * (1 / 40320 + r2 * (-1 / 3628800 + r2 * (
+        1 / 479001600 + r2 * (-1 / 87178291200 + r2 * (1 / 20922789888000))))))))
+    sin = r * (1.0 + r2 * (-1 / 6 + r2 * (1 / 120 + r2 * (-1 / 5040 + r2 * (1 / 362880 + r2 * (-1 / 39916800 + r2 * (
+        1 / 6227020800 + r2 * (-1 / 1307674368000))))))))
+    return cos, sin
+
+
 # T, S and the chunk vary from step to step: not specializing on them keeps one compiled kernel per tile shape.
 @triton.jit(do_not_specialize=["T", "S", "chunk"])
 def _cache_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, qpos_ptr, kpos_ptr, off_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, qpos_ptr, kpos_ptr, off_ptr, out_ptr, part_ptr, lse_ptr, kw_ptr, kf_ptr,
     T, S, chunk, window, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_kss, stride_ksh, stride_vss, stride_vsh, stride_kpos, stride_off, stride_ot, stride_oh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_KPOS: tl.constexpr, QUANT: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-    ROWS: tl.constexpr, ALIGN: tl.constexpr, DOT: tl.constexpr,
+    ROWS: tl.constexpr, ALIGN: tl.constexpr, DOT: tl.constexpr, K_FROM_V: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
@@ -89,8 +112,20 @@ def _cache_attention_kernel(
     h = kvh * GROUP + r % GROUP
     dim = tl.arange(0, D)
     qp = tl.load(qpos_ptr + t, mask=r_ok, other=-1).to(tl.int64)
-    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + dim[None, :],
-                mask=r_ok[:, None], other=0.0)
+    q_rows = q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh
+    if K_FROM_V:
+        # the cache keeps V alone and K = rope(V * w) is rebuilt tile by tile: in halves of the head (dim i pairs with
+        # i + D / 2), so the RoPE angles and the pairs take [keys, D / 2] tiles, not [keys, D]
+        half = tl.arange(0, D // 2)
+        q = tl.load(q_rows + half[None, :], mask=r_ok[:, None], other=0.0)
+        q_hi = tl.load(q_rows + D // 2 + half[None, :], mask=r_ok[:, None], other=0.0)
+        w, w_hi = tl.load(kw_ptr + half), tl.load(kw_ptr + D // 2 + half)
+        inv_freq = tl.load(kf_ptr + half)
+        acc = tl.zeros((BLOCK_R, D // 2), tl.float32)
+        acc_hi = tl.zeros((BLOCK_R, D // 2), tl.float32)
+    else:
+        q = tl.load(q_rows + dim[None, :], mask=r_ok[:, None], other=0.0)
+        acc = tl.zeros((BLOCK_R, D), tl.float32)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, S)
     if not HAS_KPOS:
@@ -99,7 +134,6 @@ def _cache_attention_kernel(
         hi = tl.minimum(hi, (tl.max(qp) + 1).to(tl.int32))
     m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, D), tl.float32)
     for s0 in range(lo, hi, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         s_ok = s < hi
@@ -107,21 +141,33 @@ def _cache_attention_kernel(
             kp = tl.load(kpos_ptr + s, mask=s_ok, other=-1).to(tl.int64)
         else:
             kp = tl.where(s_ok, s, -1).to(tl.int64)
-        kt = tl.load(k_ptr + s[:, None] * stride_ks + kvh * stride_kh + dim[None, :], mask=s_ok[:, None], other=0)
-        vt = tl.load(v_ptr + s[:, None] * stride_vs + kvh * stride_vh + dim[None, :], mask=s_ok[:, None], other=0)
-        if QUANT:
-            # one scale per SCALE_BLOCK values (contiguous per head: [blocks]), loaded once and broadcast over
-            # its block, which keeps [keys, blocks] scales live rather than [keys, D]
-            blocks = tl.arange(0, D // SCALE_BLOCK)
-            ks = tl.load(ks_ptr + s[:, None] * stride_kss + kvh * stride_ksh + blocks[None, :], mask=s_ok[:, None],
-                         other=0.0)
-            vs = tl.load(vs_ptr + s[:, None] * stride_vss + kvh * stride_vsh + blocks[None, :], mask=s_ok[:, None],
-                         other=0.0)
-            kt = tl.reshape(tl.reshape(kt.to(tl.float32), (BLOCK_S, D // SCALE_BLOCK, SCALE_BLOCK))
-                            * ks.to(tl.float32)[:, :, None], (BLOCK_S, D))
-            vt = tl.reshape(tl.reshape(vt.to(tl.float32), (BLOCK_S, D // SCALE_BLOCK, SCALE_BLOCK))
-                            * vs.to(tl.float32)[:, :, None], (BLOCK_S, D))
-        scores = tl.dot(q.to(DOT), tl.trans(kt.to(DOT)), input_precision="ieee") * scale_log2
+        if K_FROM_V:
+            v_rows = v_ptr + s[:, None] * stride_vs + kvh * stride_vh
+            vt = tl.load(v_rows + half[None, :], mask=s_ok[:, None], other=0)
+            vt_hi = tl.load(v_rows + D // 2 + half[None, :], mask=s_ok[:, None], other=0)
+            cos, sin = _rope_cos_sin(kp.to(tl.float32)[:, None], inv_freq[None, :])
+            x, x_hi = vt.to(tl.float32) * w[None, :], vt_hi.to(tl.float32) * w_hi[None, :]
+            kt, kt_hi = x * cos - x_hi * sin, x_hi * cos + x * sin
+            scores = (tl.dot(q.to(DOT), tl.trans(kt.to(DOT)), input_precision="ieee")
+                      + tl.dot(q_hi.to(DOT), tl.trans(kt_hi.to(DOT)), input_precision="ieee")) * scale_log2
+        else:
+            kt = tl.load(k_ptr + s[:, None] * stride_ks + kvh * stride_kh + dim[None, :], mask=s_ok[:, None],
+                         other=0)
+            vt = tl.load(v_ptr + s[:, None] * stride_vs + kvh * stride_vh + dim[None, :], mask=s_ok[:, None],
+                         other=0)
+            if QUANT:
+                # one scale per SCALE_BLOCK values (contiguous per head: [blocks]), loaded once and broadcast over
+                # its block, which keeps [keys, blocks] scales live rather than [keys, D]
+                blocks = tl.arange(0, D // SCALE_BLOCK)
+                ks = tl.load(ks_ptr + s[:, None] * stride_kss + kvh * stride_ksh + blocks[None, :],
+                             mask=s_ok[:, None], other=0.0)
+                vs = tl.load(vs_ptr + s[:, None] * stride_vss + kvh * stride_vsh + blocks[None, :],
+                             mask=s_ok[:, None], other=0.0)
+                kt = tl.reshape(tl.reshape(kt.to(tl.float32), (BLOCK_S, D // SCALE_BLOCK, SCALE_BLOCK))
+                                * ks.to(tl.float32)[:, :, None], (BLOCK_S, D))
+                vt = tl.reshape(tl.reshape(vt.to(tl.float32), (BLOCK_S, D // SCALE_BLOCK, SCALE_BLOCK))
+                                * vs.to(tl.float32)[:, :, None], (BLOCK_S, D))
+            scores = tl.dot(q.to(DOT), tl.trans(kt.to(DOT)), input_precision="ieee") * scale_log2
         visible = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -131,8 +177,10 @@ def _cache_attention_kernel(
         p = tl.exp2(scores - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt.to(DOT), input_precision="ieee")
+        if K_FROM_V:
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(DOT), vt_hi.to(DOT), input_precision="ieee")
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    norm = tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         # slot = position: a chunk past a row's position holds nothing it sees, and the combination skips it
         live = r_ok
@@ -140,12 +188,21 @@ def _cache_attention_kernel(
             live = r_ok & (lo <= qp)
         # int64: splits x rows x heads x head_dim passes 2^31 at a million keys
         at = (split * T + t).to(tl.int64) * (GROUP * tl.num_programs(2)) + h
-        tl.store(part_ptr + at[:, None] * D + dim[None, :], o, mask=live[:, None])
+        if K_FROM_V:
+            tl.store(part_ptr + at[:, None] * D + half[None, :], acc / norm, mask=live[:, None])
+            tl.store(part_ptr + at[:, None] * D + D // 2 + half[None, :], acc_hi / norm, mask=live[:, None])
+        else:
+            tl.store(part_ptr + at[:, None] * D + dim[None, :], acc / norm, mask=live[:, None])
         seen = l_i > 0  # a chunk with no visible key weighs 0 in the combination
         tl.store(lse_ptr + at, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=live)
     else:
-        tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + dim[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+        out_rows = out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh
+        if K_FROM_V:
+            tl.store(out_rows + half[None, :], (acc / norm).to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+            tl.store(out_rows + D // 2 + half[None, :], (acc_hi / norm).to(out_ptr.dtype.element_ty),
+                     mask=r_ok[:, None])
+        else:
+            tl.store(out_rows + dim[None, :], (acc / norm).to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "splits", "chunk"])
@@ -197,10 +254,11 @@ def _write_rows_kernel(k_new_ptr, v_new_ptr, k_ptr, v_ptr, slot_ptr, off_ptr, st
 
 
 def triton_cache_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None,
-                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                           keys_from: KeysFromValues | None = None) -> Tensor:
     """kernels.attention.cache_attention_reference's contract, on the Triton kernels."""
     q = q.contiguous() if q.stride(-1) != 1 else q
-    return cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale).run()
+    return cache_attention_launch(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, keys_from).run()
 
 
 @dataclass(frozen=True)
@@ -217,25 +275,26 @@ class AttentionLaunch:
 
 
 def cache_attention_launch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None,
-                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None
-                           ) -> AttentionLaunch:
+                           scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                           keys_from: KeysFromValues | None = None) -> AttentionLaunch:
     """The launches (and the buffers they write) for q (contiguous in head_dim) over the cache; shared by
     `triton_cache_attention` and the compile report (meta tensors are enough for the latter)."""
-    return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets=None)
+    return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, None, keys_from)
 
 
 def rows_attention_launch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None,
                           scale: float, offsets: Tensor, k_scale: Tensor | None = None,
-                          v_scale: Tensor | None = None) -> AttentionLaunch:
+                          v_scale: Tensor | None = None, keys_from: KeysFromValues | None = None) -> AttentionLaunch:
     """kernels.attention.rows_cache_attention's launches. Each row's output is what `cache_attention_launch` of that
     row alone over its cache gives, bit for bit: its programs are the same, chunks included, which follow the slots;
     a full layer's row alone may be passed its cache up to its position only (as an eager step passes it), since
     the combination reads the chunks up to the row's position and a single chunk's combination is exact."""
-    return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets=offsets)
+    return _launches(q, k, v, q_pos, k_pos, window, scale, k_scale, v_scale, offsets, keys_from)
 
 
 def _launches(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | None, window: int | None, scale: float,
-              k_scale: Tensor | None, v_scale: Tensor | None, offsets: Tensor | None) -> AttentionLaunch:
+              k_scale: Tensor | None, v_scale: Tensor | None, offsets: Tensor | None,
+              keys_from: KeysFromValues | None) -> AttentionLaunch:
     T, H, d = q.shape
     S, kv_heads = k.shape[0], k.shape[1]
     group = H // kv_heads
@@ -247,7 +306,10 @@ def _launches(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | No
     if rows_mode and k_pos is not None and (k_pos.dim() != 2 or k_pos.stride(-1) != 1):
         raise ValueError("several rows' key positions come as [rows, slots], contiguous in slots")
     quantized = k_scale is not None
-    tiles = _tiles(d, quantized)
+    if keys_from is not None and (k.data_ptr() != v.data_ptr() or d % 2 or quantized):
+        raise ValueError("keys rebuilt from values take a cache in the model's dtype that keeps V alone, of an even "
+                         "head size")
+    tiles = _tiles(d, quantized, keys_from is not None)
     rows = group if rows_mode else T * group  # the rows of one program's query tokens
     block_r = min(tiles.rows, max(16, triton.next_power_of_2(rows)))
     # a slot -> position map is a sliding ring's (fixed length: a window's keys); slot = position, a full cache's
@@ -271,6 +333,7 @@ def _launches(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | No
         k_scale if quantized else k, v_scale if quantized else v,
         q_pos, k_pos if k_pos is not None else q_pos, offsets if rows_mode else q_pos,
         out, out if partial is None else partial, out if lse is None else lse,  # unused without SPLIT
+        k if keys_from is None else keys_from.weight, k if keys_from is None else keys_from.inv_freq,
         T, S, chunk, window or NO_WINDOW, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
@@ -281,7 +344,8 @@ def _launches(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor | No
     meta = dict(
         GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=tiles.keys,
         HAS_KPOS=k_pos is not None, QUANT=quantized, SCALE_BLOCK=d // k_scale.shape[-1] if quantized else d,
-        SPLIT=splits > 1, ROWS=rows_mode, ALIGN=OFFSET_ALIGN, DOT=dot_dtype(q.dtype), num_warps=tiles.warps,
+        SPLIT=splits > 1, ROWS=rows_mode, ALIGN=OFFSET_ALIGN, DOT=dot_dtype(q.dtype), K_FROM_V=keys_from is not None,
+        num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
     combine = None
