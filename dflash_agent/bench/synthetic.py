@@ -224,7 +224,7 @@ class StreamsSpeed:
 
     streams: int
     context: int
-    kv_cache: str  # the caches' KV dtype (engine.types.KV_DTYPES)
+    kv_cache: str  # the caches' KV dtype (engine.types.STORED_KV_DTYPES)
     tok_s: float  # aggregate: a token per stream per step
     per_stream_tok_s: float
     over_one_stream: float

@@ -50,7 +50,7 @@ class LayerKV:
     sliding: bool
     k_scale: torch.Tensor | None = None  # [slots, num_kv_heads, head_dim / block] in the model dtype, or None
     v_scale: torch.Tensor | None = None
-    # set where the layer keeps V alone: k is v (and k_scale v_scale), and attention rebuilds the keys from it
+    # set where the layer keeps V alone (in the model's dtype): k is v, and attention rebuilds the keys from it
     keys_from: KeysFromValues | None = None
 
     def kernel_tensors(self) -> list[torch.Tensor]:
@@ -91,15 +91,14 @@ class LayerKV:
         write_rows(qk, qv, self.k, self.v, slots, offsets)
         write_rows(k_scale, v_scale, self.k_scale, self.v_scale, slots, offsets[:, 2:])
 
-    def read(self, end: int | None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [:end] (all slots when end is None), in the model's dtype (`dtype`: what an int8
-        cache's scales do not say, where it keeps V alone: the keys it rebuilds)."""
+    def read(self, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [:end] (all slots when end is None), in the model's dtype."""
         k, v = (self.k, self.v) if end is None else (self.k[..., :end, :, :], self.v[..., :end, :, :])
         if self.k_scale is not None and self.v_scale is not None:
             ks, vs = (self.k_scale, self.v_scale) if end is None else (self.k_scale[:end], self.v_scale[:end])
             k, v = dequantize_q8(k, ks), dequantize_q8(v, vs)
         if self.keys_from is not None:  # a full layer's: slot = position
-            k = self.keys_from.keys(v, torch.arange(v.shape[-3], device=v.device), dtype or v.dtype)
+            k = self.keys_from.keys(v, torch.arange(v.shape[-3], device=v.device), v.dtype)
         return k, v
 
 
