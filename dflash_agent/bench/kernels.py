@@ -150,7 +150,7 @@ def _attention_launches(model: str, config: ModelConfig,
         kinds[(spec.sliding, spec.head_dim, spec.num_kv_heads, keeps_values_only(spec))] = spec
     for context in (RING_KEYS_PER_CHUNK, KEYS_PER_CHUNK, DEFAULT_CTX):
         cases = []
-        for (sliding, d, kv_heads, values_only), _ in kinds.items():
+        for (sliding, d, kv_heads, _), spec in kinds.items():
             slots = min(context, config.sliding_window + DEFAULT_SLACK) if sliding else context
             for kv_dtype in STORED_KV_DTYPES:
                 for phase, ms in rows.items():
@@ -160,15 +160,13 @@ def _attention_launches(model: str, config: ModelConfig,
                         name = f"{model} {'sliding' if sliding else 'full'} d={d} {kv_dtype} KV"
                         cases.append((phase, name, config.num_heads, kv_heads, d, slots,
                                       config.sliding_window if sliding else None, sliding, kv_dtype, t,
-                                      values_only))
+                                      keeps_values_only(spec, kv_dtype)))
         # the drafter's captured step: its block of queries over its whole cache, slot = position
         for window in sorted(set(drafter.window), key=lambda w: w or 0):
             cases.append(("verify", f"drafter window={window}", drafter.num_heads, drafter.num_kv_heads,
                           drafter.head_dim, context, window, False, "model", drafter.block_size, False))
         for phase, name, heads, kv_heads, d, slots, window, ring, kv_dtype, t, values_only in cases:
             # a layer that keeps V alone: its keys rebuilt from it as the kernel reads them
-            # (in the model's dtype: an 8-bit cache keeps its keys, GemmaModel.new_cache)
-            values_only = values_only and kv_dtype == "model"
             keys_from = KeysFromValues(torch.empty(d, device=meta), torch.empty(d // 2, device=meta)) \
                 if values_only else None
             q = torch.empty(t, heads, d, dtype=DTYPE, device=meta)

@@ -603,6 +603,7 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
         largest = {name: {kv: largest_context(budget, config, weights, drafter=d, kv_dtype=kv)
                           for kv in STORED_KV_DTYPES}
                    for name, d in (("drafter", drafter), ("no_drafter", None))}
+        labels = {"drafter": "with drafter", "no_drafter": "no drafter"}
         if as_json:
             return json.dumps({"model": model, "quant": quant, "draft_quant": DRAFT_QUANT, "gpu_memory_bytes": budget,
                                "largest_ctx_size": largest["drafter"]["model"], "largest_ctx": largest,
@@ -610,8 +611,8 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
         lines = [f"{model} {quant} + {DRAFT_QUANT} drafter", plan.describe(),
                  f"  largest context that fits in {budget / GiB:.2f} GiB (tokens):",
                  f"    {'':<16}" + "".join(f"{kv + ' KV':>10}" for kv in STORED_KV_DTYPES)]
-        lines += [f"    {name.replace('_', ' ') if name != 'drafter' else 'with drafter':<16}"
-                  + "".join(f"{n:>10}" for n in row.values()) for name, row in largest.items()]
+        lines += [f"    {labels[name]:<16}" + "".join(f"{n:>10}" for n in row.values())
+                  for name, row in largest.items()]
         return "\n".join(lines)
     if gpu_memory is not None:
         raise UserError("--gpu-memory goes with --plan-only (the benchmark plans for the GPU's own free memory)")

@@ -152,8 +152,7 @@ def target_kv_bytes(config: ModelConfig, ctx_size: int, kv_dtype: str, dtype: to
     layers that may keep V alone do (GemmaModel.new_cache's)."""
     keys_from = {i: KeysFromValues(torch.empty(spec.head_dim, device="meta"),
                                    torch.empty(spec.head_dim // 2, device="meta"))
-                 for i, spec in enumerate(config.layers) if keeps_values_only(spec)} \
-        if values_only and kv_dtype == "model" else None
+                 for i, spec in enumerate(config.layers) if keeps_values_only(spec, kv_dtype)} if values_only else None
     cache = KVCache(config, ctx_size, device="meta", dtype=dtype, kv_dtype=kv_dtype, keys_from=keys_from)
     full = sum(t.nbytes for layer in cache.owned if not layer.sliding for t in layer.storage())
     rings = sum(t.nbytes for layer in cache.owned if layer.sliding for t in layer.storage())

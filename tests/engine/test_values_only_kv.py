@@ -34,8 +34,8 @@ def test_a_full_layer_of_a_k_eq_v_config_keeps_one_tensor(model) -> None:
         KVCache(config, 64, kv_dtype="q8", keys_from=model.keys_from_values())
     # sliding layers and configs without attention_k_eq_v keep their keys
     assert not any(keeps_values_only(spec) for spec in config.layers if spec.sliding)
-    moe = tiny_family_config("ple")
-    assert [i for i, s in enumerate(moe.layers) if keeps_values_only(s)] == [1]  # the shared layer reads layer 1's
+    ple = tiny_family_config("ple")
+    assert [i for i, s in enumerate(ple.layers) if keeps_values_only(s)] == [1]  # the shared layer reads layer 1's
 
 
 def _steps(runner, cache) -> list[torch.Tensor]:

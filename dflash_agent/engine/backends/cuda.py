@@ -301,7 +301,7 @@ class DraftStepGraph:
         drafter, cache, config = self.drafter, self.cache, self.drafter.config
         last = self.pos[-1:].expand(self.block)
         if any(cache.sliding):  # the block's positions in the rings' map, as the next append_context leaves them
-            cache.ring_pos.index_copy_(0, cache.slots(self.pos, cache.sliding.index(True)), self.pos)
+            cache.ring_pos.index_copy_(0, self.pos % cache.ring_slots, self.pos)
         plans = [DraftLayerPlan("cache", cache.k[i], cache.v[i], slots=cache.slots(self.pos, i),
                                 window=config.window[i], query_positions=self.pos if config.causal[i] else last,
                                 key_positions=cache.key_positions(i))

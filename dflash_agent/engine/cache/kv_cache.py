@@ -12,6 +12,7 @@ rebuilt where attention reads it, which halves what the context costs it.
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,15 @@ class LayerKV:
         return k, v
 
 
-def keeps_values_only(spec: LayerSpec) -> bool:
-    """Whether a layer may keep V alone: a full-attention layer that owns its K / V and takes both from one
-    projection (attention_k_eq_v)."""
-    return spec.k_eq_v and not spec.sliding and spec.kv_source is None
+# The one stored KV dtype whose layers may keep V alone: the Triton kernel that rebuilt keys from int8 values ran out
+# of registers at head size 512.
+VALUES_ONLY_KV = "model"
+
+
+def keeps_values_only(spec: LayerSpec, kv_dtype: str = VALUES_ONLY_KV) -> bool:
+    """Whether a layer of a cache storing `kv_dtype` may keep V alone: a full-attention layer that owns its K / V and
+    takes both from one projection (attention_k_eq_v), in the model's dtype."""
+    return spec.k_eq_v and not spec.sliding and spec.kv_source is None and kv_dtype == VALUES_ONLY_KV
 
 
 @dataclass
@@ -120,21 +126,24 @@ class RingSnapshot:
         return self.ring_pos.nbytes + sum(t.nbytes for t in self.rings)
 
 
-class Snapshots:
-    """Copies and restores of a cache's state for the prefix cache, on what the cache says it holds: `full_state()`
-    (tensors slot = position), `ring_state()` (rings and their position map), `rings_hold(length)`, `length`."""
+class Snapshots(ABC):
+    """Copies and restores of a cache's state for the prefix cache (the target's KVCache, the drafter's
+    DrafterCache), on what the cache says it holds."""
 
     length: int
     ring_pos: torch.Tensor
 
+    @abstractmethod
     def full_state(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The tensors whose slot is the position (all positions), themselves."""
 
+    @abstractmethod
     def ring_state(self) -> RingSnapshot:
-        raise NotImplementedError
+        """The rings and their position map, themselves."""
 
+    @abstractmethod
     def rings_hold(self, length: int) -> bool:
-        raise NotImplementedError
+        """Whether the rings still hold the window before `length`."""
 
     def full_snapshot(self, length: int, device: torch.device | str) -> list[torch.Tensor]:
         """Copies of the full layers' state for positions [:length]."""
@@ -180,8 +189,7 @@ class KVCache(Snapshots):
         keys_from: dict[int, KeysFromValues] | None = None,
     ) -> None:
         """keys_from: the layers that keep V alone (full-attention layers of a config with attention_k_eq_v,
-        `keeps_values_only`), with how each rebuilds its keys; in the model's dtype only (the Triton kernel that
-        rebuilt keys from int8 values ran out of registers at head size 512)."""
+        `keeps_values_only`), with how each rebuilds its keys; in the model's dtype only (VALUES_ONLY_KV)."""
         if kv_dtype not in STORED_KV_DTYPES:  # "auto" is the memory plan's to resolve
             raise OptionError(f"a KV cache stores {' or '.join(STORED_KV_DTYPES)}, not {kv_dtype!r}")
         self.max_len = max_len
@@ -195,7 +203,7 @@ class KVCache(Snapshots):
         # one per layer; a layer that shares another's K / V (spec.kv_source) holds that layer's LayerKV
         self.layers: list[LayerKV] = []
         quantized = kv_dtype == "q8"
-        if quantized and keys_from:
+        if keys_from and kv_dtype != VALUES_ONLY_KV:
             raise ValueError("an 8-bit cache keeps its keys: only one in the model's dtype keeps V alone")
         for spec in config.layers:
             if spec.kv_source is not None:
@@ -204,11 +212,10 @@ class KVCache(Snapshots):
             shape = (self.ring_slots if spec.sliding else max_len, spec.num_kv_heads, spec.head_dim)
             store = torch.int8 if quantized else dtype
             rebuild = (keys_from or {}).get(len(self.layers))
-            if rebuild is not None and not keeps_values_only(spec):
+            if rebuild is not None and not keeps_values_only(spec, kv_dtype):
                 raise ValueError(f"layer {len(self.layers)} keeps its own keys: it cannot rebuild them from V")
-            tensors = 1 if rebuild is not None else 2
             v = torch.zeros(shape, device=device, dtype=store)
-            k = v if tensors == 1 else torch.zeros(shape, device=device, dtype=store)
+            k = v if rebuild is not None else torch.zeros(shape, device=device, dtype=store)
             scales: list[torch.Tensor | None] = [None, None]
             if quantized:
                 block = min(Q8_BLOCK, spec.head_dim)

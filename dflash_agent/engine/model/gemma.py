@@ -507,17 +507,16 @@ class GemmaModel(nn.Module):
                   values_only: bool = True) -> KVCache:
         """values_only: in the model's dtype, the full-attention layers of an attention_k_eq_v config keep V alone and
         rebuild K from it (engine.cache.kv_cache), as every path but the C layers reads them."""
-        keys_from = self.keys_from_values() if values_only and kv_dtype == "model" else None
         return KVCache(self.config, max_len, device=self.device, dtype=self.dtype, slack=slack, kv_dtype=kv_dtype,
-                       keys_from=keys_from)
+                       keys_from=self.keys_from_values(kv_dtype) if values_only else None)
 
-    def keys_from_values(self) -> dict[int, KeysFromValues]:
-        """How each layer that may keep V alone (kv_cache.keeps_values_only) rebuilds its keys: its k_norm weight
-        and RoPE frequencies, as its forward applies them to the same projection."""
+    def keys_from_values(self, kv_dtype: str = "model") -> dict[int, KeysFromValues]:
+        """How each layer that may keep V alone in a cache of `kv_dtype` (kv_cache.keeps_values_only) rebuilds its
+        keys: its k_norm weight and RoPE frequencies, as its forward applies them to the same projection."""
         return {i: KeysFromValues((layer.self_attn.k_norm.offset + layer.self_attn.k_norm.weight.float()).contiguous(),
                                   self._inv_freq[_rope_key(spec)])
                 for i, (layer, spec) in enumerate(zip(self.layers, self.config.layers, strict=True))
-                if keeps_values_only(spec)}
+                if keeps_values_only(spec, kv_dtype)}
 
     def forward(
         self,
