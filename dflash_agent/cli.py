@@ -96,12 +96,14 @@ def main(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @kv_cache_option
 @user_errors
-def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, prefill,
-             threads, sampling_defaults, max_tokens, temperature, top_p, top_k, min_p, seed, stop, as_json, kv_cache):
+def generate(prompt, model, device, dtype, ctx_size, draft, draft_quant, draft_ctx, spec_block, no_spec, weights,
+             prefill, threads, sampling_defaults, max_tokens, temperature, top_p, top_k, min_p, seed, stop, as_json,
+             kv_cache):
     """Raw completion of PROMPT (no chat template), streamed to stdout."""
     started = time.perf_counter()
     engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
-                         progress=not as_json, kv_dtype=kv_cache, sampling_defaults=sampling_defaults, prefill=prefill)
+                         progress=not as_json, kv_dtype=kv_cache, sampling_defaults=sampling_defaults, prefill=prefill,
+                         draft_ctx=draft_ctx)
     load_ms = (time.perf_counter() - started) * 1e3
     request = GenerateRequest(
         prompt_ids=engine.tokenizer.encode(prompt, add_bos=True),

@@ -57,6 +57,9 @@ def model_options(f):
                           "Gemma 4 assistant (MTP) checkpoint.")(f)
     f = click.option("--draft-quant", type=click.Choice(["q8", "q4"]), default=None,
                      help="Quantize the drafter's weights at load (saves memory beside a large target).")(f)
+    f = click.option("--draft-ctx", type=click.IntRange(min=16), default=None, metavar="N",
+                     help="The DFlash drafter reads at most the last N tokens of the context (its cache stops growing "
+                          "with it: long sessions on a small card) [default: the whole context].")(f)
     f = click.option("--spec-block", type=click.IntRange(2, 17), default=None,
                      help="Fixed speculative block size (anchor + drafts), e.g. for benchmarks; default adaptive.")(f)
     f = click.option("--no-spec", is_flag=True, help="Plain autoregressive decoding: no drafter, no prompt lookup.")(f)
@@ -104,18 +107,18 @@ def server_api_key() -> str | None:
     return os.environ.get("DFLASH_AGENT_API_KEY") or os.environ.get("OPENAI_API_KEY")
 
 
-def check_spec_options(no_spec: bool, draft: str | None, spec_block: int | None) -> None:
+def check_spec_options(no_spec: bool, draft: str | None, spec_block: int | None, draft_ctx: int | None = None) -> None:
     """Also called before the load by the commands that load in the background (`serve`, `mcp`), so the mistake
     is told at once."""
-    if no_spec and (draft or spec_block):
-        raise click.UsageError("--no-spec cannot be combined with --draft or --spec-block")
+    if no_spec and (draft or spec_block or draft_ctx):
+        raise click.UsageError("--no-spec cannot be combined with --draft, --draft-ctx or --spec-block")
 
 
 def load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights="auto",
                 threads=None, progress=True, **engine_options) -> Engine:
     """The engine a command's model options describe; `engine_options` are EngineConfig's other fields, as they
     are. The config is checked (OptionError) before torch loads."""
-    check_spec_options(no_spec, draft, spec_block)
+    check_spec_options(no_spec, draft, spec_block, engine_options.get("draft_ctx"))
     from .engine import EMBEDDED, EngineConfig, SpecConfig
 
     spec = SpecConfig(enabled=not no_spec, block=spec_block)

@@ -104,13 +104,13 @@ def mcp_admission(state: ServerState) -> Admit:
 @mcp_serve_options
 @sandbox_options
 @user_errors
-def serve(host, port, allowed_hosts, model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights,
-          prefill, threads, sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue,
+def serve(host, port, allowed_hosts, model, device, dtype, ctx_size, draft, draft_quant, draft_ctx, spec_block, no_spec,
+          weights, prefill, threads, sampling_defaults, api_key, alias, no_prefix_cache, kv_cache, parallel, max_queue,
           max_tokens, max_body_mb, max_connections, request_timeout, chat_template, no_access_log, log_requests,
           mcp_repo, mcp_expose_tools, mcp_read_only, sandbox, sandbox_network) -> None:
     """OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions, /v1/messages, ...), and MCP
     (streamable HTTP) at /mcp."""
-    check_spec_options(no_spec, draft, spec_block)
+    check_spec_options(no_spec, draft, spec_block, draft_ctx)
     settings = ServerSettings(alias=alias, api_key=api_key, max_queue=max_queue, chat_template=chat_template,
                               max_tokens=max_tokens if max_tokens > 0 else None,
                               allowed_hosts=answered_hosts(host, allowed_hosts))
@@ -119,7 +119,7 @@ def serve(host, port, allowed_hosts, model, device, dtype, ctx_size, draft, draf
     def load():
         engine = load_engine(model, device, dtype, ctx_size, draft, draft_quant, spec_block, no_spec, weights, threads,
                              prefix_cache=not no_prefix_cache, kv_dtype=kv_cache, sampling_defaults=sampling_defaults,
-                             parallel=parallel, prefill=prefill)
+                             parallel=parallel, prefill=prefill, draft_ctx=draft_ctx)
         log.info("sampling defaults for what a request leaves out: %s%s",
                  engine.sampling_defaults.describe(API_SAMPLING),
                  "; --sampling-defaults none" if sampling_defaults == "none" else "")

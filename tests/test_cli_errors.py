@@ -99,10 +99,12 @@ def test_ctrl_c_again_while_the_step_runs_ends_the_process_at_once(monkeypatch):
         assert ended.value.code == ("os._exit", INTERRUPTED)
 
 
-@pytest.mark.parametrize("command", [["generate", "hello"], ["serve", "--port", "0"], ["mcp", "--local", "--repo", "."]])
-def test_click_usage_errors_stay_clicks(command):
+@pytest.mark.parametrize("spec_option", [["--spec-block", "4"], ["--draft-ctx", "4096"]])
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve", "--port", "0"], ["mcp", "--local", "--repo", "."],
+                                     ["run", "a task"]])
+def test_click_usage_errors_stay_clicks(command, spec_option):
     # serve and mcp load the model in the background: the mistake is still told at once, as a usage error.
-    result = CliRunner().invoke(cli.main, [*command, "--no-spec", "--spec-block", "4"])
+    result = CliRunner().invoke(cli.main, [*command, "--no-spec", *spec_option])
     assert result.exit_code == 2, result.output
     assert "--no-spec cannot be combined" in result.stderr and "Traceback" not in result.stderr
 

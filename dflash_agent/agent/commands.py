@@ -38,8 +38,8 @@ from .transcript import Transcript, default_transcript_path
 from .view import TerminalView, print_welcome
 
 # Options of model_options that only mean something for the in-process engine.
-ENGINE_ONLY = ("device", "dtype", "ctx_size", "draft", "draft_quant", "spec_block", "no_spec", "weights", "prefill",
-               "threads", "sampling_defaults")
+ENGINE_ONLY = ("device", "dtype", "ctx_size", "draft", "draft_quant", "draft_ctx", "spec_block", "no_spec", "weights",
+               "prefill", "threads", "sampling_defaults")
 EXIT_HELP = ("Exit codes: 0 the model answered (no tool call); 1 an error; "
              f"{EXIT_CODES['max_steps']} the step limit ran out; {EXIT_CODES['max_tokens']} a token limit ran out "
              f"or the context is full; {EXIT_CODES['interrupted']} interrupted (Ctrl-C); {128 + signal.SIGTERM} / "

@@ -28,6 +28,11 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
 @click.option("--draft", default=None, help="With --spec: a drafter checkpoint, or 'random' for an untrained one "
               "[default: the model's bundled drafter].")
 @click.option("--spec-block", type=click.IntRange(2, 17), default=None, help="With --spec: a fixed block size.")
+@click.option("--depth", default=None, metavar="N,N,...",
+              help="With --spec: depth rows instead of the workloads (e.g. 1024,8192,32768): at each context length "
+                   "tok/s and acceptance, the drafter over the whole context against --draft-ctx, and the step times.")
+@click.option("--draft-ctx", type=click.IntRange(min=16), default=None,
+              help="With --spec --depth: the drafter's bounded window [2048].")
 @click.option("--llama-cpp", "llama_cpp", default=None, metavar="DIR",
               help="The llama.cpp column: a directory with llama-bench (CPU bench) or llama-server (--concurrent, "
                    "--spec) [default: $LLAMA_CPP_BIN, PATH].")
@@ -74,13 +79,18 @@ from .synthetic import QUANTS as SYNTHETIC_QUANTS
               help="Where to write the JSON result [default: bench-results/cpu.json, spec.json, http.json, "
                    "prefix.json, kernels.json, startup.json].")
 @user_errors
-def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, llama_cpp, server, threads,
+def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec_block, depth, draft_ctx, llama_cpp,
+          server, threads,
           prefill, fidelity, http, synthetic, quant, gpu_check, kernels, concurrent, prefix, turns, target_tokens,
           ctx_size, plan_only, gpu_memory, as_json, startup, out):
     """Speed benchmarks, each measured against its baseline in the same run.
 
     By default: prefill and decode tok/s of this engine and of transformers on the CPU."""
     logging.getLogger("dflash_agent").setLevel(min(logging.getLogger().level, logging.INFO))
+    if (depth or draft_ctx) and not spec:
+        raise click.UsageError("--depth and --draft-ctx go with --spec")
+    if draft_ctx and not depth:
+        raise click.UsageError("--draft-ctx goes with --spec --depth (the bounded window its rows compare)")
     if gpu_check:
         if spec or draft or spec_block or http or synthetic or quant or kernels or prefix or fidelity or ctx_size \
                 or plan_only or gpu_memory or as_json:
@@ -172,6 +182,25 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
 
         if draft is None and (bundled := default_drafter(model)) is not None:
             draft = str(bundled)
+        if depth:
+            from .spec import DEPTH_DRAFT_CTX, depth_report, run_depth_bench
+
+            if draft is None or draft == "random":
+                raise click.UsageError("--depth measures a drafter: --draft names a trained one (this model has no "
+                                       "bundled one)")
+            try:
+                depths = tuple(sorted({int(n) for n in depth.split(",")}))
+            except ValueError:
+                raise click.BadParameter(f"{depth!r} is not a list of context lengths like 1024,8192,32768",
+                                         param_hint="--depth") from None
+            if not depths or depths[0] < 16:
+                raise click.BadParameter("depths are context lengths of at least 16 tokens", param_hint="--depth")
+            window = draft_ctx or DEPTH_DRAFT_CTX
+            results, depth_costs = run_depth_bench(model, draft, depths, decode_tokens, repeats, window, spec_block,
+                                                   dtype=dtype, threads=threads)
+            depth_report(results, depth_costs, out or Path("bench-results/spec-depth.json"),
+                         f"speculation at depth, {model}, draft={draft}, draft-ctx {window}")
+            return
         results, costs = run_spec_bench(model, draft, prompt_tokens, decode_tokens, repeats, spec_block, dtype=dtype,
                                         llama_cpp=llama_cpp, threads=threads)
         title = f"speculative decoding, {model}, draft={draft or 'none'}, block={spec_block or 'adaptive'}"

@@ -27,6 +27,7 @@ import httpx
 import torch
 
 from ..engine import Engine, FinalEvent, GenerateRequest, SpecConfig
+from ..engine.limits import PREFILL_CHUNK
 from ..engine.load.weights import resolve_model_path
 from ..engine.model.drafter import init_drafter_checkpoint, load_drafter
 from ..errors import UserError
@@ -143,7 +144,8 @@ def verify_costs(engine: Engine, prompt: list[int], rows: tuple[int, ...] = (1, 
     each; the rings may then miss keys, which changes no step's cost."""
     runner = engine.runner
     cache = runner.new_cache(len(prompt) + max(rows) + 1)
-    runner.forward(torch.tensor(prompt, device=runner.device), cache, logits_at=torch.arange(0))
+    for chunk in torch.tensor(prompt, device=runner.device).split(PREFILL_CHUNK):  # as the engine prefills
+        runner.forward(chunk, cache, logits_at=torch.arange(0))
     start = cache.length
     block = torch.tensor((prompt * (max(rows) // len(prompt) + 1))[:max(rows)], device=runner.device)
     times: dict[tuple[int, bool], list[float]] = {(n, greedy): [] for n in rows for greedy in (False, True)}
@@ -157,6 +159,93 @@ def verify_costs(engine: Engine, prompt: list[int], rows: tuple[int, ...] = (1, 
     one = {greedy: median[min(rows), greedy] / min(rows) for greedy in (False, True)}
     return [VerifyCost(n, median[n, False], median[n, False] / one[False], median[n, True],
                        median[n, True] / one[True]) for n in rows]
+
+
+# Depth rows: the drafter's bounded window they compare with its whole context (--draft-ctx): the bundled
+# drafter's sliding window, so its full layer reads as far back as its sliding ones.
+DEPTH_DRAFT_CTX = 2048
+DEPTH_MODULES = ("argparse", "dataclasses", "inspect", "typing", "textwrap", "json.decoder")
+
+
+@dataclass
+class DepthCost:
+    depth: int  # tokens of context before the step
+    decode_ms: float  # a one-row greedy decode step (its pick, the head screened)
+    verify16_ms: float  # a 16-row greedy verification step (each row's pick), as greedy speculation runs it
+    verify16_vs_one_row: float
+
+
+def depth_prompt(engine: Engine, depth: int) -> list[int]:
+    """`depth` tokens of real Python that does not repeat (standard-library modules one after another), cut inside
+    code: its continuation is more code, what a drafter is for, with no earlier copy of it for lookup."""
+    import importlib
+
+    ids: list[int] = []
+    for name in DEPTH_MODULES:
+        ids += engine.tokenizer.encode(inspect.getsource(importlib.import_module(name)) + "\n\n")
+        if len(ids) >= depth:
+            return ids[:depth]
+    raise UserError(f"the depth prompt's modules hold {len(ids)} tokens, fewer than {depth}")
+
+
+def run_depth_bench(model: str, draft: str, depths: tuple[int, ...], decode_tokens: int = 64, repeats: int = 2,
+                    draft_ctx: int = DEPTH_DRAFT_CTX, spec_block: int | None = None, dtype: str = "auto",
+                    threads: int | None = None) -> tuple[list[ModeResult], list[DepthCost]]:
+    """At each context depth: plain decoding, DFlash over the whole context and DFlash reading only the last
+    `draft_ctx` tokens (--draft-ctx), tok/s and acceptance in alternating rounds (the first prefills and warms up;
+    later rounds reuse the prompt from the prefix cache, so only decoding is timed); and a one-row decode step
+    against a 16-row verification step there. Depths past the model's context are cut to what fits."""
+    base = Engine.load(model, dtype=dtype, spec=SpecConfig(enabled=False), threads=threads)  # the model's context
+    depths = tuple(sorted({min(d, base.n_ctx - decode_tokens - 32) for d in depths}))
+    cfg = base.model.config
+    drafter = load_drafter(draft, cfg.hidden_size, cfg.num_layers, cfg.vocab_size, base.model.device,
+                           base.model.dtype)
+    # a fixed block (the drafter's own unless asked): the adaptive controller may stop drafting, and acceptance is
+    # what these rows compare
+    spec = SpecConfig(block=spec_block or drafter.config.block_size, ngram=False)
+    modes = {"ar": (None, SpecConfig(enabled=False)), "dflash": (drafter, spec),
+             f"dflash draft-ctx {draft_ctx}": (drafter.with_context_window(draft_ctx), spec)}
+    results: list[ModeResult] = []
+    costs: list[DepthCost] = []
+    for depth in depths:
+        prompt = depth_prompt(base, depth)
+        log.info("depth %d: %d modes, %d rounds", depth, len(modes), repeats + 1)
+        rows = _workload(base, f"depth {depth}", prompt, modes, [], decode_tokens, repeats)
+        ar = next(r for r in rows if r.mode == "ar")
+        for r in rows:
+            r.speedup = r.decode_tok_s / ar.decode_tok_s if ar.decode_tok_s else 0.0
+        results += rows
+        one, sixteen = verify_costs(base, prompt, rows=(1, 16), repeats=3)
+        costs.append(DepthCost(depth, one.greedy_ms, sixteen.greedy_ms, sixteen.greedy_vs_one_row))
+        log.info("depth %d: decode step %.1f ms, 16-row verify %.1f ms (%.2fx)", depth, one.ms, sixteen.ms,
+                 sixteen.vs_one_row)
+    base.close()
+    return results, costs
+
+
+def depth_report(results: list[ModeResult], costs: list[DepthCost], out: Path | None, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("depth", "mode", "decode tok/s", "x plain", "acceptance length", "tokens / step"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in results:
+        table.add_row(r.workload.removeprefix("depth "), r.mode, f"{r.decode_tok_s:.2f}", f"{r.speedup:.2f}",
+                      f"{r.acceptance_length_mean:.2f}", f"{r.tokens_per_step:.2f}")
+    steps = Table(title="greedy step time against context depth")
+    for column in ("depth", "decode step ms", "16-row verify ms", "x one row"):
+        steps.add_column(column, justify="right")
+    for c in costs:
+        steps.add_row(str(c.depth), f"{c.decode_ms:.1f}", f"{c.verify16_ms:.1f}", f"{c.verify16_vs_one_row:.2f}")
+    console = Console(stderr=True, width=max(100, Console(stderr=True).width))  # the modes' names
+    console.print(table)
+    console.print(steps)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results],
+                                   "depth_costs": [asdict(c) for c in costs]}, indent=2) + "\n")
+        log.warning("wrote %s", out)
 
 
 def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:

@@ -583,6 +583,10 @@ def report(result: SyntheticResult, out: Path, as_json: bool) -> str:
     return "\n".join(lines)
 
 
+# The bounded drafter window the plan table shows (--draft-ctx): twice the Gemma 4 drafters' sliding window.
+PLAN_DRAFT_CTX = 4096
+
+
 def command(model: str | None, quant: str | None, ctx_size: int | None, plan_only: bool, gpu_memory: str | None,
             as_json: bool, out: Path | None) -> str:
     """`bench --synthetic ...`: validate the options, run the plan or the benchmark, return what to print."""
@@ -600,13 +604,16 @@ def command(model: str | None, quant: str | None, ctx_size: int | None, plan_onl
         drafter = DrafterPlan(draft(), DRAFT_QUANT)
         plan = fit_context(budget, config, weights, requested=ctx, drafter=drafter)  # refuses what does not fit
         # the largest context with and without the drafter, in each KV dtype a cache stores
+        bounded = DrafterPlan(drafter.config.with_context_window(PLAN_DRAFT_CTX), DRAFT_QUANT)
         largest = {name: {kv: largest_context(budget, config, weights, drafter=d, kv_dtype=kv)
                           for kv in STORED_KV_DTYPES}
-                   for name, d in (("drafter", drafter), ("no_drafter", None))}
-        labels = {"drafter": "with drafter", "no_drafter": "no drafter"}
+                   for name, d in (("drafter", drafter), ("drafter_bounded", bounded), ("no_drafter", None))}
+        labels = {"drafter": "with drafter", "drafter_bounded": f"draft-ctx {PLAN_DRAFT_CTX}",
+                  "no_drafter": "no drafter"}
         if as_json:
             return json.dumps({"model": model, "quant": quant, "draft_quant": DRAFT_QUANT, "gpu_memory_bytes": budget,
-                               "largest_ctx_size": largest["drafter"]["model"], "largest_ctx": largest,
+                               "draft_ctx_bounded": PLAN_DRAFT_CTX, "largest_ctx_size": largest["drafter"]["model"],
+                               "largest_ctx": largest,
                                **plan.to_json()})
         lines = [f"{model} {quant} + {DRAFT_QUANT} drafter", plan.describe(),
                  f"  largest context that fits in {budget / GiB:.2f} GiB (tokens):",

@@ -126,7 +126,13 @@ class Engine:
         draft_path = resolve_model_path(draft) if draft is not None else None
         # a Gemma 4 assistant is a few small layers with no cache of its own: nothing to plan beside the target
         mtp = draft_path is not None and is_mtp_checkpoint(draft_path)
-        planned_drafter = drafter_plan(draft_path, config.draft_quant) if draft_path is not None and not mtp else None
+        if draft_path is None and config.draft_ctx is not None:
+            log.warning("--draft-ctx is ignored: there is no drafter (the model has no bundled one; --draft names one)")
+        if mtp and config.draft_ctx is not None:
+            raise OptionError("--draft-ctx bounds a DFlash drafter's context; a Gemma 4 assistant (MTP) drafter "
+                              "reads the target's own cache")
+        planned_drafter = (drafter_plan(draft_path, config.draft_quant, config.draft_ctx)
+                           if draft_path is not None and not mtp else None)
         if torch_device.type == "cuda":
             n_ctx, kv_dtype = gpu_context_size(ckpt.config, ckpt.tensors, torch_device, torch_dtype, config.ctx_size,
                                                config.kv_dtype, planned_drafter, slots=parallel)
@@ -156,6 +162,9 @@ class Engine:
                 draft_path, cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
                 torch_device, torch_dtype, quantize=config.draft_quant,
             )
+            if config.draft_ctx is not None:
+                drafter = drafter.with_context_window(config.draft_ctx)
+                log.info("the drafter reads the last %d tokens of the context", config.draft_ctx)
         log.info("loaded in %.1f s; context %d tokens%s", time.perf_counter() - started, n_ctx,
                  f" x {parallel} slots" if parallel > 1 else "")
         name = Path(path).name if config.model == EMBEDDED else config.model

@@ -35,6 +35,8 @@ class EngineConfig:
     conversations in up to a quarter of RAM, at most 8 GiB, and at most 16 of them).
     kv_dtype: "model" (the model's dtype), "q8" (8-bit keys and values, about half the memory) or "auto" (the
     model's where the context fits, else q8 where that holds more: engine.memory_plan.choose_kv_dtype).
+    draft_ctx: a DFlash drafter reads at most the last `draft_ctx` tokens of the context in every layer
+    (DrafterConfig.with_context_window), so its cache stops growing with the context; None: the whole context.
     weights: "auto" (GGUF matrices stay packed: Triton kernels on CUDA, kernels.cpu.cpu_dot on the CPU where a
     vector build of it runs, else dequantized where that fits in RAM, else packed: memory_plan.cpu_weights),
     "packed" (also on the CPU without the C kernels, through torch's int4 / int8 kernels;
@@ -65,9 +67,14 @@ class EngineConfig:
     sampling_defaults: str = "model"
     parallel: int | None = 1
     prefill: str = "auto"
+    draft_ctx: int | None = None
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_dtype)
+        if self.draft_ctx is not None and self.draft_ctx < 1:
+            raise OptionError(f"draft_ctx must be >= 1 token, got {self.draft_ctx}")
+        if self.draft_ctx is not None and self.spec is not None and not self.spec.enabled:
+            raise OptionError("draft_ctx bounds the drafter's context, but speculation is off")
         if self.parallel is not None and self.parallel < 1:
             raise OptionError(f"parallel must be >= 1 slot, got {self.parallel}")
         if self.weights not in WEIGHTS:

@@ -294,14 +294,16 @@ def fit_context(
 # --- the engine on a GPU -----------------------------------------------------------------------------------------
 
 
-def drafter_plan(path: Path, quant: str | None) -> DrafterPlan:
-    """The drafter a checkpoint directory describes (its config.json only; the weights load later)."""
+def drafter_plan(path: Path, quant: str | None, context_window: int | None = None) -> DrafterPlan:
+    """The drafter a checkpoint directory describes (its config.json only; the weights load later), reading at most
+    the last `context_window` tokens of the context where one is given (Drafter.with_context_window)."""
     config_path = Path(path) / "config.json"
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DrafterError(f"{config_path}: cannot read the drafter config ({exc})") from None
-    return DrafterPlan(DrafterConfig.from_dict(raw, str(config_path)), quant)
+    config = DrafterConfig.from_dict(raw, str(config_path))
+    return DrafterPlan(config if context_window is None else config.with_context_window(context_window), quant)
 
 
 def choose_kv_dtype(

@@ -85,7 +85,8 @@ def mcp(repo: Path, expose_tools: bool, read_only: bool, server: str | None, loc
         model: ModelAccess = remote
         where = f"the model at {remote.base_url}"
     else:
-        check_spec_options(model_params["no_spec"], model_params["draft"], model_params["spec_block"])
+        check_spec_options(model_params["no_spec"], model_params["draft"], model_params["spec_block"],
+                           model_params["draft_ctx"])
         loading = Future()
         model = LocalModel(lambda: loading.result() if loading.done() else None, model_params["model"])
         where = f"{model_params['model']} (loading in this process)"

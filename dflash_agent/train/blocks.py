@@ -57,8 +57,8 @@ def block_mask(config: DrafterConfig, layer: int, anchors: torch.Tensor, block_s
     q_anchor = anchors.repeat_interleave(B)[:, None]
     ctx_pos = torch.arange(context_len, device=device)[None, :]
     context = ctx_pos < q_anchor
-    if window is not None:
-        context &= q_pos - ctx_pos < window
+    if window is not None:  # a bidirectional layer's counts back from its block's last position
+        context &= (q_pos if causal else q_anchor + B - 1) - ctx_pos < window
     q_block = torch.arange(A, device=device).repeat_interleave(B)[:, None]
     q_index = torch.arange(B, device=device).repeat(A)[:, None]
     k_block, k_index = q_block.T, q_index.T

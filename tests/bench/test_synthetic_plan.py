@@ -117,9 +117,13 @@ def test_plan_only_prints_the_plan_without_a_gpu() -> None:
     assert reach["drafter"]["q8"] > reach["drafter"]["model"] < reach["no_drafter"]["model"] < reach["no_drafter"]["q8"]
     # issue 64's goal for one 24 GB card in bf16: the full layers keep V alone, the drafter's sliding layers a ring
     assert reach["drafter"]["model"] >= 96 * 1024
+    # a bounded drafter window (--draft-ctx) stops the drafter's full layer growing with the context
+    assert reach["drafter"]["model"] < reach["drafter_bounded"]["model"] < reach["no_drafter"]["model"]
+    assert data["draft_ctx_bounded"] == 4096
     text = run_cli("--synthetic", "gemma4-31b", "--quant", "Q4_K_M", "--plan-only", "--gpu-memory", "24GiB")
     assert text.exit_code == 0 and "target weights" in text.output and "largest context that fits" in text.output
     assert "model KV" in text.output and "q8 KV" in text.output and "no drafter" in text.output
+    assert "draft-ctx 4096" in text.output
 
 
 def test_too_large_context_is_refused_with_what_fits() -> None:

@@ -221,7 +221,8 @@ def test_verification_blocks_beside_decode_rows_replay_a_graph_per_combination(m
     assert graphs.replay_groups(beside_a_row(RowGroup(torch.arange(17), cache, torch.arange(17))), ()) is None
 
 
-def test_draft_graph_matches_drafter(tmp_path) -> None:
+@pytest.mark.parametrize("bounded", [False, True], ids=["whole context", "draft-ctx"])
+def test_draft_graph_matches_drafter(tmp_path, bounded) -> None:
     ckpt = tiny_packed_checkpoint()
     target = build_model(ckpt, "cpu", torch.float32, progress=False)
     cfg = ckpt.config
@@ -233,9 +234,11 @@ def test_draft_graph_matches_drafter(tmp_path) -> None:
     (path / "config.json").write_text(json.dumps(raw))
     drafter = load_drafter(path, cfg.hidden_size, cfg.num_layers, cfg.vocab_size, torch.device("cpu"),
                            torch.float32)
+    if bounded:  # the full layer bidirectional over a window too, counted back from the block's last position
+        drafter = drafter.with_context_window(8)
     # rings of the window and a block's slack: the context wraps them, and the block's keys overwrite their oldest
     cache = DrafterCache(drafter.config, 64, torch.device("cpu"), torch.float32, slack=6)
-    assert cache.ring_slots == 10
+    assert cache.ring_slots == (14 if bounded else 10)
     features = torch.randn(11, len(drafter.config.target_layer_ids) * cfg.hidden_size)
     drafter.append_context(features, cache)
     graph = DraftStepGraph(drafter, target.output_weight, cache, block=6)

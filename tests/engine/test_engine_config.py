@@ -20,7 +20,7 @@ PACKAGE = Path(options.__file__).parent
 LOAD_DEFAULTS = {
     "model": EMBEDDED, "draft": None, "device": "auto", "dtype": "auto", "ctx_size": None, "progress": True,
     "spec": None, "draft_quant": None, "prefix_cache": True, "kv_dtype": "auto", "weights": "auto", "threads": None,
-    "sampling_defaults": "model", "parallel": 1, "prefill": "auto",
+    "sampling_defaults": "model", "parallel": 1, "prefill": "auto", "draft_ctx": None,
 }
 
 BAD_OPTIONS = [
@@ -29,6 +29,8 @@ BAD_OPTIONS = [
     ({"weights": "fast"}, r"unknown weights mode 'fast' \(auto, exact, packed\)"),
     ({"prefill": "fp16"}, r"unknown prefill dtype 'fp16' \(auto, float32, bfloat16, int8\)"),
     ({"sampling_defaults": "vllm"}, r"unknown sampling defaults 'vllm' \(model, none\)"),
+    ({"draft_ctx": 0}, r"draft_ctx must be >= 1 token, got 0"),
+    ({"draft_ctx": 4096, "spec": SpecConfig(enabled=False)}, r"draft_ctx bounds the drafter's context, but speculation"),
 ]
 
 
@@ -41,7 +43,7 @@ def test_the_defaults_are_engine_loads():
 def test_the_docstring_describes_the_options():
     doc = inspect.getdoc(EngineConfig)
     for name in ("draft", "prefix_cache", "kv_dtype", "weights", "threads", "sampling_defaults", "parallel",
-                 "prefill"):
+                 "prefill", "draft_ctx"):
         assert f"\n{name}: " in doc, name
 
 

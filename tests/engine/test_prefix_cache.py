@@ -132,19 +132,24 @@ def test_branches_inside_and_beyond_the_window(engines):
     assert retry.timings.cache_n == 40 and retry.timings.prompt_n == 0
 
 
-@pytest.fixture(params=["drafter rings", "tight drafter rings"])
-def drafter_rings(request, monkeypatch):
-    """The drafter's rings as the engine makes them, or with a block's slack only: as short as the target's, so
-    these conversations wrap them and a restore needs their checkpoints too."""
-    if request.param == "tight drafter rings":
+@pytest.fixture(params=["drafter rings", "tight drafter rings", "bounded drafter"])
+def drafter_rings(request, monkeypatch, pair):
+    """The target and drafter, the drafter's rings as the engine makes them, or with a block's slack only: as short
+    as the target's, so these conversations wrap them and a restore needs their checkpoints too; or so and with the
+    drafter reading only the last tokens of the context (--draft-ctx), its full layer a ring too."""
+    target, drafter = pair
+    if request.param != "drafter rings":
         monkeypatch.setattr(drafter_cache, "LOOKUP_SLACK", BLOCK)
+    if request.param == "bounded drafter":
+        drafter = drafter.with_context_window(BLOCK + 4)
+    return target, drafter
 
 
-def test_checkpoints_inside_a_long_prefill(pair, monkeypatch, drafter_rings):
+def test_checkpoints_inside_a_long_prefill(monkeypatch, drafter_rings):
     """Ring checkpoints every `checkpoint_every` prefilled tokens let a branch inside a long prompt reuse
     up to the last one before it."""
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
-    target, drafter = pair
+    target, drafter = drafter_rings
     both = Pair(target, drafter, PrefixCacheConfig(min_tokens=8, checkpoint_every=16))
     try:
         prompt = _tokens(60, seed=4)
@@ -172,10 +177,10 @@ def proposals(monkeypatch) -> list[list[int]]:
     return seen
 
 
-def test_drafter_context_after_a_hit(pair, proposals, drafter_rings):
+def test_drafter_context_after_a_hit(proposals, drafter_rings):
     """After a hit the drafter proposes exactly what it proposes without the cache: its context K/V
     for the cached prefix was kept with the target's."""
-    target, drafter = pair
+    target, drafter = drafter_rings
     spec = SpecConfig(block=BLOCK, ngram=False)
     cached = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=CONFIG)
     plain = Engine(target, word_tokenizer(VOCAB), N_CTX, drafter=drafter, spec=spec, prefix_cache=None)
@@ -197,12 +202,12 @@ def test_drafter_context_after_a_hit(pair, proposals, drafter_rings):
 
 
 @pytest.mark.parametrize("device_bytes", [0, 100_000])
-def test_many_conversations_under_a_small_budget(pair, device_bytes, monkeypatch, drafter_rings):
+def test_many_conversations_under_a_small_budget(device_bytes, monkeypatch, drafter_rings):
     """Five conversations sharing a system prompt, interleaved, with room for about two stored ones: hits
     and evictions both happen and every output equals uncached decoding (no conversation gets another's
     KV). With `device_bytes`, stored states start on the device and move to the host under pressure."""
     monkeypatch.setattr(speculative, "PREFILL_CHUNK", 8)
-    target, drafter = pair
+    target, drafter = drafter_rings
     host = 400_000
     config = PrefixCacheConfig(host_bytes=host, device_bytes=device_bytes, max_entries=3, min_tokens=8,
                                checkpoint_every=16)

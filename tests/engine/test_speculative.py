@@ -190,6 +190,60 @@ def test_drafter_rings_draft_as_the_reference_over_a_long_context(pair):
         cache.restore(30, None, None)
 
 
+def test_bounded_drafter_drafts_as_the_reference_over_the_last_tokens(pair):
+    """--draft-ctx W: every layer reads at most the last W tokens, the full (bidirectional) one counting back from
+    the block's last position. With W past a sliding window and a block, a draft over a long context is the
+    reference's over its last W - BLOCK tokens at their own positions, through rings that wrap, rolled back and
+    restored."""
+    ref_target, ref_drafter, target, drafter, _ = pair
+    window = DRAFT_WINDOW + BLOCK + 3
+    bounded = drafter.with_context_window(window)
+    assert bounded.config.window == (DRAFT_WINDOW, DRAFT_WINDOW, window)
+    assert drafter.config.window[2] is None and bounded.fc is drafter.fc  # the same weights
+    ids = torch.randint(5, VOCAB, (100,), generator=torch.Generator().manual_seed(11))
+    out = target(ids, target.new_cache(N_CTX), capture=tuple(TARGET_LAYER_IDS))
+    features = torch.cat([out.captured[i] for i in TARGET_LAYER_IDS], -1)
+    block = torch.tensor([11] + [MASK_ID] * (BLOCK - 1))
+    embeds = target.embed_tokens.weight[block]
+
+    def reference(n: int) -> torch.Tensor:
+        first = n + BLOCK - window  # the oldest key the block's last position (n + BLOCK - 1) sees
+        with torch.no_grad():
+            return ref_drafter(target_hidden=features[None, first:n],
+                               noise_embedding=ref_target.get_input_embeddings().weight[block][None],
+                               position_ids=torch.arange(first, n + BLOCK)[None])[0]
+
+    cache = bounded.new_cache(N_CTX)
+    assert all(k.shape[0] == cache.ring_slots < N_CTX for k in cache.k)  # every layer a ring
+    for start, end in ((0, 7), (7, 60), (60, 61), (61, 100)):
+        bounded.append_context(features[start:end], cache)
+        if end == 60:
+            full, rings = cache.full_snapshot(60, "cpu"), cache.ring_snapshot("cpu")
+    torch.testing.assert_close(bounded.draft(embeds, cache), reference(100), atol=1e-4, rtol=1e-4)
+    cache.rollback(100 - BLOCK)
+    torch.testing.assert_close(bounded.draft(embeds, cache), reference(100 - BLOCK), atol=1e-4, rtol=1e-4)
+    cache.restore(60, full, rings)
+    torch.testing.assert_close(bounded.draft(embeds, cache), reference(60), atol=1e-4, rtol=1e-4)
+    # the whole context differs: the bound is real
+    whole = drafter.new_cache(N_CTX)
+    drafter.append_context(features, whole)
+    assert not torch.allclose(drafter.draft(embeds, whole), reference(100), atol=1e-3)
+
+
+def test_bounded_drafter_stays_lossless(pair):
+    _, _, target, drafter, _ = pair
+    bounded = drafter.with_context_window(BLOCK + 2)
+    drafted = 0
+    for prompt in _prompts(12):
+        ours, stats = _decode(target, bounded, prompt, 40, SpecConfig(block=BLOCK, ngram=False))
+        plain, _ = _decode(target, None, prompt, 40, SpecConfig(enabled=False))
+        assert ours == plain
+        drafted += stats.drafted
+    assert drafted > 0
+    with pytest.raises(DrafterError, match="shorter than the drafter's block"):
+        drafter.with_context_window(BLOCK - 1)
+
+
 def _chi_square_p(a: Counter, b: Counter) -> float:
     """p-value of a two-sample chi-square test that two samples come from one distribution."""
     keys = sorted(set(a) | set(b))

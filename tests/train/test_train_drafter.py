@@ -173,12 +173,15 @@ def test_data_is_cached_and_reused(tiny, tmp_path):
 # --- the training forward ------------------------------------------------------------------------
 
 
-def test_training_forward_matches_inference_drafting(tmp_path):
+@pytest.mark.parametrize("bounded", [False, True], ids=["whole context", "draft-ctx"])
+def test_training_forward_matches_inference_drafting(tmp_path, bounded):
     """All blocks in one pass give, row for row, what Drafter.draft gives for each block alone:
     context strictly before the anchor, the drafter's sliding window (12, shorter than the context),
-    causal sliding layers, a bidirectional full layer, and no block seeing another."""
+    causal sliding layers, a bidirectional full layer (bounded too: --draft-ctx), and no block seeing another."""
     save_drafter(tmp_path)
     drafter = load_drafter(tmp_path, 64, 4, VOCAB, torch.device("cpu"), torch.float32)
+    if bounded:
+        drafter = drafter.with_context_window(DRAFT_WINDOW + 6)
     length = 40
     features = torch.randn(length, 2 * 64)
     embed = torch.randn(VOCAB, 64)

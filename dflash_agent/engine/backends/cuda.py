@@ -273,8 +273,6 @@ class DraftStepGraph:
 
     def __init__(self, drafter: Drafter, head_weight: torch.Tensor, cache: DrafterCache, block: int) -> None:
         config = drafter.config
-        if any(not causal and window is not None for causal, window in zip(config.causal, config.window)):
-            raise ValueError("a graph cannot draft with bidirectional sliding-window layers")
         self.drafter, self.head_weight, self.cache, self.block = drafter, head_weight, cache, block
         device = drafter.device
         self.embeds = torch.zeros(block, config.hidden_size, dtype=drafter.dtype, device=device)

@@ -3,7 +3,7 @@ plan are sized by."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import DrafterError
@@ -94,6 +94,16 @@ class DrafterConfig:
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_softcap=float(softcap) if softcap else None,
         )
+
+    def with_context_window(self, tokens: int) -> DrafterConfig:
+        """The drafter reading at most the last `tokens` of the context in every layer (`--draft-ctx`): a full layer
+        gets that window, a sliding one keeps the smaller of its own and it. A bidirectional layer's window counts
+        back from the block's last position (every query of a block sees the same keys), a causal one's from each
+        query's."""
+        if tokens < self.block_size:
+            raise DrafterError(f"a drafter context window of {tokens} tokens is shorter than the drafter's block "
+                               f"({self.block_size})")
+        return replace(self, window=tuple(tokens if w is None else min(w, tokens) for w in self.window))
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

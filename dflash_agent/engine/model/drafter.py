@@ -9,6 +9,7 @@ as z-lab's reference (`dflash.model`) does.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -149,6 +150,13 @@ class Drafter(nn.Module):
         """The target layers whose outputs it drafts from."""
         return tuple(self.config.target_layer_ids)
 
+    def with_context_window(self, tokens: int) -> Drafter:
+        """This drafter (the same weights) reading at most the last `tokens` of the context in every layer
+        (DrafterConfig.with_context_window): its cache stops growing with the context."""
+        bounded = copy.copy(self)  # a module's shallow copy shares its parameters and buffers
+        bounded.config = self.config.with_context_window(tokens)
+        return bounded
+
     def new_cache(self, max_len: int) -> DrafterCache:
         return DrafterCache(self.config, max_len, self.device, self.dtype)
 
@@ -204,10 +212,8 @@ class Drafter(nn.Module):
         visible = (k_pos >= 0).expand(q_pos.shape[0], -1).clone()
         if causal:
             visible &= k_pos <= q_pos
-        if window is not None:
-            visible &= q_pos - k_pos < window
-            if not causal:
-                visible &= k_pos - q_pos < window
+        if window is not None:  # a bidirectional layer's counts back from the block's last position
+            visible &= (q_pos if causal else q_pos[-1:]) - k_pos < window
         return visible
 
     def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:

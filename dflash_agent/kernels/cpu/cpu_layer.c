@@ -268,9 +268,13 @@ static int attention(const dfa_layer *L, const dfa_kv *kv, const float *q, const
     if (!part) return -1;
     for (int64_t t0 = 0; t0 < T; t0 += pass) {
         const int64_t rows = T - t0 < pass ? T - t0 : pass, items = rows * L->kv_heads * chunks;
-#pragma omp parallel for num_threads(threads) schedule(static, 1) if (items > 1)
-        for (int64_t i = 0; i < items; i++) {
-            const int64_t t = t0 + i / (L->kv_heads * chunks), kvh = i / chunks % L->kv_heads, c = i % chunks;
+        /* the rows vary fastest and each thread takes a run of items, so a chunk's keys and values are read from
+         * memory once for all the rows (a deep context's KV is far larger than the caches); an item's partials keep
+         * their (row, KV head, chunk) place, so no result depends on the order */
+#pragma omp parallel for num_threads(threads) schedule(static) if (items > 1)
+        for (int64_t n = 0; n < items; n++) {
+            const int64_t r = n % rows, c = n / rows % chunks, kvh = n / rows / chunks, t = t0 + r;
+            const int64_t i = (r * L->kv_heads + kvh) * chunks + c;
             float *out = part + i * group * (d + 2);
             const int64_t s1 = (c + 1) * CHUNK < kv->n_keys ? (c + 1) * CHUNK : kv->n_keys;
             attend_chunk(L, kv, q + (t * L->heads + kvh * group) * d, q_pos[t], kvh, group, c * CHUNK, s1, out,
