@@ -182,7 +182,7 @@ def depth_prompt(engine: Engine, depth: int) -> list[int]:
 
     ids: list[int] = []
     for name in DEPTH_MODULES:
-        ids += engine.tokenizer.encode(inspect.getsource(importlib.import_module(name)) + "\n\n")
+        ids += engine.tokenizer.encode(inspect.getsource(importlib.import_module(name)) + "\n\n", add_bos=not ids)
         if len(ids) >= depth:
             return ids[:depth]
     raise UserError(f"the depth prompt's modules hold {len(ids)} tokens, fewer than {depth}")

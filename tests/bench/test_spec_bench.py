@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from click.testing import CliRunner
 
 from dflash_agent.bench.spec import (
     DEFAULT_MODE,
     LLAMA_MODES,
     ModeResult,
+    depth_prompt,
     llama_run,
     llama_servers,
     module_prompt,
@@ -19,7 +21,9 @@ from dflash_agent.bench.spec import (
     verify_costs,
     versus_llama,
 )
+from dflash_agent.cli import main
 from dflash_agent.engine import Engine, SpecConfig
+from dflash_agent.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +31,28 @@ def engine():
     loaded = Engine.load("embedded", ctx_size=1024, spec=SpecConfig(enabled=False), progress=False)
     yield loaded
     loaded.close()
+
+
+def test_the_depth_prompt_is_code_that_does_not_repeat(engine):
+    prompt = depth_prompt(engine, 30000)  # past argparse, the first module
+    assert len(prompt) == 30000 and prompt[:1000] == depth_prompt(engine, 1000)
+    text = engine.tokenizer.decode(prompt)
+    assert text.count("<bos>") == 1 and text.count("class ArgumentParser(") == 1
+    assert "def dataclass(" in text or "class FrozenInstanceError" in text  # the next module follows
+    with pytest.raises(UserError, match="fewer than"):
+        depth_prompt(engine, 10**7)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--depth", "1024"], "--depth and --draft-ctx go with --spec"),
+    (["--spec", "--draft-ctx", "512"], "--draft-ctx goes with --spec --depth"),
+    (["--spec", "--depth", "1k,8k"], "is not a list of context lengths"),
+    (["--spec", "--depth", "8"], "at least 16 tokens"),
+    (["--spec", "--depth", "1024", "--draft", "random"], "--depth measures a drafter"),
+])
+def test_depth_options_are_checked_before_anything_loads(args, message):
+    result = CliRunner().invoke(main, ["bench", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_the_module_workload_asks_for_a_copy_of_the_module(engine):

@@ -136,7 +136,7 @@ def test_python_grep_has_a_time_limit_and_leaves_the_event_loop_free(search, roo
     from dflash_agent.tools import search as search_module
 
     monkeypatch.setattr(search_module, "GREP_TIMEOUT_S", 1)
-    (root / "slow.txt").write_text("a" * 24 + "b\n")  # (a+)+$ backtracks for tens of seconds on it
+    (root / "slow.txt").write_text("a" * 30 + "b\n")  # (a+)+$ backtracks for minutes on it (doubling with each a)
 
     async def slow_grep():
         with pytest.raises(ToolError, match="longer than 1 s"):
