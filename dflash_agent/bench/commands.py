@@ -15,6 +15,14 @@ from .synthetic import MODELS as SYNTHETIC_MODELS
 from .synthetic import QUANTS as SYNTHETIC_QUANTS
 
 
+def counts(text: str, option: str, what: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers, sorted without repeats (a usage error names `what` it should be)."""
+    try:
+        return tuple(sorted({int(n) for n in text.split(",")}))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of {what}", param_hint=option) from None
+
+
 @click.command()
 @click.option("--model", "-m", default="embedded", show_default=True, help="The model every engine runs.")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True)
@@ -138,11 +146,7 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
                 or gpu_memory or as_json:
             raise click.UsageError("--concurrent takes only --model, --decode-tokens, --repeats, --llama-cpp, "
                                    "--server, --threads and --out")
-        try:
-            streams = tuple(sorted({int(n) for n in concurrent.split(",")}))
-        except ValueError:
-            raise click.BadParameter(f"{concurrent!r} is not a list of stream counts like 1,2,4,8",
-                                     param_hint="--concurrent") from None
+        streams = counts(concurrent, "--concurrent", "stream counts like 1,2,4,8")
         if not streams or streams[0] < 1 or streams[-1] > 64:
             raise click.BadParameter("stream counts go from 1 to 64", param_hint="--concurrent")
         from .concurrent import report as concurrent_report
@@ -188,11 +192,7 @@ def bench(model, prompt_tokens, decode_tokens, repeats, dtype, spec, draft, spec
             if draft is None or draft == "random":
                 raise click.UsageError("--depth measures a drafter: --draft names a trained one (this model has no "
                                        "bundled one)")
-            try:
-                depths = tuple(sorted({int(n) for n in depth.split(",")}))
-            except ValueError:
-                raise click.BadParameter(f"{depth!r} is not a list of context lengths like 1024,8192,32768",
-                                         param_hint="--depth") from None
+            depths = counts(depth, "--depth", "context lengths like 1024,8192,32768")
             if not depths or depths[0] < 16:
                 raise click.BadParameter("depths are context lengths of at least 16 tokens", param_hint="--depth")
             window = draft_ctx or DEPTH_DRAFT_CTX

@@ -241,11 +241,17 @@ def depth_report(results: list[ModeResult], costs: list[DepthCost], out: Path | 
     console = Console(stderr=True, width=max(100, Console(stderr=True).width))  # the modes' names
     console.print(table)
     console.print(steps)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results],
-                                   "depth_costs": [asdict(c) for c in costs]}, indent=2) + "\n")
-        log.warning("wrote %s", out)
+    write_results(out, title, results, depth_costs=costs)
+
+
+def write_results(out: Path | None, title: str, results: list[ModeResult], **costs: list) -> None:
+    """The JSON of a spec bench: its title, the modes' results and each table of step costs by name."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results],
+                               **{name: [asdict(c) for c in rows] for name, rows in costs.items()}}, indent=2) + "\n")
+    log.warning("wrote %s", out)
 
 
 def _run(engine: Engine, prompt: list[int], decode_tokens: int) -> FinalEvent:
@@ -398,11 +404,7 @@ def report(results: list[ModeResult], costs: list[VerifyCost], out: Path | None,
         rows.add_row(str(cost.rows), f"{cost.ms:.1f}", f"{cost.vs_one_row:.2f}", f"{cost.ms / cost.rows:.2f}",
                      f"{cost.greedy_ms:.1f}", f"{cost.greedy_vs_one_row:.2f}", f"{cost.greedy_ms / cost.rows:.2f}")
     console.print(rows)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"title": title, "results": [asdict(r) for r in results],
-                                   "verify_costs": [asdict(c) for c in costs]}, indent=2) + "\n")
-        log.warning("wrote %s", out)
+    write_results(out, title, results, verify_costs=costs)
 
 
 def versus_llama(results: list[ModeResult]) -> list[str]:
